@@ -1,0 +1,1 @@
+"""Model artefacts: the bundled baseline and loading checkpoints into modules."""
