@@ -1,0 +1,120 @@
+"""Turn a checkpoint directory (or a Hugging Face id) into a ready-to-run module: the one loading seam.
+
+Every worker loads models through ``load_model``. A plain checkpoint goes through transformers; one with a
+compressed-tensors ``quantization_config`` (written by ``squeezeserve compress``) goes through
+``squeezeserve.service.compress.loading``. Either way the result then runs on our ops
+(``squeezeserve.kernels.hf.patch_model``), so the same kernels serve on a laptop and on a GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+DTYPES = ("auto", "float16", "bfloat16", "float32")
+
+
+@dataclass
+class LoadedModel:
+    model: Any  # transformers PreTrainedModel, eval mode, on `device`
+    tokenizer: Any
+    path: str
+    dtype: Any  # torch.dtype
+    device: Any  # torch.device
+    load_seconds: float
+    quantization: str | None = None
+    patched_ops: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def eos_token_ids(self) -> set[int]:
+        """Every token that ends a sequence: the generation config's and the tokenizer's."""
+        ids: set[int] = set()
+        gen = getattr(self.model, "generation_config", None)
+        for source in (getattr(gen, "eos_token_id", None), self.tokenizer.eos_token_id):
+            if isinstance(source, int):
+                ids.add(source)
+            elif source:
+                ids.update(int(t) for t in source)
+        return ids
+
+    @property
+    def max_context(self) -> int:
+        return int(getattr(self.model.config, "max_position_embeddings", 2048) or 2048)
+
+
+def read_config(path: str | Path) -> dict:
+    config = Path(path) / "config.json"
+    if not config.is_file():
+        return {}
+    return json.loads(config.read_text())
+
+
+def resolve_dtype(dtype: str, config: dict, device: Any) -> Any:
+    """``auto`` keeps the checkpoint's dtype (float32 if it names none)."""
+    import torch
+
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
+    if dtype != "auto":
+        return getattr(torch, dtype)
+    name = config.get("dtype") or config.get("torch_dtype") or "float32"
+    return getattr(torch, str(name).removeprefix("torch."), torch.float32)
+
+
+def load_model(
+    path: str | Path, dtype: str = "auto", device: str = "cpu", use_custom_ops: bool = True
+) -> LoadedModel:
+    """Load ``path`` for inference: eval mode, no grad, on ``device``, optionally running on our ops."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    start = time.perf_counter()
+    source = str(path)
+    if Path(source).exists() and not (Path(source) / "config.json").is_file():
+        raise FileNotFoundError(f"{source} is not a model checkpoint: it has no config.json")
+    config = read_config(source)
+    torch_device = torch.device(device)
+    torch_dtype = resolve_dtype(dtype, config, torch_device)
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    quant = config.get("quantization_config")
+    if quant:
+        from squeezeserve.service.compress.loading import load_compressed_model
+
+        model = load_compressed_model(source, dtype=torch_dtype, device=torch_device)
+        quantization = str(quant.get("quant_method") or quant.get("format") or "compressed")
+    else:
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype, low_cpu_mem_usage=True)
+        quantization = None
+    model.to(torch_device).eval()
+    model.requires_grad_(False)
+    patched: dict[str, int] = {}
+    if use_custom_ops:
+        from squeezeserve.kernels.hf import patch_model
+
+        patched = patch_model(model)
+    loaded = LoadedModel(
+        model=model,
+        tokenizer=tokenizer,
+        path=source,
+        dtype=torch_dtype,
+        device=torch_device,
+        load_seconds=time.perf_counter() - start,
+        quantization=quantization,
+        patched_ops=patched,
+    )
+    log.info(
+        "loaded %s (%s, %s%s) in %.1fs; our ops: %s",
+        source,
+        str(torch_dtype).removeprefix("torch."),
+        torch_device,
+        f", {quantization}" if quantization else "",
+        loaded.load_seconds,
+        patched or "none",
+    )
+    return loaded
