@@ -1,0 +1,67 @@
+"""``create_app(settings)``: assemble the gateway. Nothing here but wiring."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import httpx
+from fastapi import FastAPI
+
+from squeezeserve.service import __version__
+from squeezeserve.service.gateway.config import GatewaySettings, get_settings
+from squeezeserve.service.gateway.errors import install_error_handlers
+from squeezeserve.service.gateway.metrics import GatewayMetrics
+from squeezeserve.service.gateway.middleware import RequestContextMiddleware
+from squeezeserve.service.gateway.proxy import Proxy
+from squeezeserve.service.gateway.routes import health, models, openai
+from squeezeserve.service.gateway.routing import build_strategy
+from squeezeserve.service.gateway.upstreams import UpstreamRegistry
+
+
+def _client(settings: GatewaySettings) -> httpx.AsyncClient:
+    # Reads have no per-read limit: the proxy enforces one deadline over the whole request instead.
+    # trust_env=False: upstreams are internal; an HTTP(S)_PROXY meant for the internet must not apply.
+    return httpx.AsyncClient(
+        timeout=httpx.Timeout(None, connect=settings.connect_timeout),
+        limits=httpx.Limits(max_connections=None, max_keepalive_connections=100),
+        trust_env=False,
+    )
+
+
+def create_app(settings: GatewaySettings | None = None) -> FastAPI:
+    """The gateway app for ``settings`` (default: ``get_settings()``, from the environment)."""
+    settings = settings if settings is not None else get_settings()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        async with _client(settings) as client:
+            key = settings.upstream_api_key
+            probe_headers = {"authorization": f"Bearer {key}"} if key else {}
+            upstreams = UpstreamRegistry(
+                settings.upstreams,
+                client,
+                health_interval=settings.health_interval,
+                health_timeout=settings.health_timeout,
+                unhealthy_threshold=settings.unhealthy_threshold,
+                headers=probe_headers,
+            )
+            metrics = GatewayMetrics()
+            metrics.watch_upstreams(upstreams)
+            app.state.upstreams = upstreams
+            app.state.metrics = metrics
+            app.state.proxy = Proxy(client, upstreams, build_strategy(settings.routing), metrics, settings)
+            await upstreams.start()
+            try:
+                yield
+            finally:
+                await upstreams.stop()
+
+    app = FastAPI(title="squeezeserve gateway", version=__version__, lifespan=lifespan)
+    app.dependency_overrides[get_settings] = lambda: settings
+    install_error_handlers(app)
+    app.add_middleware(RequestContextMiddleware)
+    app.include_router(openai.router)
+    app.include_router(models.router)
+    app.include_router(health.router)
+    return app

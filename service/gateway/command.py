@@ -1,0 +1,75 @@
+"""``squeezeserve gateway``: run the gateway with uvicorn. Flags override ``--config FILE`` and the
+``SQUEEZESERVE_GATEWAY_*`` environment (see ``config.py``)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import typing
+from pathlib import Path
+
+from squeezeserve.service.gateway.config import RoutingName, SettingsError, build_settings
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--upstream",
+        dest="upstreams",
+        action="append",
+        metavar="URL",
+        help="a worker's base URL (repeatable)",
+    )
+    parser.add_argument(
+        "--config", type=Path, metavar="FILE", help="YAML file with settings (field names as keys)"
+    )
+    parser.add_argument("--host", help="address to listen on (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, help="port to listen on (default 8000)")
+    parser.add_argument(
+        "--routing", choices=typing.get_args(RoutingName), help="load balancing (default least_outstanding)"
+    )
+    parser.add_argument(
+        "--api-key",
+        dest="api_keys",
+        action="append",
+        metavar="KEY",
+        help="accept this key (repeatable; off if none)",
+    )
+    parser.add_argument("--upstream-api-key", metavar="KEY", help="Bearer key to send to the upstreams")
+    parser.add_argument("--request-timeout", type=float, metavar="SECONDS", help="per request (default 600)")
+    parser.add_argument("--connect-timeout", type=float, metavar="SECONDS", help="per connection (default 5)")
+    parser.add_argument("--health-interval", type=float, metavar="SECONDS", help="between checks (default 5)")
+    parser.add_argument("--health-timeout", type=float, metavar="SECONDS", help="per check (default 2)")
+    parser.add_argument(
+        "--unhealthy-threshold", type=int, metavar="N", help="failed checks to eject (default 3)"
+    )
+    parser.add_argument(
+        "--max-inflight-per-upstream", type=int, metavar="N", help="beyond it, 429 Retry-After (default 64)"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from squeezeserve.service.gateway.app import create_app
+
+    fields = (
+        "upstreams",
+        "host",
+        "port",
+        "routing",
+        "api_keys",
+        "upstream_api_key",
+        "request_timeout",
+        "connect_timeout",
+        "health_interval",
+        "health_timeout",
+        "unhealthy_threshold",
+        "max_inflight_per_upstream",
+    )
+    try:
+        settings = build_settings(args.config, **{name: getattr(args, name) for name in fields})
+    except SettingsError as exc:
+        sys.stderr.write(f"error: invalid gateway settings: {exc}\n")
+        return 2
+    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_config=None)
+    return 0

@@ -1,0 +1,127 @@
+"""The gateway's one settings model.
+
+Sources, highest first: keyword arguments (the CLI maps its flags onto them), a YAML file given with
+``--config`` (same keys as the fields), environment variables ``SQUEEZESERVE_GATEWAY_<FIELD>``, defaults.
+List fields read from the environment accept a JSON list or comma-separated values, e.g.
+``SQUEEZESERVE_GATEWAY_UPSTREAMS=http://w1:8001,http://w2:8001``.
+
+Nothing is built at import time: ``get_settings()`` reads the environment once, on first use; the app
+factory pins the settings it was given, and tests override the dependency.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+from pathlib import Path
+from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
+
+import yaml
+from pydantic import Field, ValidationError, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+# The values are the CLI choices and the routing factory's keys.
+RoutingName = Literal["least_outstanding", "round_robin"]
+
+
+def _split_list(value: Any) -> Any:
+    """Accept a JSON list or comma-separated string for list fields (env vars, YAML scalars)."""
+    if not isinstance(value, str):
+        return value
+    text = value.strip()
+    if text.startswith("["):
+        return json.loads(text)
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+class GatewaySettings(BaseSettings):
+    """Everything the gateway can be told. Bad values fail at startup with one sentence naming the field."""
+
+    model_config = SettingsConfigDict(env_prefix="SQUEEZESERVE_GATEWAY_", extra="forbid")
+
+    upstreams: Annotated[list[str], NoDecode] = Field(
+        min_length=1, description="base URLs of OpenAI-compatible workers, e.g. http://127.0.0.1:8001"
+    )
+    host: str = "127.0.0.1"
+    port: Annotated[int, Field(ge=0, le=65535)] = 8000
+    routing: RoutingName = "least_outstanding"
+    # repr=False: keys never show up in logs or tracebacks that print the settings.
+    api_keys: Annotated[list[str], NoDecode] = Field(default_factory=list, repr=False)
+    upstream_api_key: str | None = Field(default=None, repr=False, description="sent upstream as Bearer")
+    request_timeout: Annotated[float, Field(gt=0)] = 600.0
+    connect_timeout: Annotated[float, Field(gt=0)] = 5.0
+    health_interval: Annotated[float, Field(gt=0)] = 5.0
+    health_timeout: Annotated[float, Field(gt=0)] = 2.0
+    unhealthy_threshold: Annotated[int, Field(ge=1)] = 3
+    max_inflight_per_upstream: Annotated[int, Field(ge=1)] = 64
+    retry_after_seconds: Annotated[int, Field(ge=1)] = 1
+
+    @field_validator("upstreams", "api_keys", mode="before")
+    @classmethod
+    def _parse_list(cls, value: Any) -> Any:
+        return _split_list(value)
+
+    @field_validator("upstreams")
+    @classmethod
+    def _check_urls(cls, urls: list[str]) -> list[str]:
+        cleaned = []
+        for url in urls:
+            parts = urlsplit(url)
+            if parts.scheme not in ("http", "https") or not parts.netloc:
+                raise ValueError(f"upstream {url!r} is not an http(s) URL such as http://127.0.0.1:8001")
+            cleaned.append(url.rstrip("/"))
+        if len(set(cleaned)) != len(cleaned):
+            raise ValueError("each upstream may be listed only once")
+        return cleaned
+
+    @field_validator("api_keys")
+    @classmethod
+    def _check_keys(cls, keys: list[str]) -> list[str]:
+        if any(not key for key in keys):
+            raise ValueError("API keys must not be empty strings")
+        return keys
+
+
+class SettingsError(ValueError):
+    """Settings could not be built; the message is one sentence per problem, fit for a terminal."""
+
+
+def describe_validation_error(exc: ValidationError) -> str:
+    """One line per invalid field: ``field: what is wrong``."""
+    lines = []
+    for error in exc.errors():
+        field = ".".join(str(part) for part in error.get("loc", ())) or "settings"
+        message = str(error.get("msg", "invalid value")).removeprefix("Value error, ")
+        lines.append(f"{field}: {message}")
+    return "; ".join(lines)
+
+
+def load_yaml(path: Path) -> dict[str, Any]:
+    """Read a YAML settings file: a mapping with the field names as keys (dashes allowed)."""
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except OSError as exc:
+        raise SettingsError(f"cannot read config file {path}: {exc.strerror}") from exc
+    except yaml.YAMLError as exc:
+        raise SettingsError(f"config file {path} is not valid YAML: {exc}") from exc
+    if not isinstance(data, dict):
+        raise SettingsError(f"config file {path} must hold a mapping of setting names to values")
+    return {str(key).replace("-", "_"): value for key, value in data.items()}
+
+
+def build_settings(config_file: Path | None = None, **overrides: Any) -> GatewaySettings:
+    """Merge defaults < environment < YAML file < ``overrides`` (``None`` overrides are ignored)."""
+    values = load_yaml(config_file) if config_file is not None else {}
+    values.update({key: value for key, value in overrides.items() if value is not None})
+    try:
+        return GatewaySettings(**values)
+    except ValidationError as exc:
+        raise SettingsError(describe_validation_error(exc)) from exc
+
+
+@lru_cache
+def get_settings() -> GatewaySettings:
+    """The settings from the environment, built once. Routes depend on this; the app factory and tests
+    override it with ``app.dependency_overrides[get_settings]``."""
+    return build_settings()

@@ -1,0 +1,298 @@
+"""Forward one validated OpenAI request to an upstream and relay its answer.
+
+The request's deadline (``request_timeout``) covers choosing, connecting, waiting for the upstream's
+headers and every later read; past it the client gets 504 (or, once a stream has started, an error event).
+A connection error before the upstream answered is retried once on another healthy upstream (the same one
+when it is the only candidate); nothing has reached the client at that point, so a retry is invisible.
+
+Streams are relayed by an async generator: status and headers first, then each SSE event as soon as it is
+complete. Time to first token is taken at the first event with generated content. When the client goes
+away the upstream response is closed, which closes its connection, so the worker stops generating.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator, Callable, Mapping
+from typing import Any
+
+import anyio
+import httpx
+from starlette.responses import Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from squeezeserve.service.gateway import errors, sse
+from squeezeserve.service.gateway.config import GatewaySettings
+from squeezeserve.service.gateway.metrics import GatewayMetrics
+from squeezeserve.service.gateway.routing import RouteRequest, RoutingStrategy
+from squeezeserve.service.gateway.upstreams import Upstream, UpstreamRegistry
+from squeezeserve.service.protocol import error_body
+
+log = logging.getLogger(__name__)
+
+# RFC 9110 7.6.1: meaningful for one connection only, never forwarded.
+HOP_BY_HOP = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "proxy-connection",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+    }
+)
+# Also not forwarded upstream: recomputed (host, length), ours to set (request id, encoding), or the
+# client's credentials for the gateway (the upstream gets ``upstream_api_key`` instead).
+_NOT_SENT_UPSTREAM = HOP_BY_HOP | {
+    "host",
+    "content-length",
+    "authorization",
+    "accept-encoding",
+    "x-request-id",
+}
+# Also not relayed back: recomputed by our server, or set by our middleware.
+_NOT_RETURNED = HOP_BY_HOP | {"content-length", "content-encoding", "date", "server", "x-request-id"}
+
+# Nothing is listening: eject the upstream at once.
+_UNREACHABLE = (httpx.ConnectError, httpx.ConnectTimeout)
+# The connection broke before the upstream answered (e.g. a stale keep-alive connection): retry only.
+_BROKEN_BEFORE_ANSWER = (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError)
+
+
+def strip_hop_by_hop(headers: Mapping[str, str], drop: frozenset[str] | set[str]) -> dict[str, str]:
+    """Copy ``headers`` without ``drop`` and without the headers the ``Connection`` header names."""
+    named = {h.strip().lower() for h in headers.get("connection", "").split(",") if h.strip()}
+    return {k: v for k, v in headers.items() if k.lower() not in drop and k.lower() not in named}
+
+
+class RelayResponse(StreamingResponse):
+    """A streaming response that always runs ``on_close`` when it is done, even when the client left
+    before the body started (then the body generator never runs, so its own cleanup would not either)."""
+
+    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], Any], **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._on_close()
+
+
+class Proxy:
+    def __init__(
+        self,
+        client: httpx.AsyncClient,
+        upstreams: UpstreamRegistry,
+        strategy: RoutingStrategy,
+        metrics: GatewayMetrics,
+        settings: GatewaySettings,
+    ) -> None:
+        self._client = client
+        self._upstreams = upstreams
+        self._strategy = strategy
+        self._metrics = metrics
+        self._settings = settings
+
+    # -- choosing ----------------------------------------------------------------------------------
+
+    async def _reserve(self, request: RouteRequest, failed: Upstream | None = None) -> Upstream:
+        """Pick an upstream and count the request against its in-flight limit."""
+        candidates = self._upstreams.candidates(request.model)
+        if failed is not None:
+            # Retry elsewhere; the failed one again only when there is nowhere else.
+            candidates = [u for u in candidates if u is not failed] or [failed]
+        if not candidates:
+            if self._upstreams.is_known(request.model) or not self._upstreams.healthy():
+                raise errors.no_healthy_upstream(request.model)
+            raise errors.model_not_found(request.model)
+        limit = self._settings.max_inflight_per_upstream
+        available = [u for u in candidates if u.in_flight < limit]
+        if not available:
+            raise errors.overloaded(self._settings.retry_after_seconds)
+        upstream = await self._strategy.select(available, request)
+        if upstream.in_flight >= limit:  # a strategy that awaited may have lost the race for the last slot
+            raise errors.overloaded(self._settings.retry_after_seconds)
+        upstream.in_flight += 1
+        return upstream
+
+    @staticmethod
+    def _release(upstream: Upstream) -> None:
+        upstream.in_flight -= 1
+
+    # -- sending -----------------------------------------------------------------------------------
+
+    def _upstream_headers(self, request: RouteRequest, client_headers: Mapping[str, str]) -> dict[str, str]:
+        headers = strip_hop_by_hop(client_headers, _NOT_SENT_UPSTREAM)
+        headers["x-request-id"] = request.request_id
+        # Identity encoding: chunks are relayed as they come, without re-compressing.
+        headers["accept-encoding"] = "identity"
+        if self._settings.upstream_api_key:
+            headers["authorization"] = f"Bearer {self._settings.upstream_api_key}"
+        return headers
+
+    async def _send(
+        self, request: RouteRequest, body: bytes, headers: dict[str, str], path: str
+    ) -> tuple[httpx.Response, Upstream]:
+        """Send to a reserved upstream; on a connection error retry once. Returns the response (headers
+        read, body not) and the upstream it came from, still reserved."""
+        upstream = await self._reserve(request)
+        for attempt in range(2):
+            outgoing = self._client.build_request(
+                "POST", f"{upstream.url}{path}", content=body, headers=headers
+            )
+            try:
+                return await self._client.send(outgoing, stream=True), upstream
+            except (*_UNREACHABLE, *_BROKEN_BEFORE_ANSWER) as exc:
+                self._release(upstream)
+                if isinstance(exc, _UNREACHABLE):
+                    self._upstreams.mark_unreachable(upstream)
+                log.warning(
+                    "request %s: upstream %s failed before answering (%s)",
+                    request.request_id,
+                    upstream.url,
+                    type(exc).__name__,
+                )
+                if attempt == 1:
+                    raise errors.no_healthy_upstream(request.model) from exc
+                self._metrics.retries.labels(upstream.url).inc()
+                upstream = await self._reserve(request, failed=upstream)
+        raise AssertionError("unreachable")  # the loop returns or raises
+
+    async def forward(
+        self,
+        request: RouteRequest,
+        raw_body: bytes,
+        client_headers: Mapping[str, str],
+        path: str,
+        client_wants_usage: bool,
+    ) -> Response:
+        """Send ``request`` upstream and return the response to give the client."""
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        deadline = started + self._settings.request_timeout
+        body, strip_usage = raw_body, False
+        if request.stream and not client_wants_usage:
+            # Ask for the usage chunk so token metrics work for streams too, and drop it on the way back.
+            stream_options = dict(request.body.get("stream_options") or {}, include_usage=True)
+            body, strip_usage = json.dumps({**request.body, "stream_options": stream_options}).encode(), True
+        headers = self._upstream_headers(request, client_headers)
+        try:
+            async with asyncio.timeout_at(deadline):
+                response, upstream = await self._send(request, body, headers, path)
+        except TimeoutError:
+            raise errors.upstream_timeout(self._settings.request_timeout) from None
+
+        is_stream = response.headers.get("content-type", "").startswith("text/event-stream")
+        if request.stream and response.status_code == 200 and is_stream:
+            return self._relay(request, response, upstream, started, deadline, strip_usage)
+        try:
+            async with asyncio.timeout_at(deadline):
+                content = await response.aread()
+        except TimeoutError:
+            raise errors.upstream_timeout(self._settings.request_timeout) from None
+        except httpx.HTTPError as exc:
+            raise errors.bad_gateway(f"The upstream broke off its answer ({type(exc).__name__}).") from exc
+        finally:
+            await response.aclose()
+            self._release(upstream)
+        return self._answer(request, response, content)
+
+    # -- answering ---------------------------------------------------------------------------------
+
+    def _answer(self, request: RouteRequest, response: httpx.Response, content: bytes) -> Response:
+        """A complete upstream answer: pass it through with its status; errors are kept OpenAI-shaped."""
+        try:
+            payload = json.loads(content)
+        except ValueError:
+            payload = None
+        if response.status_code == 200 and isinstance(payload, dict):
+            self._metrics.record_usage(request.model, payload.get("usage"))
+        if response.status_code >= 400 and not (isinstance(payload, dict) and "error" in payload):
+            text = content.decode(errors="replace").strip()[:500] or response.reason_phrase
+            status = response.status_code
+            body = error_body(f"Upstream error: {text}", "upstream_error", status)
+            return Response(json.dumps(body), status_code=status, media_type="application/json")
+        return Response(
+            content,
+            status_code=response.status_code,
+            headers=strip_hop_by_hop(response.headers, _NOT_RETURNED),
+        )
+
+    def _relay(
+        self,
+        request: RouteRequest,
+        response: httpx.Response,
+        upstream: Upstream,
+        started: float,
+        deadline: float,
+        strip_usage: bool,
+    ) -> RelayResponse:
+        closed = False
+
+        async def close() -> None:
+            nonlocal closed
+            if not closed:
+                closed = True
+                await response.aclose()
+                self._release(upstream)
+
+        async def events() -> AsyncIterator[bytes]:
+            chunks = response.aiter_raw()
+            pending = b""
+            seen_content = False
+            while True:
+                try:
+                    async with asyncio.timeout_at(deadline):
+                        raw = await anext(chunks)
+                except StopAsyncIteration:
+                    break
+                except (TimeoutError, httpx.HTTPError) as exc:
+                    error = (
+                        errors.upstream_timeout(self._settings.request_timeout)
+                        if isinstance(exc, TimeoutError)
+                        else errors.bad_gateway(f"The upstream broke off the stream ({type(exc).__name__}).")
+                    )
+                    self._metrics.rejections.labels(error.code).inc()
+                    log.warning(
+                        "request %s: stream from %s ended early: %s",
+                        request.request_id,
+                        upstream.url,
+                        error.code,
+                    )
+                    yield sse.error_event(error.body())
+                    break
+                complete, pending = sse.split_events(pending + raw)
+                out = []
+                for event in complete:
+                    chunk = sse.event_json(event)
+                    if chunk is not None:
+                        if not seen_content and sse.has_content(chunk):
+                            seen_content = True
+                            self._metrics.ttft.labels(request.route, request.model).observe(
+                                asyncio.get_running_loop().time() - started
+                            )
+                        if sse.is_usage_only(chunk):
+                            self._metrics.record_usage(request.model, chunk["usage"])
+                            if strip_usage:
+                                continue
+                    out.append(event)
+                if out:
+                    yield b"".join(out)
+            if pending:
+                yield pending
+            await close()
+
+        return RelayResponse(
+            events(),
+            on_close=close,
+            status_code=response.status_code,
+            headers=strip_hop_by_hop(response.headers, _NOT_RETURNED),
+        )

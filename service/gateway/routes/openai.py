@@ -1,0 +1,54 @@
+"""``POST /v1/completions`` and ``POST /v1/chat/completions``: validate, then forward the original body."""
+
+from __future__ import annotations
+
+import json
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+from pydantic import ValidationError
+
+from squeezeserve.service.gateway import errors
+from squeezeserve.service.gateway.deps import ApiKeyDep, ProxyDep, UpstreamsDep
+from squeezeserve.service.gateway.metrics import UNKNOWN_MODEL
+from squeezeserve.service.gateway.routing import RouteRequest
+from squeezeserve.service.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    SamplingFields,
+    validation_message,
+)
+
+router = APIRouter(prefix="/v1", dependencies=[ApiKeyDep])
+
+
+async def _proxy(
+    request: Request, proxy: ProxyDep, upstreams: UpstreamsDep, schema: type[SamplingFields], path: str
+) -> Response:
+    raw = await request.body()
+    try:
+        body = json.loads(raw)
+    except ValueError as exc:
+        raise errors.invalid_request(f"We could not parse the JSON body of your request: {exc}.") from None
+    if not isinstance(body, dict):
+        raise errors.invalid_request("The request body must be a JSON object.")
+    try:
+        parsed = schema.model_validate(body)
+    except ValidationError as exc:
+        raise errors.invalid_request(*validation_message(exc.errors(include_input=False))) from None
+    # Bounded metric labels: only models some upstream has listed.
+    request.state.model = parsed.model if upstreams.is_known(parsed.model) else UNKNOWN_MODEL
+    route = RouteRequest(
+        route=path, model=parsed.model, request_id=request.state.request_id, stream=parsed.stream, body=body
+    )
+    return await proxy.forward(route, raw, request.headers, path, parsed.include_usage_in_stream)
+
+
+@router.post("/completions", response_class=Response)
+async def completions(request: Request, proxy: ProxyDep, upstreams: UpstreamsDep) -> Response:
+    return await _proxy(request, proxy, upstreams, CompletionRequest, "/v1/completions")
+
+
+@router.post("/chat/completions", response_class=Response)
+async def chat_completions(request: Request, proxy: ProxyDep, upstreams: UpstreamsDep) -> Response:
+    return await _proxy(request, proxy, upstreams, ChatCompletionRequest, "/v1/chat/completions")

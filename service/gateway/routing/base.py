@@ -1,0 +1,27 @@
+"""The interface every routing strategy implements."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from squeezeserve.service.gateway.upstreams import Upstream
+
+
+@dataclass(frozen=True)
+class RouteRequest:
+    """What a strategy may look at to choose: the validated request, not the raw HTTP one."""
+
+    route: str
+    model: str
+    request_id: str
+    stream: bool
+    body: dict[str, Any]
+
+
+class RoutingStrategy(Protocol):
+    async def select(self, candidates: Sequence[Upstream], request: RouteRequest) -> Upstream:
+        """Pick one of ``candidates`` (never empty: healthy, serving the model, below their in-flight
+        limit) for ``request``."""
+        ...

@@ -1,0 +1,71 @@
+"""Server-sent events, as much as a relay needs: split a byte stream into events, read their JSON data.
+
+Events end at a blank line (``\\n\\n``, ``\\r\\n\\r\\n`` or ``\\r\\r``: sse-starlette writes CRLF, vLLM LF).
+The relay forwards each event's original bytes as soon as the event is complete.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+_EVENT_END = re.compile(rb"\r\n\r\n|\n\n|\r\r")
+_LINE_END = re.compile(rb"\r\n|\n|\r")
+
+DONE = b"[DONE]"
+
+
+def split_events(buffer: bytes) -> tuple[list[bytes], bytes]:
+    """Complete events (each with its terminating blank line) and the incomplete rest of ``buffer``."""
+    events = []
+    start = 0
+    for match in _EVENT_END.finditer(buffer):
+        events.append(buffer[start : match.end()])
+        start = match.end()
+    return events, buffer[start:]
+
+
+def event_data(event: bytes) -> bytes | None:
+    """The event's ``data:`` lines joined by newlines, or None when it has none (a comment, a ping)."""
+    lines = [line for line in _LINE_END.split(event) if line.startswith(b"data:")]
+    if not lines:
+        return None
+    return b"\n".join(line[5:].removeprefix(b" ") for line in lines)
+
+
+def event_json(event: bytes) -> dict[str, Any] | None:
+    """The event's data parsed as a JSON object; None for ``[DONE]``, non-data events or non-objects."""
+    data = event_data(event)
+    if data is None or data.strip() == DONE:
+        return None
+    try:
+        value = json.loads(data)
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def error_event(body: dict[str, Any]) -> bytes:
+    """An error as an SSE event: OpenAI's SDK raises it as an APIError when it reads it mid-stream."""
+    return b"data: " + json.dumps(body).encode() + b"\n\n"
+
+
+def has_content(chunk: dict[str, Any]) -> bool:
+    """Whether a completion or chat chunk carries generated content (not just a role or a usage block)."""
+    for choice in chunk.get("choices") or ():
+        if not isinstance(choice, dict):
+            continue
+        if choice.get("text"):
+            return True
+        delta = choice.get("delta")
+        if isinstance(delta, dict) and any(
+            delta.get(k) for k in ("content", "reasoning_content", "tool_calls")
+        ):
+            return True
+    return False
+
+
+def is_usage_only(chunk: dict[str, Any]) -> bool:
+    """OpenAI's final usage chunk: no choices, a usage object."""
+    return not chunk.get("choices") and isinstance(chunk.get("usage"), dict)

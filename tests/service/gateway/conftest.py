@@ -1,0 +1,210 @@
+"""Servers on loopback ports for the gateway tests: fake upstreams, gateways, the real embedded worker.
+
+In-process servers run uvicorn in a thread of their own (their own event loop) on a socket bound to port
+0, so tests never race for ports. Fakes that a test must kill run as separate processes.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import uvicorn
+from fastapi import FastAPI
+from openai import OpenAI
+
+from squeezeserve.service.gateway.app import create_app
+from squeezeserve.service.gateway.config import GatewaySettings
+
+HERE = Path(__file__).parent
+FAKE_SCRIPT = HERE / "fake_upstream.py"
+WORKER_MODEL_NAME = "smollm2"
+
+
+def _load_fake_module() -> Any:
+    spec = importlib.util.spec_from_file_location("gateway_fake_upstream", FAKE_SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+create_fake: Callable[[str, list[str]], FastAPI] = _load_fake_module().create_fake
+
+
+class ServerThread:
+    """One uvicorn server in a background thread."""
+
+    def __init__(self, app: FastAPI) -> None:
+        self.app = app
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock.bind(("127.0.0.1", 0))
+        self.port = self._sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=2)
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(
+            target=self._server.run, kwargs={"sockets": [self._sock]}, daemon=True
+        )
+
+    def start(self) -> ServerThread:
+        self._thread.start()
+        deadline = time.monotonic() + 15
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"server on {self.url} did not start")
+            time.sleep(0.01)
+        return self
+
+    def stop(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout=10)
+        self._sock.close()
+
+
+@pytest.fixture
+def serve() -> Iterator[Callable[[FastAPI], ServerThread]]:
+    """Start apps in threads; all stopped when the test ends."""
+    servers: list[ServerThread] = []
+
+    def start(app: FastAPI) -> ServerThread:
+        server = ServerThread(app).start()
+        servers.append(server)
+        return server
+
+    yield start
+    for server in reversed(servers):
+        server.stop()
+
+
+@pytest.fixture
+def fake_upstream(serve: Callable[[FastAPI], ServerThread]) -> Callable[..., ServerThread]:
+    """``fake_upstream(name, models=["fake-model"])``: a started fake; ``.app.state`` shows what it got."""
+
+    def start(name: str = "fake", models: list[str] | None = None) -> ServerThread:
+        return serve(create_fake(name, models or ["fake-model"]))
+
+    return start
+
+
+@pytest.fixture
+def start_gateway(serve: Callable[[FastAPI], ServerThread]) -> Callable[..., str]:
+    """``start_gateway([urls], **settings)``: a started gateway; returns its base URL.
+
+    The health loop is slow by default (60 s) so that tests decide when upstreams change state."""
+
+    def start(upstreams: list[str], **settings: Any) -> str:
+        settings.setdefault("health_interval", 60.0)
+        return serve(create_app(GatewaySettings(upstreams=upstreams, port=0, **settings))).url
+
+    return start
+
+
+def _openai_client(base_url: str, api_key: str = "unused", **kwargs: Any) -> OpenAI:
+    kwargs.setdefault("max_retries", 0)
+    kwargs.setdefault("timeout", 30.0)
+    return OpenAI(base_url=f"{base_url}/v1", api_key=api_key, **kwargs)
+
+
+@pytest.fixture
+def openai_client() -> Callable[..., OpenAI]:
+    """``openai_client(base_url, api_key=...)``: the official client, its own retries off so each test
+    sees the gateway's first answer."""
+    return _openai_client
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_until_healthy(url: str, timeout: float, process: subprocess.Popen[bytes] | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process is not None and process.poll() is not None:
+            raise RuntimeError(f"server for {url} exited with code {process.returncode}")
+        try:
+            if httpx.get(f"{url}/health", timeout=1.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise RuntimeError(f"{url} not healthy after {timeout} s")
+
+
+def stop_process(process: subprocess.Popen[bytes], sig: int = signal.SIGTERM) -> None:
+    if process.poll() is None:
+        process.send_signal(sig)
+        try:
+            process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+@pytest.fixture
+def fake_process() -> Iterator[Callable[..., tuple[str, subprocess.Popen[bytes]]]]:
+    """``fake_process(model)``: a fake upstream in its own process (so a test can kill it)."""
+    processes: list[subprocess.Popen[bytes]] = []
+
+    def start(model: str = "fake-model") -> tuple[str, subprocess.Popen[bytes]]:
+        port = free_port()
+        process = subprocess.Popen(
+            [sys.executable, str(FAKE_SCRIPT), "--port", str(port), "--model", model, "--name", "process"]
+        )
+        processes.append(process)
+        url = f"http://127.0.0.1:{port}"
+        wait_until_healthy(url, timeout=30, process=process)
+        return url, process
+
+    yield start
+    for process in processes:
+        stop_process(process, signal.SIGKILL)
+
+
+def _worker_model_dir() -> Path:
+    given = os.environ.get("SQUEEZESERVE_TEST_MODEL")
+    if given:
+        return Path(given)
+    from squeezeserve.service.models.bundled import export_baseline
+
+    return Path(export_baseline().path)
+
+
+@pytest.fixture(scope="session")
+def worker_url() -> Iterator[str]:
+    """The real embedded worker serving the bundled baseline as ``smollm2``, once per session.
+
+    The model is ``$SQUEEZESERVE_TEST_MODEL`` when set, else the bundled baseline (exported if needed)."""
+    if importlib.util.find_spec("squeezeserve.service.worker.command") is None:
+        pytest.skip("the embedded worker (squeezeserve.service.worker.command) is not in this tree")
+    port = free_port()
+    command = [sys.executable, "-m", "squeezeserve.service.cli", "worker", "--engine", "local"]
+    command += [
+        "--model",
+        str(_worker_model_dir()),
+        "--port",
+        str(port),
+        "--served-model-name",
+        WORKER_MODEL_NAME,
+    ]
+    process = subprocess.Popen(command)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until_healthy(url, timeout=300, process=process)  # model load on 2 CPU cores
+        yield url
+    finally:
+        stop_process(process)
