@@ -10,6 +10,23 @@ from pathlib import Path
 
 from squeezeserve.service.gateway.config import RoutingName, SettingsError, build_settings
 
+# Settings fields with a flag of the same name (``dest``); ``--config`` is the file they override.
+SETTINGS_FLAGS = (
+    "upstreams",
+    "host",
+    "port",
+    "routing",
+    "api_keys",
+    "upstream_api_key",
+    "request_timeout",
+    "connect_timeout",
+    "health_interval",
+    "health_timeout",
+    "unhealthy_threshold",
+    "max_inflight_per_upstream",
+    "retry_after_seconds",
+)
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
@@ -45,6 +62,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-inflight-per-upstream", type=int, metavar="N", help="beyond it, 429 Retry-After (default 64)"
     )
+    parser.add_argument(
+        "--retry-after-seconds", type=int, metavar="SECONDS", help="in 429 answers (default 1)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -52,22 +72,8 @@ def run(args: argparse.Namespace) -> int:
 
     from squeezeserve.service.gateway.app import create_app
 
-    fields = (
-        "upstreams",
-        "host",
-        "port",
-        "routing",
-        "api_keys",
-        "upstream_api_key",
-        "request_timeout",
-        "connect_timeout",
-        "health_interval",
-        "health_timeout",
-        "unhealthy_threshold",
-        "max_inflight_per_upstream",
-    )
     try:
-        settings = build_settings(args.config, **{name: getattr(args, name) for name in fields})
+        settings = build_settings(args.config, **{name: getattr(args, name) for name in SETTINGS_FLAGS})
     except SettingsError as exc:
         sys.stderr.write(f"error: invalid gateway settings: {exc}\n")
         return 2

@@ -23,6 +23,7 @@ import pytest
 import uvicorn
 from fastapi import FastAPI
 from openai import OpenAI
+from prometheus_client.parser import text_string_to_metric_families
 
 from squeezeserve.service.gateway.app import create_app
 from squeezeserve.service.gateway.config import GatewaySettings
@@ -123,6 +124,36 @@ def openai_client() -> Callable[..., OpenAI]:
     """``openai_client(base_url, api_key=...)``: the official client, its own retries off so each test
     sees the gateway's first answer."""
     return _openai_client
+
+
+def _metric(base_url: str, name: str, **labels: str) -> float:
+    """The value of one sample on ``base_url``'s /metrics (0.0 when the sample does not exist yet)."""
+    text = httpx.get(f"{base_url}/metrics").text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return sample.value
+    return 0.0
+
+
+@pytest.fixture
+def metric() -> Callable[..., float]:
+    """``metric(base_url, sample_name, **labels)``: one value scraped from /metrics."""
+    return _metric
+
+
+def wait_for(condition: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        time.sleep(0.02)
+
+
+@pytest.fixture
+def eventually() -> Callable[..., None]:
+    """``eventually(condition, timeout=10)``: poll until true, fail after the timeout."""
+    return wait_for
 
 
 def free_port() -> int:

@@ -1,0 +1,148 @@
+"""Settings: environment, YAML file, CLI flags, and one-sentence errors for bad values."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+
+import pytest
+
+from squeezeserve.service.gateway import command
+from squeezeserve.service.gateway.config import GatewaySettings, SettingsError, build_settings, get_settings
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    command.add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def test_defaults():
+    settings = GatewaySettings(upstreams=["http://w:8001/"])
+
+    assert settings.upstreams == ["http://w:8001"]  # trailing slash dropped: paths are appended
+    assert (settings.host, settings.port, settings.routing) == ("127.0.0.1", 8000, "least_outstanding")
+    assert settings.api_keys == []
+
+
+@pytest.mark.parametrize("value", ["http://a:1,http://b:2", '["http://a:1", "http://b:2"]'])
+def test_env_lists_accept_commas_or_json(monkeypatch, value):
+    monkeypatch.setenv("SQUEEZESERVE_GATEWAY_UPSTREAMS", value)
+    monkeypatch.setenv("SQUEEZESERVE_GATEWAY_API_KEYS", "k1,k2")
+    monkeypatch.setenv("SQUEEZESERVE_GATEWAY_ROUTING", "round_robin")
+
+    settings = GatewaySettings()
+
+    assert settings.upstreams == ["http://a:1", "http://b:2"]
+    assert settings.api_keys == ["k1", "k2"]
+    assert settings.routing == "round_robin"
+
+
+def test_get_settings_reads_the_environment_once(monkeypatch):
+    monkeypatch.setenv("SQUEEZESERVE_GATEWAY_UPSTREAMS", "http://a:1")
+    get_settings.cache_clear()
+    try:
+        assert get_settings() is get_settings()
+        assert get_settings().upstreams == ["http://a:1"]
+    finally:
+        get_settings.cache_clear()
+
+
+def test_yaml_file_sits_under_cli_flags_and_over_env(tmp_path, monkeypatch):
+    monkeypatch.setenv("SQUEEZESERVE_GATEWAY_PORT", "7000")
+    monkeypatch.setenv("SQUEEZESERVE_GATEWAY_HEALTH_INTERVAL", "9")
+    config = tmp_path / "gateway.yaml"
+    config.write_text("upstreams: [http://a:1]\nport: 8100\nrequest-timeout: 30\nrouting: round_robin\n")
+
+    settings = build_settings(config, port=8200, routing=None)
+
+    assert settings.port == 8200  # flag over file
+    assert settings.request_timeout == 30  # file over default
+    assert settings.routing == "round_robin"  # an unset flag (None) leaves the file's value
+    assert settings.health_interval == 9  # env where neither file nor flag says
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"upstreams": []}, "upstreams: List should have at least 1 item"),
+        ({"upstreams": ["w:8001"]}, "upstreams: upstream 'w:8001' is not an http(s) URL"),
+        ({"upstreams": ["http://a:1", "http://a:1/"]}, "upstreams: each upstream may be listed only once"),
+        ({"upstreams": ["http://a:1"], "routing": "random"}, "routing: Input should be 'least_outstanding'"),
+        (
+            {"upstreams": ["http://a:1"], "request_timeout": 0},
+            "request_timeout: Input should be greater than 0",
+        ),
+        (
+            {"upstreams": ["http://a:1"], "api_keys": ["k", ""]},
+            "api_keys: API keys must not be empty strings",
+        ),
+        ({"upstreams": ["http://a:1"], "retries": 3}, "retries: Extra inputs are not permitted"),
+    ],
+)
+def test_bad_settings_fail_with_a_sentence_naming_the_field(values, message):
+    with pytest.raises(SettingsError) as caught:
+        build_settings(**values)
+
+    assert str(caught.value).startswith(message)
+
+
+def test_bad_config_file_is_a_clear_error(tmp_path):
+    missing, not_a_mapping = tmp_path / "missing.yaml", tmp_path / "list.yaml"
+    not_a_mapping.write_text("- a\n- b\n")
+
+    with pytest.raises(SettingsError, match="cannot read config file"):
+        build_settings(missing)
+    with pytest.raises(SettingsError, match="must hold a mapping"):
+        build_settings(not_a_mapping)
+
+
+def test_cli_flags_map_onto_the_settings():
+    args = parse(
+        "--upstream",
+        "http://a:1",
+        "--upstream",
+        "http://b:2",
+        "--port",
+        "9000",
+        "--routing",
+        "round_robin",
+        "--api-key",
+        "k1",
+        "--api-key",
+        "k2",
+        "--request-timeout",
+        "12.5",
+        "--max-inflight-per-upstream",
+        "4",
+    )
+
+    settings = build_settings(args.config, **{name: getattr(args, name) for name in command.SETTINGS_FLAGS})
+
+    assert settings.upstreams == ["http://a:1", "http://b:2"]
+    assert (settings.port, settings.routing, settings.api_keys) == (9000, "round_robin", ["k1", "k2"])
+    assert (settings.request_timeout, settings.max_inflight_per_upstream) == (12.5, 4)
+
+
+def test_every_setting_has_a_flag():
+    assert set(command.SETTINGS_FLAGS) == set(GatewaySettings.model_fields)
+
+
+def test_cli_rejects_bad_settings_with_exit_code_2():
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from squeezeserve.service.cli import main; sys.exit(main(sys.argv[1:]))",
+            "gateway",
+            "--upstream",
+            "not-a-url",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+    assert result.returncode == 2
+    assert "upstreams: upstream 'not-a-url' is not an http(s) URL" in result.stderr
