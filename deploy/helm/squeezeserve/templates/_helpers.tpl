@@ -20,9 +20,14 @@ by the cut is removed.
 {{- end }}
 {{- end }}
 
-{{/* The name of one component's objects: "<fullname>-<component>", cut to 63 for the same DNS reason. */}}
+{{/*
+The name of one component's objects: "<fullname>-<component>", at most 63 characters for the same DNS
+reason. The full name is cut, never the component suffix: cutting the joined string would give the gateway
+and the worker of a long release name the same name.
+*/}}
 {{- define "squeezeserve.componentName" -}}
-{{- printf "%s-%s" (include "squeezeserve.fullname" .ctx) .component | trunc 63 | trimSuffix "-" }}
+{{- $room := sub 62 (len .component) | int }}
+{{- printf "%s-%s" (include "squeezeserve.fullname" .ctx | trunc $room | trimSuffix "-") .component }}
 {{- end }}
 
 {{- define "squeezeserve.chart" -}}
