@@ -110,8 +110,8 @@ class Instruction:
     line: int
 
     def exec_form(self) -> list[str]:
-        """The JSON (exec) form of CMD/ENTRYPOINT/HEALTHCHECK CMD; shell form is refused on purpose: our images
-        use exec form everywhere so signals reach the process."""
+        """The JSON (exec) form of CMD/ENTRYPOINT/HEALTHCHECK CMD. Shell form is refused on purpose: our
+        images use exec form everywhere so signals reach the process."""
         text = self.value
         if self.keyword == "HEALTHCHECK":
             text = text[text.index("CMD") + 3 :]
@@ -188,7 +188,10 @@ def command_lines_of_container(container: dict[str, Any], origin: str) -> list[C
         return [CommandLine(source, command[1:] + args, {"container": container})]
     if command[:2] == ["/bin/sh", "-c"]:
         script = " ".join(command[2:] + args)
-        return [CommandLine(source, argv, {"container": container}) for argv in squeezeserve_calls_in_shell(script)]
+        return [
+            CommandLine(source, argv, {"container": container})
+            for argv in squeezeserve_calls_in_shell(script)
+        ]
     return []
 
 
@@ -203,11 +206,16 @@ def command_lines_of_compose_service(name: str, service: dict[str, Any]) -> list
         if image.startswith(OUR_IMAGE_PREFIX) and command:
             return [CommandLine(source, command, {"service": service})]
         return []
-    entrypoint = shlex.split(entrypoint) if isinstance(entrypoint, str) else [str(part) for part in entrypoint]
+    entrypoint = (
+        shlex.split(entrypoint) if isinstance(entrypoint, str) else [str(part) for part in entrypoint]
+    )
     if entrypoint == ["squeezeserve"]:
         return [CommandLine(source, command, {"service": service})]
     if entrypoint == ["/bin/sh", "-c"]:
-        return [CommandLine(source, argv, {"service": service}) for argv in squeezeserve_calls_in_shell(" ".join(command))]
+        return [
+            CommandLine(source, argv, {"service": service})
+            for argv in squeezeserve_calls_in_shell(" ".join(command))
+        ]
     return []
 
 
@@ -278,3 +286,31 @@ def deploy():
     import sys
 
     return sys.modules[__name__]
+
+
+@pytest.fixture(scope="session")
+def cli_parser():
+    """The real ``squeezeserve`` argument parser: a flag a manifest uses must exist there."""
+    from squeezeserve.service.cli import build_parser
+
+    return build_parser()
+
+
+@pytest.fixture(scope="session")
+def cli_args(cli_parser):
+    """Parse one command line with the real parser; a usage error fails the test, naming the source."""
+    import contextlib
+    import io
+
+    def parse(line: CommandLine):
+        errors = io.StringIO()
+        try:
+            with contextlib.redirect_stderr(errors):
+                return cli_parser.parse_args(line.argv)
+        except SystemExit:
+            pytest.fail(
+                f"{line.source}: `squeezeserve {shlex.join(line.argv)}` is rejected by the CLI:\n"
+                + errors.getvalue()
+            )
+
+    return parse

@@ -15,10 +15,14 @@ DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 
 def test_chart_lints_clean_in_strict_mode(deploy):
     for name, path in deploy.VALUE_SETS.items():
-        report = helm_python.lint(deploy.CHART, yaml.safe_load(path.read_text()) or {}, strict=True, kube_version=KUBE_VERSION)
+        report = helm_python.lint(
+            deploy.CHART, yaml.safe_load(path.read_text()) or {}, strict=True, kube_version=KUBE_VERSION
+        )
         # Severity 1 is informational (e.g. "icon is recommended"); warnings (2) and errors (3) fail.
         problems = [m for m in report["messages"] if m["severity"] >= 2]
-        assert not problems and not report["errors"], f"helm lint with values {name}: {problems or report['errors']}"
+        assert not problems and not report["errors"], (
+            f"helm lint with values {name}: {problems or report['errors']}"
+        )
 
 
 def test_chart_and_app_versions_follow_the_package(deploy):
@@ -86,7 +90,11 @@ def test_long_release_names_are_cut_to_63_characters(helm_renders):
 
 def _selector_labels(doc):
     spec = doc["spec"]
-    return spec["selector"]["matchLabels"] if "matchLabels" in spec.get("selector", {}) else spec.get("selector", {})
+    return (
+        spec["selector"]["matchLabels"]
+        if "matchLabels" in spec.get("selector", {})
+        else spec.get("selector", {})
+    )
 
 
 def test_selectors_are_separate_from_user_and_version_labels(helm_renders):
@@ -134,7 +142,9 @@ def test_service_monitors_scrape_a_named_service_port(helm_renders):
 def test_gateway_finds_workers_through_the_worker_service(helm_renders):
     for value_set, docs in helm_renders.items():
         services = {doc["metadata"]["name"]: doc for doc in docs if doc["kind"] == "Service"}
-        config = next(d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"].endswith("-gateway"))
+        config = next(
+            d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"].endswith("-gateway")
+        )
         first = config["data"]["SQUEEZESERVE_GATEWAY_UPSTREAMS"].split(",")[0]
         match = re.fullmatch(rf"http://([a-z0-9-]+)\.{NAMESPACE_RE}\.svc:(\d+)", first)
         assert match, f"helm[{value_set}] upstream {first!r} is not a Service URL"
@@ -161,7 +171,9 @@ def test_optional_parts_follow_their_switches(helm_renders):
 
 def test_gpu_worker_requests_a_gpu_and_cpu_worker_does_not(helm_renders):
     def worker(docs):
-        deployment = next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"].endswith("-worker"))
+        deployment = next(
+            d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"].endswith("-worker")
+        )
         return deployment["spec"]["template"]["spec"]["containers"][0]
 
     gpu = worker(helm_renders["gpu-default"])["resources"]

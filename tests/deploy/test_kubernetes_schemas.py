@@ -51,7 +51,9 @@ def test_the_validator_rejects_a_misspelt_field(kustomize_builds):
 
 def test_overlays_differ_only_where_meant(kustomize_builds):
     def worker(docs):
-        deployment = next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "squeezeserve-worker")
+        deployment = next(
+            d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "squeezeserve-worker"
+        )
         return deployment["spec"]["template"]["spec"]
 
     cpu, gpu = worker(kustomize_builds["cpu"]), worker(kustomize_builds["gpu"])

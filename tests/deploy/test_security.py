@@ -83,7 +83,9 @@ def test_no_secret_is_written_in_plain_text(workloads, compose, dockerfiles, hel
             assert not SECRET_NAME.search(instruction.value.split("=")[0]), f"{name}:{instruction.line}"
     assert not [d for d in helm_renders["gpu-default"] if d["kind"] == "Secret"]
     for docs in kustomize_builds.values():
-        assert not [d for d in docs if d["kind"] == "Secret"], "kustomize must not carry keys; users create them"
+        assert not [d for d in docs if d["kind"] == "Secret"], (
+            "kustomize must not carry keys; users create them"
+        )
 
 
 def test_images_run_as_a_numeric_non_root_user(dockerfiles):
@@ -91,7 +93,9 @@ def test_images_run_as_a_numeric_non_root_user(dockerfiles):
         user = dockerfile.last("USER")
         assert user is not None, f"{name}: final stage has no USER"
         uid = user.value.split(":")[0]
-        assert uid.isdigit() and int(uid) != 0, f"{name}: USER {user.value} (numeric, so runAsNonRoot can verify it)"
+        assert uid.isdigit() and int(uid) != 0, (
+            f"{name}: USER {user.value} (numeric, so runAsNonRoot can verify it)"
+        )
         assert dockerfile.last("HEALTHCHECK") is not None, f"{name}: final stage has no HEALTHCHECK"
 
 
