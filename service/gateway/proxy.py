@@ -164,6 +164,9 @@ class Proxy:
                     raise errors.no_healthy_upstream(request.model) from exc
                 self._metrics.retries.labels(upstream.url).inc()
                 upstream = await self._reserve(request, failed=upstream)
+            except BaseException:  # the deadline's cancellation, or anything unexpected: free the slot
+                self._release(upstream)
+                raise
         raise AssertionError("unreachable")  # the loop returns or raises
 
     async def forward(

@@ -239,3 +239,11 @@ def worker_url() -> Iterator[str]:
         yield url
     finally:
         stop_process(process)
+
+
+@pytest.fixture(scope="module")
+def worker_gateway(worker_url: str) -> Iterator[str]:
+    """A gateway in front of the real worker, shared by a test module."""
+    server = ServerThread(create_app(GatewaySettings(upstreams=[worker_url], port=0))).start()
+    yield server.url
+    server.stop()

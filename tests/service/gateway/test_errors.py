@@ -91,14 +91,17 @@ def test_keys_configured_401_without_or_with_a_wrong_one(fake_upstream, start_ga
         assert httpx.get(f"{gateway}{path}").status_code == 200
 
 
-def test_timeout_is_504(fake_upstream, start_gateway, openai_client):
-    client = openai_client(start_gateway([fake_upstream().url], request_timeout=0.5))
+def test_timeout_is_504_and_frees_the_slot(fake_upstream, start_gateway, openai_client, metric):
+    upstream = fake_upstream()
+    gateway = start_gateway([upstream.url], request_timeout=0.5)
+    client = openai_client(gateway)
 
     with pytest.raises(openai.APIStatusError) as caught:
         client.completions.create(model="fake-model", prompt="x", extra_body={"fake": {"delay": 1.5}})
 
     assert caught.value.status_code == 504
     assert_openai_error(caught.value.response.json(), "timeout", "upstream_timeout")
+    assert metric(gateway, "squeezeserve_gateway_upstream_in_flight", upstream=upstream.url) == 0
 
 
 def test_timeout_mid_stream_ends_the_stream_with_an_error_event(fake_upstream, start_gateway, openai_client):
