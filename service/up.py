@@ -1,0 +1,144 @@
+"""``squeezeserve up``: the whole local stack in one command.
+
+Prepares the bundled baseline if needed, starts one worker (a child process) and the gateway in front of
+it (this process), prints where to send requests, and on Ctrl-C / SIGTERM stops both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+
+log = logging.getLogger(__name__)
+
+WORKER_START_TIMEOUT_S = 600.0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="127.0.0.1", help="gateway address")
+    parser.add_argument("--port", type=int, default=8000, help="gateway port")
+    parser.add_argument(
+        "--worker-port", type=int, default=None, help="worker port (default: gateway port + 1)"
+    )
+    parser.add_argument(
+        "--model", default=None, help="checkpoint dir or HF id (default: the bundled baseline)"
+    )
+    parser.add_argument("--served-model-name", default=None)
+    parser.add_argument("--engine", choices=["local", "vllm"], default="local")
+    parser.add_argument("--api-key", action="append", default=[], help="require this key at the gateway")
+
+
+def _prepare_model(args: argparse.Namespace) -> tuple[str, str]:
+    if args.model:
+        from squeezeserve.service.worker.command import served_name
+
+        return args.model, served_name(args.model, args.served_model_name)
+    from squeezeserve.service.models import bundled
+
+    result = bundled.export_baseline()
+    print(
+        f"baseline: {'exported to' if result.created else 'using'} {result.path}"
+        + (f" ({result.seconds:.0f}s)" if result.created else ""),
+        flush=True,
+    )
+    return str(result.path), args.served_model_name or bundled.SERVED_NAME
+
+
+def _wait_healthy(url: str, worker: subprocess.Popen, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if worker.poll() is not None:
+            raise RuntimeError(f"the worker exited with code {worker.returncode} before it was ready")
+        try:
+            if httpx.get(f"{url}/health", timeout=2.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"the worker at {url} was not ready within {timeout:.0f}s")
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def _stop(worker: subprocess.Popen) -> None:
+    if worker.poll() is None:
+        worker.send_signal(signal.SIGTERM)
+        try:
+            worker.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            worker.kill()
+            worker.wait()
+
+
+def run(args: argparse.Namespace) -> int:
+    from squeezeserve.service.models.bundled import BundledModelMissing
+
+    try:
+        model, name = _prepare_model(args)
+    except BundledModelMissing as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    worker_port = args.worker_port or args.port + 1
+    worker_url = f"http://127.0.0.1:{worker_port}"
+    cmd = [
+        sys.executable,
+        "-m",
+        "squeezeserve.service.cli",
+        "--log-level",
+        args.log_level,
+        "worker",
+        "--engine",
+        args.engine,
+        "--model",
+        model,
+        "--served-model-name",
+        name,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(worker_port),
+    ]
+    worker = subprocess.Popen(cmd, start_new_session=True)  # our Ctrl-C must not reach it before we stop it
+    # SIGTERM (docker stop, systemd) takes the same clean path as Ctrl-C. uvicorn re-raises the signal
+    # once the gateway has shut down, which lands here.
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        print(f"starting worker ({args.engine}) for {name} on {worker_url} ...", flush=True)
+        _wait_healthy(worker_url, worker, WORKER_START_TIMEOUT_S)
+        return _serve_gateway(args, worker_url, name)
+    except KeyboardInterrupt:
+        return 0
+    except RuntimeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        print("stopping worker ...", flush=True)
+        _stop(worker)
+
+
+def _serve_gateway(args: argparse.Namespace, worker_url: str, name: str) -> int:
+    import uvicorn
+
+    from squeezeserve.service.gateway.app import create_app
+    from squeezeserve.service.gateway.config import GatewaySettings
+
+    settings = GatewaySettings(upstreams=[worker_url], host=args.host, port=args.port, api_keys=args.api_key)
+    base = f"http://{args.host}:{args.port}"
+    print(
+        f"\nsqueezeserve is up: model {name!r} behind {base}/v1\n"
+        f"  curl {base}/v1/chat/completions -H 'Content-Type: application/json' "
+        f'-d \'{{"model": "{name}", "messages": [{{"role": "user", '
+        f'"content": "What is the capital of France?"}}]}}\'\n'
+        f"  metrics: {base}/metrics   (Ctrl-C stops both)\n",
+        flush=True,
+    )
+    uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level="warning")
+    return 0

@@ -1,0 +1,31 @@
+"""Start ``vllm serve`` for a GPU worker with the same OpenAI surface as the embedded worker."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+
+
+def vllm_command(model: str, name: str, host: str, port: int, dtype: str, extra: list[str]) -> list[str]:
+    """The ``vllm serve`` command line; ``extra`` (anything after ``--``) is passed through unchanged."""
+    exe = shutil.which("vllm")
+    base = [exe] if exe else [sys.executable, "-m", "vllm.entrypoints.cli.main"]
+    cmd = [*base, "serve", model, "--host", host, "--port", str(port), "--served-model-name", name]
+    if dtype != "auto":
+        cmd += ["--dtype", dtype]
+    return cmd + extra
+
+
+def exec_vllm(model: str, name: str, host: str, port: int, dtype: str, extra: list[str]) -> int:
+    """Replace this process with vLLM, so signals and exit codes reach it directly (containers, probes)."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        print(
+            "error: --engine vllm needs vLLM: pip install 'squeezeserve[vllm]' on a GPU host", file=sys.stderr
+        )
+        return 1
+    cmd = vllm_command(model, name, host, port, dtype, extra)
+    os.execvp(cmd[0], cmd)
+    return 0  # not reached

@@ -1,0 +1,329 @@
+"""The embedded engine: continuous batching over a Hugging Face causal LM on one thread.
+
+One background thread owns the model. Requests wait in a FIFO queue; each loop iteration admits waiting
+requests while the batch has room (prefilling each prompt once, then copying its KV cache for ``n``
+choices), runs ONE decode step for every active sequence together, and hands each sequence's new token to
+its request's asyncio queue. Every active sequence advances one token per step, so concurrent requests
+share the machine fairly, and a decode step costs about the same for 1 or 16 rows on a memory-bound CPU.
+
+The batch's KV cache is left-padded: rows of different lengths share one [batch, heads, T, dim] tensor per
+layer; the attention mask hides each row's padding and ``position_ids`` carry each row's own positions.
+Finished or cancelled rows are dropped and the common left padding trimmed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import Counter, deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers import DynamicCache
+
+from squeezeserve.service.worker.local.detokenize import IncrementalDetokenizer
+from squeezeserve.service.worker.local.sampling import (
+    SamplingParams,
+    TokenLogprob,
+    apply_penalties,
+    make_generator,
+    prompt_logprobs,
+    sample,
+    token_logprob,
+)
+
+log = logging.getLogger(__name__)
+
+
+class EngineOverloaded(RuntimeError):
+    """The waiting queue is full; the caller should retry later."""
+
+
+@dataclass
+class Event:
+    """What one engine step produced for one sequence."""
+
+    index: int  # choice index within the request: prompt_index * n + i
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    first: bool = False  # the prefill's event: the sequence's first token (and prompt logprobs)
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # first event only, when asked for
+    error: str | None = None
+
+
+class Request:
+    """One API call: ``len(prompts) * n`` sequences sharing sampling parameters and one event queue."""
+
+    def __init__(self, prompts: list[list[int]], n: int, params: SamplingParams) -> None:
+        self.prompts = prompts
+        self.n = n
+        self.params = params
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue[list[Event]] = asyncio.Queue()
+        self.cancelled = False
+        self.arrival = time.perf_counter()
+
+    @property
+    def size(self) -> int:
+        return len(self.prompts) * self.n
+
+    def cancel(self) -> None:
+        """Called from the event loop (client gone); the engine drops the sequences at its next step."""
+        self.cancelled = True
+
+    def _push(self, events: list[Event]) -> None:
+        if events:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, events)
+
+
+@dataclass
+class _Sequence:
+    request: Request
+    index: int
+    prompt_len: int
+    detok: IncrementalDetokenizer
+    generator: torch.Generator
+    length: int  # tokens in the KV cache for this row (its next position)
+    last_token: int = -1
+    generated: int = 0
+    counts: Counter = field(default_factory=Counter)
+    finish_reason: str | None = None
+
+
+@dataclass
+class EngineStats:
+    running: int = 0
+    waiting: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    steps: int = 0
+    batch_rows: int = 0  # sum of batch sizes over steps (mean batch = batch_rows / steps)
+    preemptions: int = 0
+
+
+class Engine:
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        eos_token_ids: set[int],
+        max_batch_size: int = 16,
+        max_waiting: int = 256,
+    ) -> None:
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be at least 1, not {max_batch_size}")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self.max_batch_size = max_batch_size
+        self.max_waiting = max_waiting
+        self.stats = EngineStats()
+        self._waiting: deque[Request] = deque()
+        self._lock = threading.Lock()
+        self._wakeup = threading.Event()
+        self._stop = threading.Event()
+        self._seqs: list[_Sequence] = []
+        self._cache: DynamicCache | None = None
+        self._thread = threading.Thread(target=self._run, name="squeezeserve-engine", daemon=True)
+
+    # -- called from the event loop ------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wakeup.set()
+        self._thread.join(timeout=30)
+
+    def submit(self, request: Request) -> None:
+        with self._lock:
+            if len(self._waiting) >= self.max_waiting:
+                raise EngineOverloaded(f"{len(self._waiting)} requests are already waiting")
+            self._waiting.append(request)
+            self.stats.waiting = len(self._waiting)
+        self._wakeup.set()
+
+    # -- engine thread -------------------------------------------------------------------------------
+    def _run(self) -> None:
+        with torch.inference_mode():
+            while not self._stop.is_set():
+                try:
+                    self._admit()
+                    if not self._seqs:
+                        self._wakeup.wait(timeout=1.0)
+                        self._wakeup.clear()
+                        continue
+                    self._step()
+                except Exception as exc:  # keep serving: fail the sequences in flight, not the process
+                    log.exception("engine step failed")
+                    self._fail_all(f"engine error: {exc}")
+
+    def _admit(self) -> None:
+        while True:
+            with self._lock:
+                if not self._waiting:
+                    return
+                request = self._waiting[0]
+                room = self.max_batch_size - len(self._seqs)
+                if request.cancelled:
+                    self._waiting.popleft()
+                elif self._seqs and request.size > room:
+                    return  # wait for rows to free up; FIFO keeps admission fair
+                else:
+                    self._waiting.popleft()
+                self.stats.waiting = len(self._waiting)
+            if not request.cancelled:
+                self._prefill(request)
+
+    def _prefill(self, request: Request) -> None:
+        params = request.params
+        for p, prompt in enumerate(request.prompts):
+            ids = torch.tensor([prompt], dtype=torch.long, device=self.model.device)
+            cache = DynamicCache(config=self.model.config)
+            want_prompt_lp = params.prompt_logprobs is not None
+            out = self.model(
+                input_ids=ids,
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=0 if want_prompt_lp else 1,
+            )
+            self.stats.prompt_tokens += len(prompt)
+            logits = out.logits[0]
+            plp = prompt_logprobs(logits, prompt, params.prompt_logprobs) if want_prompt_lp else None
+            last = logits[-1].float()
+            new: list[_Sequence] = []
+            for i in range(request.n):
+                seq = _Sequence(
+                    request=request,
+                    index=p * request.n + i,
+                    prompt_len=len(prompt),
+                    detok=IncrementalDetokenizer(self.tokenizer, prompt, list(params.stop)),
+                    generator=make_generator(None if params.seed is None else params.seed + i),
+                    length=len(prompt),
+                )
+                event = Event(index=seq.index, first=True, prompt_logprobs=plp)
+                if params.max_tokens == 0:
+                    seq.finish_reason = event.finish_reason = "length"
+                else:
+                    self._accept(seq, last, event)
+                request._push([event])
+                if seq.finish_reason is None:
+                    new.append(seq)
+            if new:
+                if len(new) > 1:
+                    cache.batch_repeat_interleave(len(new))
+                self._join(new, cache)
+
+    def _accept(self, seq: _Sequence, logits: torch.Tensor, event: Event) -> None:
+        """Sample the next token for ``seq`` from its float32 logits row and record it in ``event``."""
+        params = seq.request.params
+        token = sample(apply_penalties(logits, seq.counts, params), params, seq.generator)
+        if params.logprobs is not None:
+            event.logprobs.append(token_logprob(torch.log_softmax(logits, -1), token, params.logprobs))
+        seq.last_token = token
+        seq.generated += 1
+        seq.counts[token] += 1
+        event.token_ids.append(token)
+        self.stats.generation_tokens += 1
+        if token in self.eos_token_ids:
+            seq.finish_reason = "stop"
+        else:
+            event.text += seq.detok.add(token)
+            if seq.detok.stopped:
+                seq.finish_reason = "stop"
+        if seq.finish_reason is None and seq.generated >= params.max_tokens:
+            seq.finish_reason = "length"
+        if seq.finish_reason is not None and not seq.detok.stopped:
+            event.text += seq.detok.flush()
+        event.finish_reason = seq.finish_reason
+
+    def _join(self, new: list[_Sequence], cache: DynamicCache) -> None:
+        """Add freshly prefilled rows to the batch, left-padding whichever side is shorter."""
+        if self._cache is None or not self._seqs:
+            self._cache, self._seqs = cache, new
+            return
+        batch_len = self._cache.get_seq_length()
+        new_len = cache.get_seq_length()
+        for mine, theirs in zip(self._cache.layers, cache.layers, strict=True):
+            mine.keys = torch.cat(_left_pad([mine.keys, theirs.keys], [batch_len, new_len]), dim=0)
+            mine.values = torch.cat(_left_pad([mine.values, theirs.values], [batch_len, new_len]), dim=0)
+        self._seqs = self._seqs + new
+
+    def _step(self) -> None:
+        seqs = self._seqs
+        cache_len = self._cache.get_seq_length()
+        device = self.model.device
+        input_ids = torch.tensor([[s.last_token] for s in seqs], dtype=torch.long, device=device)
+        lengths = torch.tensor([s.length for s in seqs], dtype=torch.long, device=device)
+        mask = None
+        if bool((lengths != cache_len).any()):
+            # row r's real tokens are its last lengths[r] cache slots, plus the token being fed now
+            mask = (
+                torch.arange(cache_len + 1, device=device)[None, :] >= (cache_len - lengths)[:, None]
+            ).long()
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=mask,
+            position_ids=lengths[:, None],
+            past_key_values=self._cache,
+            use_cache=True,
+        )
+        logits = out.logits[:, -1].float()
+        self.stats.steps += 1
+        self.stats.batch_rows += len(seqs)
+        per_request: dict[int, tuple[Request, list[Event]]] = {}
+        for row, seq in enumerate(seqs):
+            seq.length += 1
+            request = seq.request
+            if request.cancelled:
+                seq.finish_reason = "abort"
+                continue
+            event = Event(index=seq.index)
+            self._accept(seq, logits[row], event)
+            per_request.setdefault(id(request), (request, []))[1].append(event)
+        for request, events in per_request.values():
+            request._push(events)
+        self._retire()
+
+    def _retire(self) -> None:
+        keep = [i for i, s in enumerate(self._seqs) if s.finish_reason is None]
+        if len(keep) == len(self._seqs):
+            self.stats.running = len(self._seqs)
+            return
+        if not keep:
+            self._seqs, self._cache = [], None
+            self.stats.running = 0
+            return
+        self._seqs = [self._seqs[i] for i in keep]
+        index = torch.tensor(keep, dtype=torch.long)
+        longest = max(s.length for s in self._seqs)
+        for layer in self._cache.layers:
+            trim = layer.keys.shape[-2] - longest
+            layer.keys = layer.keys[index, :, trim:]
+            layer.values = layer.values[index, :, trim:]
+        self.stats.running = len(self._seqs)
+
+    def _fail_all(self, message: str) -> None:
+        failed = {id(s.request): s.request for s in self._seqs}
+        for s in self._seqs:
+            s.request._push([Event(index=s.index, finish_reason="error", error=message)])
+        self._seqs, self._cache = [], None
+        self.stats.running = 0
+        log.error("failed %d requests: %s", len(failed), message)
+
+
+def _left_pad(tensors: list[torch.Tensor], lengths: list[int]) -> list[torch.Tensor]:
+    """Pad [B, H, T, D] tensors on the left of T to the longest length (the mask hides the zeros)."""
+    longest = max(lengths)
+    out = []
+    for t, n in zip(tensors, lengths, strict=True):
+        if n < longest:
+            pad = t.new_zeros(t.shape[0], t.shape[1], longest - n, t.shape[3])
+            t = torch.cat([pad, t], dim=2)
+        out.append(t)
+    return out
