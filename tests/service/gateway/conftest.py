@@ -206,6 +206,25 @@ def fake_process() -> Iterator[Callable[..., tuple[str, subprocess.Popen[bytes]]
         stop_process(process, signal.SIGKILL)
 
 
+@pytest.fixture
+def cli_gateway() -> Iterator[Callable[..., tuple[str, subprocess.Popen[bytes]]]]:
+    """``cli_gateway(*flags)``: ``squeezeserve gateway FLAGS --port P`` as a process, once it is healthy."""
+    processes: list[subprocess.Popen[bytes]] = []
+
+    def start(*flags: str) -> tuple[str, subprocess.Popen[bytes]]:
+        port = free_port()
+        command = [sys.executable, "-m", "squeezeserve.service.cli", "gateway", *flags, "--port", str(port)]
+        process = subprocess.Popen(command)
+        processes.append(process)
+        url = f"http://127.0.0.1:{port}"
+        wait_until_healthy(url, timeout=60, process=process)
+        return url, process
+
+    yield start
+    for process in processes:
+        stop_process(process, signal.SIGKILL)
+
+
 def _worker_model_dir() -> Path:
     given = os.environ.get("SQUEEZESERVE_TEST_MODEL")
     if given:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import subprocess
 import sys
 
@@ -146,3 +147,19 @@ def test_cli_rejects_bad_settings_with_exit_code_2():
 
     assert result.returncode == 2
     assert "upstreams: upstream 'not-a-url' is not an http(s) URL" in result.stderr
+
+
+@pytest.mark.slow
+def test_cli_serves_with_a_config_file_and_stops_on_sigterm(
+    fake_upstream, cli_gateway, tmp_path, openai_client
+):
+    config = tmp_path / "gateway.yaml"
+    config.write_text("routing: round_robin\napi-keys: [from-file]\n")
+    url, process = cli_gateway("--upstream", fake_upstream().url, "--config", str(config))
+
+    reply = openai_client(url, api_key="from-file").completions.create(model="fake-model", prompt="x")
+    process.send_signal(signal.SIGTERM)
+
+    assert reply.choices[0].text == "w0 w1 w2 "
+    # uvicorn shuts down gracefully, then re-raises the captured SIGTERM (exit by that signal).
+    assert process.wait(timeout=30) in (0, -signal.SIGTERM)
