@@ -1,0 +1,103 @@
+"""Thin functional API over ``torch.ops.squeezeserve.*`` (autograd-aware; CPU tensors run the reference)."""
+
+from __future__ import annotations
+
+import torch
+
+from squeezeserve.kernels import registry
+
+registry.load()
+_ops = torch.ops.squeezeserve
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up."""
+    return _ops.swiglu(gate, up)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """[..., 2d] -> [..., d]: silu(x[..., :d]) * x[..., d:] (vLLM's packed form)."""
+    return _ops.silu_and_mul(x)
+
+
+def swiglu_oai(x: torch.Tensor, y: torch.Tensor, alpha: float = 1.702, limit: float = 7.0) -> torch.Tensor:
+    """gpt-oss: min(x, limit) * sigmoid(alpha * min(x, limit)) * (clamp(y, -limit, limit) + 1)."""
+    return _ops.swiglu_oai(x, y, alpha, limit)
+
+
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """weight * x / sqrt(mean(x^2) + eps), statistics in fp32 (Hugging Face Llama's rounding)."""
+    return _ops.rmsnorm(x, weight, eps)
+
+
+def add_rmsnorm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """h = x + residual; returns (rmsnorm(h, weight, eps), h)."""
+    return _ops.add_rmsnorm(x, residual, weight, eps)
+
+
+def softmax(x: torch.Tensor) -> torch.Tensor:
+    """Softmax over the last dim (any width; an online two-pass path for rows wider than one block)."""
+    return _ops.softmax(x)
+
+
+class _CrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, target, ignore_index, label_smoothing, reduction):
+        # The kernel writes d(loss)/d(logits) over the logits buffer: no second [N, V] tensor.
+        loss = _ops.cross_entropy_(logits, target, ignore_index, label_smoothing, reduction, True)
+        ctx.save_for_backward(logits)
+        ctx.reduction = reduction
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        (grad_logits,) = ctx.saved_tensors
+        scale = grad_loss[:, None] if ctx.reduction == "none" else grad_loss
+        return grad_logits.mul_(scale.to(grad_logits.dtype)), None, None, None, None
+
+
+def cross_entropy(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    reduction: str = "mean",
+) -> torch.Tensor:
+    """F.cross_entropy for [N, V] logits, Liger-style. When logits require grad, their buffer is
+    overwritten by the gradient during the forward (do not reuse the logits afterwards)."""
+    if torch.is_grad_enabled() and logits.requires_grad:
+        return _CrossEntropy.apply(logits, target, ignore_index, label_smoothing, reduction)
+    return _ops.cross_entropy_(logits.clone(), target, ignore_index, label_smoothing, reduction, False)
+
+
+def fused_linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    reduction: str = "mean",
+) -> torch.Tensor:
+    """F.cross_entropy(hidden @ weight.T + bias, target) without materialising the logits; the gradients
+    are computed during the forward when any input requires grad."""
+    needs_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (hidden, weight, bias)
+    )
+    return _ops.fused_linear_cross_entropy(
+        hidden, weight, target, bias, ignore_index, label_smoothing, reduction, needs_grad
+    )[0]
+
+
+def quant_matmul(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor | None,
+    group_size: int,
+    bits: int,
+) -> torch.Tensor:
+    """x @ W.T for W in compressed-tensors' pack-quantized layout (see ``kernels/quant_layout.py``)."""
+    return _ops.quant_matmul(x, qweight, scales, zeros, group_size, bits)

@@ -1,0 +1,1 @@
+"""One file per op: Triton kernels, launcher, registration. ``registry.load()`` imports them all."""

@@ -1,0 +1,123 @@
+"""Fused linear cross-entropy: loss of ``hidden @ weight.T + bias`` without materialising [N, V] logits.
+
+The forward walks token chunks. For each chunk it computes the chunk's logits (one matmul), runs the
+cross-entropy kernel over them in place (loss, and d(loss)/d(logits) written over the chunk), and folds
+that gradient straight into the parameter gradients:
+
+    grad_hidden[chunk] = grad_logits @ weight        grad_weight += grad_logits.T @ hidden[chunk]
+    grad_bias += grad_logits.sum(0)
+
+so the backward only scales the saved gradients by the incoming scalar. Live memory beyond the inputs
+and the gradients themselves is one chunk of logits: the chunk holds about as many elements as
+``hidden`` does (Liger's rule), i.e. chunk = next_pow2(N / ceil(V / H)) tokens.
+
+grad_weight accumulates in the weight's dtype (as Liger does): each addmm accumulates in fp32 inside
+the GEMM and rounds once per chunk; the saved fp32 alternative would double the memory of the largest
+gradient. Reductions 'mean' and 'sum' only ('none' would need per-token scales in the backward).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from torch.library import triton_op
+
+from squeezeserve.kernels.ops.cross_entropy import launch_cross_entropy
+
+
+def chunk_tokens(n_tokens: int, hidden_size: int, vocab_size: int) -> int:
+    """Tokens per chunk so that a chunk of logits holds about as many elements as the hidden states."""
+    growth = triton.cdiv(vocab_size, hidden_size)
+    return max(1, triton.next_power_of_2(triton.cdiv(max(n_tokens, 1), growth)))
+
+
+def _check(hidden, weight, target, bias, reduction: str) -> None:
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"fused_linear_cross_entropy supports reduction 'mean' or 'sum', got {reduction!r}")
+    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
+        raise ValueError(
+            f"fused_linear_cross_entropy expects hidden [N, H] and weight [V, H], got {tuple(hidden.shape)} "
+            f"and {tuple(weight.shape)}"
+        )
+    if target.shape != hidden.shape[:1]:
+        raise ValueError(f"fused_linear_cross_entropy: target must be [N], got {tuple(target.shape)}")
+    if bias is not None and bias.shape != weight.shape[:1]:
+        raise ValueError(f"fused_linear_cross_entropy: bias must be [V], got {tuple(bias.shape)}")
+
+
+def _fused_linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None,
+    ignore_index: int,
+    label_smoothing: float,
+    reduction: str,
+    compute_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns (loss, grad_hidden, grad_weight, grad_bias); the gradients are empty unless compute_grad
+    (grad_bias is empty when there is no bias)."""
+    _check(hidden, weight, target, bias, reduction)
+    n_tokens, hidden_size = hidden.shape
+    vocab = weight.shape[0]
+    chunk = chunk_tokens(n_tokens, hidden_size, vocab)
+    n_valid = (target != ignore_index).sum()
+    losses = torch.empty(n_tokens, dtype=torch.float32, device=hidden.device)
+    empty = hidden.new_empty(0)
+    grad_hidden = torch.empty_like(hidden) if compute_grad else empty
+    grad_weight = torch.zeros_like(weight) if compute_grad else empty
+    grad_bias = torch.zeros_like(bias) if (compute_grad and bias is not None) else empty
+    for start in range(0, n_tokens, chunk):
+        end = min(start + chunk, n_tokens)
+        h = hidden[start:end]
+        logits = h @ weight.t()
+        if bias is not None:
+            logits += bias
+        losses[start:end] = launch_cross_entropy(
+            logits, target[start:end], n_valid, ignore_index, label_smoothing, reduction, compute_grad
+        )
+        if compute_grad:
+            torch.matmul(logits, weight, out=grad_hidden[start:end])
+            grad_weight.addmm_(logits.t(), h)
+            if bias is not None:
+                grad_bias += logits.sum(0, dtype=torch.float32).to(bias.dtype)
+    return losses.sum(), grad_hidden, grad_weight, grad_bias
+
+
+fused_linear_cross_entropy_ = triton_op(
+    "squeezeserve::fused_linear_cross_entropy", _fused_linear_cross_entropy, mutates_args=()
+)
+
+
+@fused_linear_cross_entropy_.register_fake
+def _(hidden, weight, target, bias, ignore_index, label_smoothing, reduction, compute_grad):
+    _check(hidden, weight, target, bias, reduction)
+    empty = hidden.new_empty(0)
+    return (
+        hidden.new_empty((), dtype=torch.float32),
+        torch.empty_like(hidden) if compute_grad else empty,
+        torch.empty_like(weight) if compute_grad else empty,
+        torch.empty_like(bias) if (compute_grad and bias is not None) else empty,
+    )
+
+
+def _setup(ctx, inputs, output):
+    _, grad_hidden, grad_weight, grad_bias = output
+    ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
+    ctx.has_bias = inputs[3] is not None
+
+
+def _grad(ctx, grad_loss, *_unused):
+    grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
+    if grad_hidden.numel() == 0 and grad_weight.numel() == 0:
+        raise RuntimeError(
+            "fused_linear_cross_entropy: backward called on a forward run with compute_grad=False"
+        )
+    # Scaled in place: the saved gradients are this op's private buffers, and a copy of grad_weight
+    # would double the largest allocation of the backward. (So the graph cannot be backpropagated twice.)
+    g = grad_loss.to(grad_hidden.dtype)
+    d_bias = grad_bias.mul_(g) if ctx.has_bias else None
+    return grad_hidden.mul_(g), grad_weight.mul_(g), None, d_bias, None, None, None, None
+
+
+fused_linear_cross_entropy_.register_autograd(_grad, setup_context=_setup)

@@ -1,0 +1,57 @@
+"""Launch settings shared by the row-wise kernels (one program per row, the row in one block)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from squeezeserve.kernels.registry import interpreting
+
+# The widest row a single-block kernel holds in registers; wider rows need a looping kernel.
+MAX_FUSED_COLS = 65536
+
+
+def row_block(n_cols: int, op: str, limit: int = MAX_FUSED_COLS) -> int:
+    """Block width for a row of ``n_cols`` elements; raises when the row does not fit one block."""
+    if n_cols < 1:
+        raise ValueError(f"{op}: the last dimension must be at least 1, got {n_cols}")
+    if n_cols > limit:
+        raise ValueError(f"{op}: rows of {n_cols} elements exceed the {limit}-element limit of this kernel")
+    return triton.next_power_of_2(n_cols)
+
+
+def num_warps_for(block: int) -> int:
+    """Warp ladder: enough threads that each holds at most ~64 fp32 values of the row."""
+    if block >= 32768:
+        return 32
+    if block >= 8192:
+        return 16
+    if block >= 2048:
+        return 8
+    return 4
+
+
+def block_rows(n_rows: int, block: int) -> int:
+    """Rows per program for narrow rows: tiles of about ``TILE_ELEMENTS`` elements.
+
+    On a GPU this keeps enough bytes in flight per program for rows narrower than 2048; under the
+    interpreter every program costs milliseconds, so it packs 16k elements into each.
+    """
+    tile = 16384 if interpreting() else 2048
+    return max(1, min(triton.next_power_of_2(max(n_rows, 1)), tile // block))
+
+
+def persistent_programs(device: torch.device, n_rows: int) -> int:
+    """Programs for a kernel that loops over rows: one per SM on a GPU, a few under the interpreter."""
+    if device.type == "cuda":
+        return max(1, min(n_rows, torch.cuda.get_device_properties(device).multi_processor_count))
+    return max(1, min(n_rows, 4))
+
+
+def rows_2d(x: torch.Tensor) -> torch.Tensor:
+    """View ``x`` as [rows, last dim] with a unit stride along the last dim (copies only if needed)."""
+    if x.dim() == 0:
+        raise ValueError("expected a tensor with at least one dimension, got a scalar")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    return x.reshape(-1, x.shape[-1])

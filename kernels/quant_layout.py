@@ -1,0 +1,155 @@
+"""The one definition of squeezeserve's weight-only quantized layout: compressed-tensors ``pack-quantized``.
+
+This is exactly what compressed-tensors 0.17.0 writes (and vLLM 0.26.0 loads) for a Linear with
+``format: pack-quantized``, integer weights of ``num_bits`` in {4, 8} and group-wise strategy. For a
+weight W of shape [N, K] (out_features, in_features) and group size G:
+
+``weight_packed``      int32 [N, ceil(K / P)], P = 32 // bits values per int32 (8 for int4, 4 for int8),
+                       packed along K (the input dim). Value k of a row sits in word k // P at bit offset
+                       bits * (k % P): lowest bits first. Each value is stored offset-binary:
+                       ``stored = q + 2**(bits-1)`` with signed q in [-2**(bits-1), 2**(bits-1) - 1]
+                       (int4: q in [-8, 7] stored as 0..15). A row's last word is zero-padded.
+``weight_scale``       [N, ceil(K / G)], float (fp16/bf16 as the model), one scale per group of G inputs.
+``weight_zero_point``  asymmetric only: signed zero points [N, ceil(K / G)] packed the same way but along
+                       N (the output dim): int32 [ceil(N / P), ceil(K / G)]. Symmetric: absent (zero).
+``weight_shape``       int64 [2] = (N, K).
+
+Dequantization, in the scale dtype exactly as compressed-tensors does it:
+``W[n, k] = (q[n, k] - zero[n, k // G]) * scale[n, k // G]``. The offsets cancel, so a kernel may use
+``stored_q - stored_zero`` (or ``stored_q - 2**(bits-1)`` when symmetric).
+
+Quantization (round-to-nearest, compressed-tensors' ``calculate_qparams``): the group's range is widened
+to include 0; symmetric ``scale = max|w| / ((qmax - qmin) / 2)``, asymmetric ``scale = (max - min) /
+(qmax - qmin)``, ``zero = clamp(round(qmin - min / scale), qmin, qmax)``; ``q = clamp(round(w / scale +
+zero), qmin, qmax)``.
+
+Everything here is plain torch (no triton), so the compressor can import it cheaply.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+SUPPORTED_BITS = (4, 8)
+
+
+def _check_bits(bits: int) -> None:
+    if bits not in SUPPORTED_BITS:
+        raise ValueError(f"bits must be one of {SUPPORTED_BITS}, got {bits}")
+
+
+def pack_factor(bits: int) -> int:
+    """Values per int32 word."""
+    _check_bits(bits)
+    return 32 // bits
+
+
+def pack_int32(values: torch.Tensor, bits: int, packed_dim: int = 1) -> torch.Tensor:
+    """Pack signed ints (int8 tensor, [rows, cols]) into int32 words along ``packed_dim``, lowest bits first."""
+    if values.dtype != torch.int8 or values.dim() != 2:
+        raise ValueError(
+            f"pack_int32 expects a 2-D int8 tensor, got {values.dtype} of shape {tuple(values.shape)}"
+        )
+    if packed_dim not in (0, 1):
+        raise ValueError(f"packed_dim must be 0 or 1, got {packed_dim}")
+    per_word = pack_factor(bits)
+    unsigned = values.to(torch.int32) + (1 << (bits - 1))
+    if packed_dim == 0:
+        unsigned = unsigned.t()
+    rows, cols = unsigned.shape
+    padded = math.ceil(cols / per_word) * per_word
+    unsigned = torch.nn.functional.pad(unsigned, (0, padded - cols))
+    shifts = torch.arange(per_word, dtype=torch.int32, device=values.device) * bits
+    # int32 arithmetic wraps like the hardware does, so the top value of an 8-bit word may set the sign bit.
+    packed = (unsigned.view(rows, padded // per_word, per_word) << shifts).sum(dim=2, dtype=torch.int32)
+    return packed.t().contiguous() if packed_dim == 0 else packed
+
+
+def unpack_int32(
+    packed: torch.Tensor, bits: int, shape: tuple[int, int], packed_dim: int = 1
+) -> torch.Tensor:
+    """Inverse of :func:`pack_int32`: int32 words -> signed int8 values of ``shape`` (padding dropped)."""
+    if packed.dtype != torch.int32:
+        raise ValueError(f"unpack_int32 expects int32 words, got {packed.dtype}")
+    per_word = pack_factor(bits)
+    words = packed.t() if packed_dim == 0 else packed
+    shifts = torch.arange(per_word, dtype=torch.int32, device=packed.device) * bits
+    unsigned = (words[:, :, None] >> shifts) & ((1 << bits) - 1)
+    values = unsigned.reshape(words.shape[0], -1) - (1 << (bits - 1))
+    if packed_dim == 0:
+        values = values.t()
+    return values[: shape[0], : shape[1]].to(torch.int8).contiguous()
+
+
+def quantize(
+    weight: torch.Tensor, bits: int, group_size: int, symmetric: bool = True
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Round-to-nearest group-wise quantization of ``weight`` [N, K].
+
+    Returns (q int8 [N, K], scale [N, ceil(K/G)] in weight's dtype, zero int8 [N, ceil(K/G)] or None).
+    """
+    _check_bits(bits)
+    if weight.dim() != 2:
+        raise ValueError(f"quantize expects a 2-D weight [out, in], got shape {tuple(weight.shape)}")
+    if group_size < 1:
+        raise ValueError(f"group_size must be positive, got {group_size}")
+    n_out, k_in = weight.shape
+    n_groups = math.ceil(k_in / group_size)
+    qmin, qmax = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
+    w = weight.float()
+    padded = torch.nn.functional.pad(w, (0, n_groups * group_size - k_in)).view(n_out, n_groups, group_size)
+    # Padding zeros cannot change the statistics: the range is widened to include 0 anyway.
+    w_min = padded.amin(-1).clamp(max=0)
+    w_max = padded.amax(-1).clamp(min=0)
+    if symmetric:
+        scale = torch.maximum(w_min.abs(), w_max) / ((qmax - qmin) / 2)
+    else:
+        scale = (w_max - w_min) / (qmax - qmin)
+    scale = scale.to(weight.dtype)
+    tiny = torch.finfo(weight.dtype).eps
+    scale = torch.where(scale == 0, torch.tensor(tiny, dtype=weight.dtype, device=weight.device), scale)
+    scale_f = scale.float()
+    zero = None if symmetric else torch.clamp(torch.round(qmin - w_min / scale_f), qmin, qmax)
+    expanded_scale = scale_f.repeat_interleave(group_size, dim=1)[:, :k_in]
+    shifted = w / expanded_scale
+    if zero is not None:
+        shifted = shifted + zero.repeat_interleave(group_size, dim=1)[:, :k_in]
+    q = torch.clamp(torch.round(shifted), qmin, qmax).to(torch.int8)
+    return q, scale, None if zero is None else zero.to(torch.int8)
+
+
+def dequantize(
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor | None,
+    shape: tuple[int, int],
+    group_size: int,
+    bits: int,
+) -> torch.Tensor:
+    """Packed layout -> dense weight [N, K] in ``scales.dtype``: (q - zero) * scale, compressed-tensors' order."""
+    n_out, k_in = shape
+    q = unpack_int32(qweight, bits, (n_out, k_in))
+    expand = lambda t: t.repeat_interleave(group_size, dim=1)[:, :k_in]  # noqa: E731
+    values = q.to(scales.dtype)
+    if zeros is not None:
+        zero = unpack_int32(zeros, bits, (n_out, scales.shape[1]), packed_dim=0)
+        values = values - expand(zero).to(scales.dtype)
+    return values * expand(scales)
+
+
+def pack_weight(
+    weight: torch.Tensor, bits: int, group_size: int, symmetric: bool = True
+) -> dict[str, torch.Tensor]:
+    """Quantize and pack ``weight`` [N, K] into compressed-tensors' tensors, keyed by their checkpoint names
+    (prefix them with the module name, e.g. ``model.layers.0.mlp.down_proj.weight_packed``)."""
+    q, scale, zero = quantize(weight, bits, group_size, symmetric)
+    tensors = {
+        "weight_packed": pack_int32(q, bits),
+        "weight_scale": scale,
+        "weight_shape": torch.tensor(weight.shape, dtype=torch.int64),
+    }
+    if zero is not None:
+        tensors["weight_zero_point"] = pack_int32(zero, bits, packed_dim=0)
+    return tensors
