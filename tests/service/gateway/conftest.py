@@ -1,4 +1,4 @@
-"""Servers on loopback ports for the gateway tests: fake upstreams, gateways, the real embedded worker.
+"""Servers on loopback ports for the gateway tests: fake upstreams, gateways (in threads or as the CLI).
 
 In-process servers run uvicorn in a thread of their own (their own event loop) on a socket bound to port
 0, so tests never race for ports. Fakes that a test must kill run as separate processes.
@@ -7,7 +7,6 @@ In-process servers run uvicorn in a thread of their own (their own event loop) o
 from __future__ import annotations
 
 import importlib.util
-import os
 import signal
 import socket
 import subprocess
@@ -30,7 +29,6 @@ from squeezeserve.service.gateway.config import GatewaySettings
 
 HERE = Path(__file__).parent
 FAKE_SCRIPT = HERE / "fake_upstream.py"
-WORKER_MODEL_NAME = "smollm2"
 
 
 def _load_fake_module() -> Any:
@@ -225,44 +223,9 @@ def cli_gateway() -> Iterator[Callable[..., tuple[str, subprocess.Popen[bytes]]]
         stop_process(process, signal.SIGKILL)
 
 
-def _worker_model_dir() -> Path:
-    given = os.environ.get("SQUEEZESERVE_TEST_MODEL")
-    if given:
-        return Path(given)
-    from squeezeserve.service.models.bundled import export_baseline
-
-    return Path(export_baseline().path)
-
-
-@pytest.fixture(scope="session")
-def worker_url() -> Iterator[str]:
-    """The real embedded worker serving the bundled baseline as ``smollm2``, once per session.
-
-    The model is ``$SQUEEZESERVE_TEST_MODEL`` when set, else the bundled baseline (exported if needed)."""
-    if importlib.util.find_spec("squeezeserve.service.worker.command") is None:
-        pytest.skip("the embedded worker (squeezeserve.service.worker.command) is not in this tree")
-    port = free_port()
-    command = [sys.executable, "-m", "squeezeserve.service.cli", "worker", "--engine", "local"]
-    command += [
-        "--model",
-        str(_worker_model_dir()),
-        "--port",
-        str(port),
-        "--served-model-name",
-        WORKER_MODEL_NAME,
-    ]
-    process = subprocess.Popen(command)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_until_healthy(url, timeout=300, process=process)  # model load on 2 CPU cores
-        yield url
-    finally:
-        stop_process(process)
-
-
 @pytest.fixture(scope="module")
-def worker_gateway(worker_url: str) -> Iterator[str]:
-    """A gateway in front of the real worker, shared by a test module."""
-    server = ServerThread(create_app(GatewaySettings(upstreams=[worker_url], port=0))).start()
+def worker_gateway(baseline_worker: str) -> Iterator[str]:
+    """A gateway in front of the real worker (``tests/conftest.py``'s session-wide one), per test module."""
+    server = ServerThread(create_app(GatewaySettings(upstreams=[baseline_worker], port=0))).start()
     yield server.url
     server.stop()

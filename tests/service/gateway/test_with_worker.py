@@ -10,7 +10,7 @@ from openai import OpenAI
 
 pytestmark = pytest.mark.slow  # loads the model
 
-MODEL = "smollm2"
+MODEL = "smollm2-135m-instruct"  # the name tests/conftest.py serves the baseline under
 
 
 @pytest.fixture(scope="module")
