@@ -72,6 +72,26 @@ def cross_entropy(
     return _ops.cross_entropy_(logits.clone(), target, ignore_index, label_smoothing, reduction, False)
 
 
+class _FusedLinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, target, bias, ignore_index, label_smoothing, reduction):
+        loss, grad_hidden, grad_weight, grad_bias = _ops.fused_linear_cross_entropy(
+            hidden, weight, target, bias, ignore_index, label_smoothing, reduction, True
+        )
+        ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
+        ctx.has_bias = bias is not None
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        # In place: the saved gradients are private buffers, and a scaled copy of grad_weight would
+        # double the largest allocation of the backward (so this graph cannot be backpropagated twice).
+        grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
+        g = grad_loss.to(grad_hidden.dtype)
+        d_bias = grad_bias.mul_(g) if ctx.has_bias else None
+        return grad_hidden.mul_(g), grad_weight.mul_(g), None, d_bias, None, None, None
+
+
 def fused_linear_cross_entropy(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -86,8 +106,12 @@ def fused_linear_cross_entropy(
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (hidden, weight, bias)
     )
+    if needs_grad:
+        return _FusedLinearCrossEntropy.apply(
+            hidden, weight, target, bias, ignore_index, label_smoothing, reduction
+        )
     return _ops.fused_linear_cross_entropy(
-        hidden, weight, target, bias, ignore_index, label_smoothing, reduction, needs_grad
+        hidden, weight, target, bias, ignore_index, label_smoothing, reduction, False
     )[0]
 
 

@@ -63,10 +63,9 @@ def _fused_linear_cross_entropy(
     chunk = chunk_tokens(n_tokens, hidden_size, vocab)
     n_valid = (target != ignore_index).sum()
     losses = torch.empty(n_tokens, dtype=torch.float32, device=hidden.device)
-    empty = hidden.new_empty(0)
-    grad_hidden = torch.empty_like(hidden) if compute_grad else empty
-    grad_weight = torch.zeros_like(weight) if compute_grad else empty
-    grad_bias = torch.zeros_like(bias) if (compute_grad and bias is not None) else empty
+    grad_hidden = torch.empty_like(hidden) if compute_grad else hidden.new_empty(0)
+    grad_weight = torch.zeros_like(weight) if compute_grad else weight.new_empty(0)
+    grad_bias = torch.zeros_like(bias) if (compute_grad and bias is not None) else hidden.new_empty(0)
     for start in range(0, n_tokens, chunk):
         end = min(start + chunk, n_tokens)
         h = hidden[start:end]
@@ -92,12 +91,11 @@ fused_linear_cross_entropy_ = triton_op(
 @fused_linear_cross_entropy_.register_fake
 def _(hidden, weight, target, bias, ignore_index, label_smoothing, reduction, compute_grad):
     _check(hidden, weight, target, bias, reduction)
-    empty = hidden.new_empty(0)
     return (
         hidden.new_empty((), dtype=torch.float32),
-        torch.empty_like(hidden) if compute_grad else empty,
-        torch.empty_like(weight) if compute_grad else empty,
-        torch.empty_like(bias) if (compute_grad and bias is not None) else empty,
+        torch.empty_like(hidden) if compute_grad else hidden.new_empty(0),
+        torch.empty_like(weight) if compute_grad else weight.new_empty(0),
+        torch.empty_like(bias) if (compute_grad and bias is not None) else hidden.new_empty(0),
     )
 
 
@@ -113,11 +111,11 @@ def _grad(ctx, grad_loss, *_unused):
         raise RuntimeError(
             "fused_linear_cross_entropy: backward called on a forward run with compute_grad=False"
         )
-    # Scaled in place: the saved gradients are this op's private buffers, and a copy of grad_weight
-    # would double the largest allocation of the backward. (So the graph cannot be backpropagated twice.)
+    # Out of place, so that torch.compile can partition it; functional.fused_linear_cross_entropy scales
+    # in place instead (eager), saving a copy of grad_weight.
     g = grad_loss.to(grad_hidden.dtype)
-    d_bias = grad_bias.mul_(g) if ctx.has_bias else None
-    return grad_hidden.mul_(g), grad_weight.mul_(g), None, d_bias, None, None, None, None
+    d_bias = grad_bias * g if ctx.has_bias else None
+    return grad_hidden * g, grad_weight * g, None, d_bias, None, None, None, None
 
 
 fused_linear_cross_entropy_.register_autograd(_grad, setup_context=_setup)

@@ -1,0 +1,73 @@
+import pytest
+import torch
+import torch.nn.functional as F
+
+from squeezeserve.kernels import functional as K
+from squeezeserve.kernels.ops.fused_linear_ce import chunk_tokens
+
+
+def _eager(hidden, weight, target, bias, **kw):
+    return F.cross_entropy(F.linear(hidden, weight, bias).float(), target, **kw)
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize(("smoothing", "reduction"), [(0.0, "mean"), (0.1, "sum")])
+def test_flce_matches_eager_fp32(with_bias, smoothing, reduction, device):
+    n, h, v = 37, 24, 301  # v / h > 1: several chunks of tokens
+    assert chunk_tokens(n, h, v) < n
+    hidden = torch.randn(n, h, device=device, requires_grad=True)
+    weight = (torch.randn(v, h, device=device) / h**0.5).requires_grad_()
+    bias = torch.randn(v, device=device, requires_grad=True) if with_bias else None
+    target = torch.randint(0, v, (n,), device=device)
+    target[::5] = -100
+    kw = {"ignore_index": -100, "label_smoothing": smoothing, "reduction": reduction}
+    loss = K.fused_linear_cross_entropy(hidden, weight, target, bias, **kw)
+    (loss * 2).backward()
+    inputs = [hidden, weight] + ([bias] if with_bias else [])
+    ours = [t.grad.clone() for t in inputs]
+    for t in inputs:
+        t.grad = None
+    ref = _eager(hidden, weight, target, bias, **kw)
+    (ref * 2).backward()
+    # fp32 throughout: matmul and reduction order only (chunked GEMMs, online softmax).
+    torch.testing.assert_close(loss, ref, atol=1e-5, rtol=1e-5)
+    for got, t in zip(ours, inputs, strict=True):
+        torch.testing.assert_close(got, t.grad, atol=1e-5, rtol=1e-4)
+
+
+def test_flce_bf16_within_bf16_rounding(device):
+    n, h, v = 40, 32, 257
+    hidden = torch.randn(n, h, device=device).to(torch.bfloat16).requires_grad_()
+    weight = (torch.randn(v, h, device=device) / h**0.5).to(torch.bfloat16).requires_grad_()
+    target = torch.randint(0, v, (n,), device=device)
+    loss = K.fused_linear_cross_entropy(hidden, weight, target)
+    loss.backward()
+    hf, wf = hidden.detach().float().requires_grad_(), weight.detach().float().requires_grad_()
+    ref = _eager(hf, wf, target, None)
+    ref.backward()
+    # bf16 logits (8 mantissa bits) move the loss by ~1e-3 relative; the gradients are bf16 GEMM outputs
+    # accumulated over chunks in bf16: compare by relative norm, where bf16 rounding lands near 4e-3.
+    torch.testing.assert_close(loss, ref, atol=2e-2, rtol=1e-2)
+    for got, want in ((hidden.grad, hf.grad), (weight.grad, wf.grad)):
+        rel = ((got.float() - want).norm() / want.norm()).item()
+        assert rel < 2e-2, rel
+
+
+def test_flce_no_grad_and_bad_reduction(device):
+    hidden, weight = torch.randn(6, 8, device=device), torch.randn(20, 8, device=device)
+    target = torch.randint(0, 20, (6,), device=device)
+    with torch.no_grad():
+        loss = K.fused_linear_cross_entropy(hidden, weight, target)
+    torch.testing.assert_close(loss, _eager(hidden, weight, target, None), atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="'mean' or 'sum'"):
+        K.fused_linear_cross_entropy(hidden, weight, target, reduction="none")
+
+
+def test_flce_opcheck(device, check):
+    hidden = torch.randn(6, 8, device=device, requires_grad=True)
+    weight = torch.randn(20, 8, device=device, requires_grad=True)
+    target = torch.randint(0, 20, (6,), device=device)
+    check.opcheck(
+        torch.ops.squeezeserve.fused_linear_cross_entropy.default,
+        (hidden, weight, target, None, -100, 0.0, "mean", True),
+    )

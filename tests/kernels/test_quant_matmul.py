@@ -1,0 +1,87 @@
+import pytest
+import torch
+
+from squeezeserve.kernels import QuantLinear
+from squeezeserve.kernels import functional as K
+from squeezeserve.kernels import quant_layout as ql
+
+# (M, N, K, group): decode rows (M <= 16, split-K path) and prefill rows; K = 576 and 1536 are the
+# bundled model's widths, with groups that divide K but not 128 and a group that does not divide K.
+SHAPES = [(1, 72, 576, 64), (5, 40, 576, 32), (33, 24, 1536, 64), (3, 16, 200, 128)]
+
+
+def _dense_reference(x, tensors, shape, group, bits):
+    weight = ql.dequantize(
+        tensors["weight_packed"],
+        tensors["weight_scale"],
+        tensors.get("weight_zero_point"),
+        shape,
+        group,
+        bits,
+    )
+    return x.float() @ weight.float().t()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize(("m", "n", "k", "group"), SHAPES)
+def test_quant_matmul_matches_dequantize_then_matmul(m, n, k, group, bits, symmetric, dtype, device):
+    tensors = {
+        name: t.to(device)
+        for name, t in ql.pack_weight(torch.randn(n, k).to(dtype), bits, group, symmetric).items()
+    }
+    x = torch.randn(m, k, device=device).to(dtype)
+    y = K.quant_matmul(
+        x, tensors["weight_packed"], tensors["weight_scale"], tensors.get("weight_zero_point"), group, bits
+    )
+    ref = _dense_reference(x, tensors, (n, k), group, bits)
+    assert y.dtype == dtype and y.shape == (m, n)
+    # The dequantized weight is bit-exact (integer times scale in fp32, one rounding); what remains is
+    # the output rounding (fp16 ~5e-4, bf16 ~4e-3 relative) and accumulation order.
+    rel = ((y.float() - ref).norm() / ref.norm()).item()
+    assert rel < (1e-2 if dtype == torch.bfloat16 else 2e-3), rel
+
+
+def test_quant_linear_matches_linear_and_has_checkpoint_names(device):
+    linear = torch.nn.Linear(576, 48, bias=True).to(device=device, dtype=torch.float16)
+    qlinear = QuantLinear.from_linear(linear, bits=4, group_size=64, symmetric=False)
+    assert {name for name, _ in qlinear.named_buffers()} == {
+        "weight_packed",
+        "weight_scale",
+        "weight_zero_point",
+        "weight_shape",
+    }
+    x = torch.randn(3, 7, 576, device=device, dtype=torch.float16)
+    expected = torch.nn.functional.linear(
+        x.float(), qlinear.dequantized_weight().float(), linear.bias.float()
+    )
+    y = qlinear(x)
+    assert y.shape == (3, 7, 48)
+    assert ((y.float() - expected).norm() / expected.norm()).item() < 2e-3
+
+
+def test_quant_matmul_gradient_wrt_x(device):
+    tensors = {k: t.to(device) for k, t in ql.pack_weight(torch.randn(24, 64).half(), 4, 32).items()}
+    x = torch.randn(5, 64, device=device, dtype=torch.float16, requires_grad=True)
+    K.quant_matmul(x, tensors["weight_packed"], tensors["weight_scale"], None, 32, 4).sum().backward()
+    weight = ql.dequantize(tensors["weight_packed"], tensors["weight_scale"], None, (24, 64), 32, 4)
+    torch.testing.assert_close(x.grad.float(), weight.float().sum(0).expand(5, 64), atol=2e-2, rtol=2e-3)
+
+
+def test_quant_matmul_rejects_mismatched_layout(device):
+    tensors = ql.pack_weight(torch.randn(16, 64).half(), 4, 32)
+    with pytest.raises(ValueError, match="scales must be"):
+        K.quant_matmul(torch.randn(2, 64).half().to(device), tensors["weight_packed"].to(device),
+                       tensors["weight_scale"].to(device), None, 64, 4)  # fmt: skip
+    with pytest.raises(ValueError, match="bits must be one of"):
+        K.quant_matmul(
+            torch.randn(2, 64).half(), tensors["weight_packed"], tensors["weight_scale"], None, 32, 3
+        )
+
+
+def test_quant_matmul_opcheck(device, check):
+    tensors = {k: t.to(device) for k, t in ql.pack_weight(torch.randn(16, 64).half(), 4, 32, False).items()}
+    x = torch.randn(3, 64, device=device, dtype=torch.float16, requires_grad=True)
+    args = (x, tensors["weight_packed"], tensors["weight_scale"], tensors["weight_zero_point"], 32, 4)
+    check.opcheck(torch.ops.squeezeserve.quant_matmul.default, args)
