@@ -1,0 +1,95 @@
+"""Fixtures shared across the suite: the bundled baseline and a real embedded worker on loopback.
+
+The baseline is exported once into ``$SQUEEZESERVE_HOME`` (default ``~/.cache/squeezeserve``) and reused by
+later runs; ``$SQUEEZESERVE_TEST_MODEL`` points the suite at another checkpoint instead.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+WIKITEXT = REPO_ROOT.parent / "shared" / "data" / "wikitext-2"
+SERVED_NAME = "smollm2-135m-instruct"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_until_healthy(url: str, timeout: float, process: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process is not None and process.poll() is not None:
+            raise RuntimeError(f"server for {url} exited with code {process.returncode}")
+        try:
+            if httpx.get(f"{url}/health", timeout=1.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise RuntimeError(f"{url} not healthy after {timeout} s")
+
+
+def stop_process(process: subprocess.Popen, sig: int = signal.SIGTERM) -> None:
+    if process.poll() is None:
+        process.send_signal(sig)
+        try:
+            process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def start_worker(model: Path | str, name: str, *extra: str) -> tuple[str, subprocess.Popen]:
+    """Start ``squeezeserve worker --engine local`` in a subprocess and wait until it is healthy."""
+    port = free_port()
+    command = [sys.executable, "-m", "squeezeserve.service.cli", "--log-level", "WARNING", "worker"]
+    command += ["--engine", "local", "--model", str(model), "--port", str(port), "--served-model-name", name]
+    process = subprocess.Popen([*command, *extra])
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until_healthy(url, timeout=300, process=process)  # model load on 2 busy CPU cores
+    except BaseException:
+        stop_process(process, signal.SIGKILL)
+        raise
+    return url, process
+
+
+@pytest.fixture(scope="session")
+def baseline_dir() -> Path:
+    given = os.environ.get("SQUEEZESERVE_TEST_MODEL")
+    if given:
+        return Path(given)
+    from squeezeserve.service.models.bundled import export_baseline
+
+    return export_baseline().path
+
+
+@pytest.fixture(scope="session")
+def wikitext() -> Path:
+    if not (WIKITEXT / "test.txt").is_file():
+        pytest.fail(f"the shared data set is missing: {WIKITEXT} (CI runs with ../shared beside the repo)")
+    return WIKITEXT
+
+
+@pytest.fixture(scope="session")
+def baseline_worker(baseline_dir: Path) -> Iterator[str]:
+    """One real embedded worker serving the baseline as ``smollm2-135m-instruct`` for the whole session."""
+    url, process = start_worker(baseline_dir, SERVED_NAME)
+    try:
+        yield url
+    finally:
+        stop_process(process)
