@@ -1,0 +1,83 @@
+"""``squeezeserve compress``: turn a dense checkpoint into a compressed one (see ``pipeline.py``)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+log = logging.getLogger(__name__)
+
+METHODS = ("int8", "int4", "fp8", "prune")  # kept equal to options.METHODS (that module imports torch)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, help="dense checkpoint directory or Hugging Face id")
+    parser.add_argument(
+        "--method",
+        required=True,
+        help="int8 (W8A16 per-channel), int4 (W4A16 group-wise), fp8 (E4M3 W8A8 dynamic), "
+        "prune (dense, needs --sparsity)",
+    )
+    parser.add_argument(
+        "--out", required=True, help="output checkpoint directory (must not exist or be empty)"
+    )
+    parser.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+    parser.add_argument(
+        "--algorithm", help="int8/int4: gptq (calibrated; int4 default) or rtn (int8 default)"
+    )
+    parser.add_argument("--group-size", type=int, help="int4: input columns per scale (default 32)")
+    symmetry = parser.add_mutually_exclusive_group()
+    symmetry.add_argument(
+        "--symmetric", dest="symmetric", action="store_true", default=None, help="int4: no zero point"
+    )
+    symmetry.add_argument(
+        "--asymmetric", dest="symmetric", action="store_false", help="int4: per-group zero point (default)"
+    )
+    parser.add_argument("--sparsity", help="prune first: a fraction (0.5) or N:M (2:4)")
+    parser.add_argument("--prune-method", default="wanda", help="magnitude or wanda (calibrated; default)")
+    parser.add_argument("--calibration", help="UTF-8 text file for GPTQ, Wanda and recovery")
+    parser.add_argument(
+        "--calibration-samples", type=int, default=128, help="calibration windows (default 128)"
+    )
+    parser.add_argument(
+        "--calibration-seq-len", type=int, default=512, help="tokens per window (default 512)"
+    )
+    parser.add_argument(
+        "--recover-steps", type=int, default=0, help="fine-tune steps after pruning (mask kept)"
+    )
+    parser.add_argument("--recover-lr", type=float, default=2e-5, help="recovery learning rate (AdamW)")
+    parser.add_argument("--recover-batch-size", type=int, default=4, help="windows per recovery step")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.method not in METHODS:
+        print(f"error: unknown method {args.method!r}: choose one of {', '.join(METHODS)}", file=sys.stderr)
+        return 2
+    from squeezeserve.service.compress.options import build_options
+    from squeezeserve.service.compress.pipeline import compress
+    from squeezeserve.service.compress.summary import format_summary
+
+    try:
+        options = build_options(
+            method=args.method,
+            algorithm=args.algorithm,
+            group_size=args.group_size,
+            symmetric=args.symmetric,
+            sparsity=args.sparsity,
+            prune_method=args.prune_method,
+            calibration=args.calibration,
+            calibration_samples=args.calibration_samples,
+            calibration_seq_len=args.calibration_seq_len,
+            recover_steps=args.recover_steps,
+            recover_lr=args.recover_lr,
+            recover_batch_size=args.recover_batch_size,
+            seed=args.seed,
+        )
+        result = compress(args.model, args.out, options, overwrite=args.overwrite)
+    except (ValueError, FileNotFoundError, FileExistsError, MemoryError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(format_summary(result))
+    return 0

@@ -1,0 +1,356 @@
+"""One compression run: load, (prune, recover), quantize, write atomically, record.
+
+The output is built in a hidden temporary sibling of ``out`` and renamed into place only once every file
+is written, so a failed or interrupted run leaves nothing that looks like a checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import platform
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from squeezeserve.service.compress.calibration import (
+    Calibration,
+    calibration_batches,
+    decoder_layers,
+    layerwise,
+    linear_modules,
+)
+from squeezeserve.service.compress.formats import (
+    compressed_tensors_for,
+    copy_side_files,
+    quantization_config,
+    write_config,
+)
+from squeezeserve.service.compress.gptq import apply_mask, gptq_quantize
+from squeezeserve.service.compress.options import CompressOptions
+from squeezeserve.service.compress.prune import enforce_mask, prune_mask, prune_scores
+from squeezeserve.service.compress.quantize import QuantizedWeight, QuantScheme, package, quantize_rtn
+
+log = logging.getLogger(__name__)
+
+RECORD = "squeeze.json"
+
+
+@dataclass
+class LayerReport:
+    name: str
+    shape: tuple[int, int]
+    relative_error: float | None  # ||W - W'||_F / ||W||_F (quantization only)
+    sparsity: float
+
+
+@dataclass
+class CompressResult:
+    out: Path
+    record: dict[str, Any]
+    layers: list[LayerReport] = field(default_factory=list)
+
+
+def resolve_source(model: str) -> Path:
+    """A local checkpoint dir, or a Hugging Face id resolved through the local cache / hub."""
+    path = Path(model).expanduser()
+    if path.exists():
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"{path} is not a model checkpoint: it has no config.json")
+        return path
+    if model.startswith((".", "/", "~")) or model.count("/") != 1:
+        raise FileNotFoundError(f"model {model!r} not found: give a checkpoint directory or an org/name id")
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model"]))
+    except Exception as exc:  # the hub raises many types; all mean "cannot get it"
+        raise FileNotFoundError(f"could not fetch {model!r} from the Hugging Face hub: {exc}") from exc
+
+
+def check_memory(source: Path, options: CompressOptions) -> None:
+    """Refuse early when the weights (float32 working copy, plus optimizer state when recovering) cannot fit."""
+    weight_bytes = sum(f.stat().st_size for f in source.glob("*.safetensors"))
+    # Checkpoints are mostly 16-bit: the float32 copy is twice the file size; AdamW adds 2 more copies of
+    # the trained weights plus their gradients.
+    need = weight_bytes * 2 * (4 if options.recover_steps else 1.5)
+    available = _available_memory()
+    if available is not None and need > available:
+        raise MemoryError(
+            f"compressing {source} needs about {need / 2**30:.1f} GiB of memory; {available / 2**30:.1f} GiB "
+            "is available"
+        )
+
+
+def _available_memory() -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def scheme_for(options: CompressOptions, scale_dtype: torch.dtype) -> QuantScheme | None:
+    if options.method == "int8":
+        return QuantScheme("int", 8, None, True, scale_dtype)
+    if options.method == "int4":
+        return QuantScheme("int", 4, options.group_size, options.symmetric, scale_dtype)
+    if options.method == "fp8":
+        return QuantScheme("float", 8, None, True, torch.float32)
+    return None
+
+
+def target_linears(model: nn.Module) -> dict[str, nn.Linear]:
+    """Every Linear inside the decoder layers (the LM head and embeddings stay as they are)."""
+    targets = {}
+    for index, layer in enumerate(decoder_layers(model)):
+        targets.update(linear_modules(layer, prefix=f"model.layers.{index}."))
+    return targets
+
+
+def prune(
+    model: nn.Module, options: CompressOptions, calibration: Calibration | None
+) -> dict[str, torch.Tensor]:
+    """Prune every target Linear in place; returns the keep-masks."""
+    masks: dict[str, torch.Tensor] = {}
+    sparsity = options.sparsity
+    assert sparsity is not None
+
+    def prune_layer(_index: int, linears: dict[str, nn.Linear], grams: dict[str, torch.Tensor]) -> None:
+        for name, module in linears.items():
+            scores = prune_scores(module.weight, options.prune_method, grams.get(name))
+            masks[name] = prune_mask(scores, sparsity)
+            module.weight.data = enforce_mask(module.weight.data, masks[name])
+
+    if options.prune_method == "wanda":
+        assert calibration is not None
+        layerwise(model, calibration.input_ids, prune_layer, desc=f"pruning {sparsity} (wanda)")
+    else:
+        targets = target_linears(model)
+        for name, module in tqdm(targets.items(), desc=f"pruning {sparsity} (magnitude)", unit="linear"):
+            prune_layer(0, {name: module}, {})
+    return masks
+
+
+def quantize(
+    model: nn.Module,
+    scheme: QuantScheme,
+    options: CompressOptions,
+    masks: dict[str, torch.Tensor],
+    calibration: Calibration | None,
+) -> tuple[dict[str, QuantizedWeight], dict[str, float]]:
+    """Quantize every target Linear; returns the quantized weights and each one's relative error."""
+    quantized: dict[str, QuantizedWeight] = {}
+    errors: dict[str, float] = {}
+    targets = target_linears(model)
+    for name, module in targets.items():
+        scheme.check_shape(name, module.in_features)
+
+    def record(name: str, module: nn.Linear, q: QuantizedWeight) -> None:
+        quantized[name] = q
+        errors[name] = relative_error(module.weight.data, q.dequantize())
+        # Later layers calibrate on what the quantized model computes.
+        module.weight.data = q.dequantize(module.weight.dtype)
+
+    def quantize_layer(_index: int, linears: dict[str, nn.Linear], grams: dict[str, torch.Tensor]) -> None:
+        if options.algorithm == "gptq":
+            for names in _shared_input_groups(grams):
+                # Rows of GPTQ are independent given H: linears fed the same input (q/k/v, gate/up) are
+                # quantized as one stacked matrix, one column sweep instead of several.
+                weight = torch.cat([linears[n].weight.data for n in names])
+                mask = None
+                if any(n in masks for n in names):
+                    mask = torch.cat(
+                        [masks.get(n, torch.ones_like(linears[n].weight, dtype=torch.bool)) for n in names]
+                    )
+                stacked = gptq_quantize(weight, grams[names[0]], scheme, mask=mask)
+                start = 0
+                for n in names:
+                    rows = linears[n].out_features
+                    record(n, linears[n], stacked.rows(start, start + rows))
+                    start += rows
+            return
+        for name, module in linears.items():
+            mask = masks.get(name)
+            q = quantize_rtn(module.weight.data, scheme)
+            if mask is not None and scheme.kind == "int":
+                q = _masked_rtn(q, module.weight.data, mask)
+            record(name, module, q)
+
+    if options.algorithm == "gptq":
+        assert calibration is not None
+        layerwise(model, calibration.input_ids, quantize_layer, desc=f"GPTQ {options.method}")
+    else:
+        for name, module in tqdm(targets.items(), desc=f"RTN {options.method}", unit="linear"):
+            quantize_layer(0, {name: module}, {})
+    return quantized, errors
+
+
+def _shared_input_groups(grams: dict[str, torch.Tensor]) -> list[list[str]]:
+    """Names grouped by identical input Gram matrix (linears that read the same activations)."""
+    groups: list[list[str]] = []
+    for name, gram in grams.items():
+        for group in groups:
+            if grams[group[0]].shape == gram.shape and torch.equal(grams[group[0]], gram):
+                group.append(name)
+                break
+        else:
+            groups.append([name])
+    return groups
+
+
+def relative_error(weight: torch.Tensor, dequantized: torch.Tensor) -> float:
+    """``||W - W'||_F / ||W||_F``."""
+    weight = weight.to(torch.float32)
+    return float(torch.linalg.norm(weight - dequantized) / torch.linalg.norm(weight).clamp(min=1e-12))
+
+
+def _masked_rtn(q: QuantizedWeight, weight: torch.Tensor, mask: torch.Tensor) -> QuantizedWeight:
+    """RTN codes with the pruning pattern enforced (pruned: 0, kept: never 0)."""
+    out, in_features = weight.shape
+    width = q.scheme.group_width(in_features)
+    zero = None if q.zero_point is None else q.zero_point.to(torch.float32).repeat_interleave(width, dim=1)
+    codes = apply_mask(q.codes.to(torch.float32), weight.to(torch.float32), zero, mask, q.scheme)
+    zero_groups = None if q.zero_point is None else q.zero_point.to(torch.float32)
+    return package(codes, q.scale.to(torch.float32), zero_groups, q.scheme)
+
+
+def versions() -> dict[str, str]:
+    import importlib.metadata as md
+
+    found = {"python": platform.python_version()}
+    for name in ("squeezeserve", "torch", "transformers", "compressed-tensors", "safetensors"):
+        try:
+            found[name] = md.version(name)
+        except md.PackageNotFoundError:
+            continue
+    return found
+
+
+def dir_size(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def compress(
+    model: str, out: str | Path, options: CompressOptions, overwrite: bool = False
+) -> CompressResult:
+    """Compress ``model`` (dir or hub id) into the checkpoint directory ``out``; see the module docstring."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    start = time.perf_counter()
+    out = Path(out).expanduser()
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise FileExistsError(f"{out} exists and is not empty; choose another --out or pass --overwrite")
+    source = resolve_source(model)
+    if out.resolve() == source.resolve():
+        raise ValueError("--out must differ from --model: the source checkpoint is never overwritten")
+    check_memory(source, options)
+    torch.manual_seed(options.seed)
+
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    source_config = json.loads((source / "config.json").read_text())
+    if source_config.get("quantization_config"):
+        raise ValueError(f"{source} is already quantized; compress a dense (float) checkpoint")
+    calibration = None
+    if options.needs_calibration:
+        calibration = calibration_batches(
+            options.calibration, tokenizer, options.calibration_samples, options.calibration_seq_len
+        )
+    # Work in float32: GPTQ's Cholesky factorisations and the fine-tune need it.
+    lm = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32, low_cpu_mem_usage=True).eval()
+    lm.requires_grad_(False)
+    save_dtype = _checkpoint_dtype(source_config)
+    scheme = scheme_for(options, scale_dtype=save_dtype)
+
+    masks = prune(lm, options, calibration) if options.sparsity is not None else {}
+    if options.recover_steps:
+        from squeezeserve.service.compress.recover import recover
+
+        assert calibration is not None
+        recover(lm, masks, calibration.input_ids, options)
+    quantized, errors = quantize(lm, scheme, options, masks, calibration) if scheme is not None else ({}, {})
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    tmp.chmod(0o755)
+    try:
+        tensors = _checkpoint_tensors(lm, quantized, save_dtype)
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        copy_side_files(source, tmp)
+        write_config(source, tmp, quantization_config(scheme) if scheme is not None else None)
+        layers = _layer_reports(lm, errors)
+        record = {
+            "method": options.method,
+            "options": options.record(),
+            "source": str(source),
+            "calibration": None
+            if calibration is None
+            else {
+                "path": calibration.path,
+                "sha256": calibration.sha256,
+                "samples": int(calibration.input_ids.shape[0]),
+                "seq_len": int(calibration.input_ids.shape[1]),
+            },
+            "quantization": None if scheme is None else {"format": quantization_config(scheme)["format"]},
+            "versions": versions(),
+            "size_bytes": {"before": dir_size(source), "after": 0},
+            "sparsity": _overall_sparsity(layers),
+            "layers": [vars(layer) | {"shape": list(layer.shape)} for layer in layers],
+            "wall_seconds": 0.0,
+        }
+        record["size_bytes"]["after"] = dir_size(tmp)
+        record["wall_seconds"] = round(time.perf_counter() - start, 2)
+        (tmp / RECORD).write_text(json.dumps(record, indent=2) + "\n")
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return CompressResult(out=out, record=record, layers=layers)
+
+
+def _checkpoint_dtype(config: dict[str, Any]) -> torch.dtype:
+    name = str(config.get("dtype") or config.get("torch_dtype") or "float16").removeprefix("torch.")
+    dtype = getattr(torch, name, torch.float16)
+    return dtype if dtype in (torch.float16, torch.bfloat16) else torch.float16
+
+
+def _checkpoint_tensors(
+    lm: nn.Module, quantized: dict[str, QuantizedWeight], dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    tied = bool(getattr(lm.config, "tie_word_embeddings", False))
+    tensors: dict[str, torch.Tensor] = {}
+    for key, tensor in lm.state_dict().items():
+        if tied and key == "lm_head.weight":
+            continue
+        name = key.removesuffix(".weight")
+        if key.endswith(".weight") and name in quantized:
+            tensors.update(compressed_tensors_for(name, quantized[name]))
+        else:
+            tensors[key] = tensor.detach().to(dtype).contiguous() if tensor.is_floating_point() else tensor
+    return tensors
+
+
+def _layer_reports(lm: nn.Module, errors: dict[str, float]) -> list[LayerReport]:
+    reports = []
+    for name, module in target_linears(lm).items():
+        weight = module.weight.detach()
+        zeros = float((weight == 0).float().mean())
+        reports.append(LayerReport(name, tuple(weight.shape), errors.get(name), zeros))
+    return reports
+
+
+def _overall_sparsity(layers: list[LayerReport]) -> float:
+    total = sum(layer.shape[0] * layer.shape[1] for layer in layers)
+    return sum(layer.sparsity * layer.shape[0] * layer.shape[1] for layer in layers) / max(total, 1)
