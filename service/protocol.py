@@ -127,10 +127,19 @@ def error_body(message: str, type_: str, code: str | int | None = None, param: s
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
+# pydantic names the union member that failed inside `loc` ("prompt", "list[str]", 0); those tags are not
+# part of the field's path.
+_SCALAR_TAGS = frozenset({"str", "int", "float", "bool", "none", "constrained-int", "constrained-float"})
+
+
+def _is_union_tag(part: object) -> bool:
+    return isinstance(part, str) and ("[" in part or part in _SCALAR_TAGS)
+
+
 def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
     """Turn pydantic's error list into one sentence naming the field, plus that field's name."""
     first = errors[0]
-    loc = [str(p) for p in first.get("loc", ()) if p not in ("body",)]
+    loc = [str(p) for p in first.get("loc", ()) if p != "body" and not _is_union_tag(p)]
     param = ".".join(loc) or None
     msg = first.get("msg", "invalid value")
     if param:

@@ -14,6 +14,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -93,3 +94,14 @@ def baseline_worker(baseline_dir: Path) -> Iterator[str]:
         yield url
     finally:
         stop_process(process)
+
+
+@pytest.fixture(scope="session")
+def servers() -> SimpleNamespace:
+    """The process helpers above, for test modules (``--import-mode=importlib`` cannot import conftest)."""
+    return SimpleNamespace(
+        free_port=free_port,
+        wait_until_healthy=wait_until_healthy,
+        stop_process=stop_process,
+        start_worker=start_worker,
+    )

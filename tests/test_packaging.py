@@ -1,0 +1,62 @@
+"""The package's shape: one import name, nothing importable as a top-level ``kernels`` or ``service``."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_no_top_level_kernels_or_service_from_this_repo() -> None:
+    """Neither the install nor the test run puts the repo root on sys.path.
+
+    (A bare ``python`` started inside the repo root always sees ./kernels through its working directory;
+    the install must not add anything beyond that, which is what the subprocess checks.)
+    """
+    for name in ("kernels", "service"):
+        spec = importlib.util.find_spec(name)
+        assert spec is None or not str(spec.origin).startswith(str(REPO_ROOT)), f"{name} -> {spec.origin}"
+    code = (
+        "import importlib.util, os, sys\n"
+        "sys.path[:] = [p for p in sys.path if p not in ('', os.getcwd())]\n"
+        "for name in ('kernels', 'service'):\n"
+        "    spec = importlib.util.find_spec(name)\n"
+        "    print(name, spec.origin if spec else None)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, check=True)
+    for line in out.stdout.splitlines():
+        name, origin = line.split(" ", 1)
+        assert origin == "None" or not origin.startswith(str(REPO_ROOT)), f"top-level {name} resolves to {origin}"
+
+
+def test_squeezeserve_maps_onto_the_fixed_folders() -> None:
+    assert Path(importlib.util.find_spec("squeezeserve.service").origin).parent == REPO_ROOT / "service"
+    assert Path(importlib.util.find_spec("squeezeserve.kernels").origin).parent == REPO_ROOT / "kernels"
+
+
+def test_every_package_folder_is_listed_in_pyproject() -> None:
+    config = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    listed = set(config["packages"])
+    found = set()
+    for prefix, folder in config["package-dir"].items():
+        for init in (REPO_ROOT / folder).rglob("__init__.py"):
+            rel = init.parent.relative_to(REPO_ROOT / folder)
+            found.add(".".join([prefix, *rel.parts]))
+    assert found == listed, (
+        f"missing from pyproject: {sorted(found - listed)}; stale: {sorted(listed - found)}"
+    )
+
+
+def test_cli_help_lists_every_command() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "squeezeserve.service.cli", "--help"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    for command in ("up", "gateway", "worker", "model"):
+        assert command in out.stdout
