@@ -19,7 +19,10 @@ def test_no_top_level_kernels_or_service_from_this_repo() -> None:
     the install must not add anything beyond that, which is what the subprocess checks.)
     """
     # pytest itself (importlib mode, no `pythonpath`) adds no path; `python -m pytest` adds '' (the cwd).
-    assert str(REPO_ROOT) not in [os.path.abspath(p) for p in sys.path if p]
+    assert str(REPO_ROOT) not in [os.path.abspath(p) for p in sys.path if p], (
+        "the repo root is on sys.path (run `pytest`, not `python -m pytest`, from the repo root): "
+        "transformers would take ./kernels for Hugging Face's kernels package"
+    )
     code = (
         "import importlib.util, os, sys\n"
         "sys.path[:] = [p for p in sys.path if p not in ('', os.getcwd())]\n"
