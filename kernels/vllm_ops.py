@@ -1,0 +1,343 @@
+"""squeezeserve's ops inside vLLM 0.26: out-of-tree custom ops and a weight-only quantization method.
+
+vLLM loads this through our ``vllm.general_plugins`` entry point (``service/worker/vllm_plugin.py``), in
+every process that builds a model. What it installs:
+
+- ``SiluAndMul`` -> ``torch.ops.squeezeserve.silu_and_mul``; ``RMSNorm`` (plain and with the fused
+  residual add) -> ``torch.ops.squeezeserve.rmsnorm`` / ``add_rmsnorm``. Both through
+  ``CustomOp.register_oot``: ``CustomOp.__new__`` instantiates our subclass wherever a model builds the
+  stock class. vLLM calls ``forward_cuda`` when custom ops are enabled (eager, ``custom_ops=['all']``) and
+  ``forward_native`` when they are not (its torch.compile default), so both run our op. In 0.26 the stock
+  ``RMSNorm.forward_native`` calls the vLLM IR ops ``ir.ops.rms_norm`` / ``fused_add_rms_norm``; replacing
+  the module keeps the IR priority (set per engine from ``--ir-op-priority``) out of the A/B: with ours on,
+  no IR op is left in the model. Our ops are ``triton_op``s, so torch.compile traces the Triton kernels
+  into vLLM's compiled graph and CUDA graphs capture them.
+- The ``squeezeserve`` quantization method (``register_quantization_config``): serves compressed-tensors
+  ``pack-quantized`` int4/int8 weight-only checkpoints (``squeezeserve compress``) through
+  ``torch.ops.squeezeserve.quant_matmul``, reading the checkpoint's packed layout as stored (no repacking).
+  It is chosen with ``--quantization squeezeserve``; without it vLLM's own compressed-tensors path
+  (Marlin/Machete) serves the same checkpoint.
+
+Every eager call of a replacement is counted per process (:func:`call_counts`); with
+``SQUEEZESERVE_VLLM_PROBE=<file>`` the 1st, 2nd, 4th, 8th ... call of each op appends a line
+``pid=<pid> op=<op> call=<n> shape=<shape> dtype=<dtype>``. Under torch.compile the compiled graph
+launches our Triton kernels without running this Python: there a profiler trace is the proof
+(tests/gpu/vllm_ab.py counts the kernels by name).
+
+Everything that does not need vLLM (scheme parsing, the linear's arithmetic, the merged-layer check) is a
+plain function here so it is tested on CPU without vLLM; the vLLM classes are built only by
+:func:`register_custom_ops` and :func:`register_quantization`.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from squeezeserve.kernels import functional
+
+QUANT_METHOD_NAME = "squeezeserve"
+PROBE_ENV = "SQUEEZESERVE_VLLM_PROBE"
+CUSTOM_OPS = ("silu_and_mul", "rms_norm")
+
+_calls: collections.Counter[str] = collections.Counter()
+
+
+def call_counts() -> dict[str, int]:
+    """Python-level calls of each replacement in this process (eager calls plus compile-time traces)."""
+    return dict(_calls)
+
+
+def _note(op: str, x: torch.Tensor) -> None:
+    if torch.compiler.is_compiling():
+        # Dynamo traces the model's forward with fullgraph=True: no side effects here (a file write would
+        # break the graph). Compiled runs are proven by the kernels a profiler sees launched.
+        return
+    _calls[op] += 1
+    n = _calls[op]
+    path = os.environ.get(PROBE_ENV)
+    if path and n & (n - 1) == 0:
+        with open(path, "a") as f:
+            f.write(f"pid={os.getpid()} op={op} call={n} shape={tuple(x.shape)} dtype={x.dtype}\n")
+
+
+# --- the quantization scheme, parsed from the checkpoint's compressed-tensors config ------------------
+
+
+@dataclass(frozen=True)
+class WeightOnlyScheme:
+    """A pack-quantized weight-only scheme: ``bits`` in {4, 8}, ``group_size`` None for per channel."""
+
+    bits: int
+    group_size: int | None
+    symmetric: bool
+    ignore: tuple[str, ...]
+
+    def groups(self, in_features: int) -> int:
+        return 1 if self.group_size is None else math.ceil(in_features / self.group_size)
+
+    def group_size_for(self, in_features: int) -> int:
+        """The group size quant_matmul takes: per channel is one group as wide as the input."""
+        return in_features if self.group_size is None else self.group_size
+
+
+def parse_scheme(quant_config: dict[str, Any]) -> WeightOnlyScheme:
+    """The ``quantization_config`` block of a checkpoint's config.json -> our scheme; anything we do not
+    serve (fp8, activation quantization, several groups, act-order) is refused with the reason."""
+    from squeezeserve.service.compress.formats import PACK_QUANTIZED, read_quantization
+
+    parsed = read_quantization({"quantization_config": quant_config})
+    scheme = parsed.scheme
+    if scheme.kind != "int":
+        raise ValueError(
+            f"the squeezeserve quantization method serves integer weight-only checkpoints, not {scheme.kind} "
+            "(serve fp8 checkpoints with vLLM's own compressed-tensors path)"
+        )
+    group = next(iter(quant_config["config_groups"].values()))
+    fmt = group.get("format") or quant_config.get("format")
+    if fmt != PACK_QUANTIZED:
+        raise ValueError(f"expected compressed-tensors format {PACK_QUANTIZED!r}, got {fmt!r}")
+    if group.get("input_activations"):
+        raise ValueError("the checkpoint quantizes activations; the squeezeserve method is weight-only")
+    if (group.get("weights") or {}).get("actorder") not in (None, "static", False):
+        raise ValueError("activation reordering (actorder=group) is not supported by quant_matmul")
+    if scheme.bits not in (4, 8):
+        raise ValueError(f"quant_matmul serves 4- and 8-bit weights, the checkpoint has {scheme.bits}")
+    return WeightOnlyScheme(scheme.bits, scheme.group_size, scheme.symmetric, parsed.ignore)
+
+
+def check_partition(scheme: WeightOnlyScheme, output_partition_sizes: list[int]) -> None:
+    """vLLM loads merged layers (qkv_proj, gate_up_proj) by stacking each shard's tensors along the output
+    dim. Packed weights and scales are per output row, so stacking them is the packed form of the stacked
+    weight. Zero points are packed along the output dim: stacking is exact only when every shard fills
+    whole int32 words."""
+    per_word = 32 // scheme.bits
+    if not scheme.symmetric and any(n % per_word for n in output_partition_sizes):
+        raise ValueError(
+            f"asymmetric {scheme.bits}-bit zero points are packed {per_word} outputs per int32: every merged "
+            f"shard must be a multiple of {per_word}, got {output_partition_sizes}"
+        )
+
+
+def quant_linear(
+    x: torch.Tensor,
+    weight_packed: torch.Tensor,
+    weight_scale: torch.Tensor,
+    weight_zero_point: torch.Tensor | None,
+    scheme: WeightOnlyScheme,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """y = x @ dequantize(W).T (+ bias), W in compressed-tensors' pack-quantized layout."""
+    _note("quant_matmul", x)
+    group = scheme.group_size_for(x.shape[-1])
+    y = functional.quant_matmul(x, weight_packed, weight_scale, weight_zero_point, group, scheme.bits)
+    return y + bias if bias is not None else y
+
+
+# --- vLLM registration ----------------------------------------------------------------------------------
+
+
+def _register_silu_and_mul() -> None:
+    from vllm.model_executor.custom_op import CustomOp
+    from vllm.model_executor.layers.activation import SiluAndMul
+
+    class SqueezeSiluAndMul(SiluAndMul):
+        """silu(x[..., :d]) * x[..., d:] through squeezeserve::silu_and_mul."""
+
+        def forward_native(self, x: torch.Tensor) -> torch.Tensor:
+            _note("silu_and_mul", x)
+            return functional.silu_and_mul(x)
+
+        def forward_cuda(self, x: torch.Tensor) -> torch.Tensor:
+            return self.forward_native(x)
+
+    CustomOp.register_oot(name="SiluAndMul")(SqueezeSiluAndMul)
+
+
+def _register_rms_norm() -> None:
+    from vllm.model_executor.custom_op import CustomOp
+    from vllm.model_executor.layers.layernorm import RMSNorm
+
+    class SqueezeRMSNorm(RMSNorm):
+        """RMSNorm and the fused residual add through squeezeserve::rmsnorm / add_rmsnorm. Shapes ours do not
+        cover (a weightless norm, a variance over part of the row) keep vLLM's implementation."""
+
+        def forward_native(
+            self, x: torch.Tensor, residual: torch.Tensor | None = None
+        ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+            if not self.has_weight or self.variance_size_override is not None:
+                return super().forward_native(x, residual)
+            if residual is None:
+                _note("rms_norm", x)
+                return functional.rmsnorm(x, self.weight, self.variance_epsilon)
+            _note("fused_add_rms_norm", x)
+            return functional.add_rmsnorm(x, residual, self.weight, self.variance_epsilon)
+
+        def forward_cuda(
+            self, x: torch.Tensor, residual: torch.Tensor | None = None
+        ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+            return self.forward_native(x, residual)
+
+    CustomOp.register_oot(name="RMSNorm")(SqueezeRMSNorm)
+
+
+_CUSTOM_OP_REGISTRARS = {"silu_and_mul": _register_silu_and_mul, "rms_norm": _register_rms_norm}
+_OOT_NAMES = {"silu_and_mul": "SiluAndMul", "rms_norm": "RMSNorm"}
+
+
+def register_custom_ops(ops: tuple[str, ...] = CUSTOM_OPS) -> list[str]:
+    """Replace vLLM's ops named in ``ops`` (a subset of :data:`CUSTOM_OPS`) with ours; idempotent per
+    process (vLLM may load plugins more than once). Returns the ops registered by this call."""
+    from vllm.model_executor.custom_op import op_registry_oot
+
+    unknown = set(ops) - set(CUSTOM_OPS)
+    if unknown:
+        raise ValueError(f"unknown ops {sorted(unknown)}: choose from {CUSTOM_OPS}")
+    done = []
+    for op in ops:
+        if _OOT_NAMES[op] not in op_registry_oot:
+            _CUSTOM_OP_REGISTRARS[op]()
+            done.append(op)
+    return done
+
+
+def register_quantization() -> bool:
+    """Register the ``squeezeserve`` quantization method; False when it already was (idempotent)."""
+    from vllm.model_executor.layers.quantization import (
+        _CUSTOMIZED_METHOD_TO_QUANT_CONFIG,
+        register_quantization_config,
+    )
+
+    if QUANT_METHOD_NAME in _CUSTOMIZED_METHOD_TO_QUANT_CONFIG:
+        return False
+    register_quantization_config(QUANT_METHOD_NAME)(_quantization_config_class())
+    return True
+
+
+def _quantization_config_class() -> type:
+    from vllm.model_executor.layers.linear import (
+        LinearBase,
+        LinearMethodBase,
+        UnquantizedLinearMethod,
+        register_weight_loader_v2_supported_method,
+    )
+    from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
+    from vllm.model_executor.layers.quantization.compressed_tensors.utils import should_ignore_layer
+    from vllm.model_executor.parameter import (
+        BasevLLMParameter,
+        ChannelQuantScaleParameter,
+        GroupQuantScaleParameter,
+        PackedvLLMParameter,
+    )
+
+    @register_weight_loader_v2_supported_method
+    class SqueezeserveLinearMethod(LinearMethodBase):
+        """Holds the checkpoint's tensors under their checkpoint names, in their checkpoint layout (vLLM's
+        own parameter classes shard and stack them like its compressed-tensors method does)."""
+
+        def __init__(self, scheme: WeightOnlyScheme) -> None:
+            self.scheme = scheme
+
+        def create_weights(
+            self,
+            layer: torch.nn.Module,
+            input_size_per_partition: int,
+            output_partition_sizes: list[int],
+            input_size: int,
+            output_size: int,
+            params_dtype: torch.dtype,
+            **extra_weight_attrs: Any,
+        ) -> None:
+            scheme = self.scheme
+            check_partition(scheme, output_partition_sizes)
+            weight_loader = extra_weight_attrs["weight_loader"]
+            n_out, k_in = sum(output_partition_sizes), input_size_per_partition
+            per_word = 32 // scheme.bits
+            groups = scheme.groups(k_in)
+            packed = PackedvLLMParameter(
+                data=torch.empty(n_out, math.ceil(k_in / per_word), dtype=torch.int32),
+                input_dim=1, output_dim=0, packed_dim=1, packed_factor=per_word, weight_loader=weight_loader,
+            )  # fmt: skip
+            scale_data = torch.empty(n_out, groups, dtype=params_dtype)
+            if scheme.group_size is None:
+                scale = ChannelQuantScaleParameter(data=scale_data, output_dim=0, weight_loader=weight_loader)
+            else:
+                scale = GroupQuantScaleParameter(
+                    data=scale_data, output_dim=0, input_dim=1, weight_loader=weight_loader
+                )
+            shape = BasevLLMParameter(data=torch.empty(2, dtype=torch.int64), weight_loader=weight_loader)
+            layer.register_parameter("weight_packed", packed)
+            layer.register_parameter("weight_scale", scale)
+            layer.register_parameter("weight_shape", shape)
+            if not scheme.symmetric:
+                zero = PackedvLLMParameter(
+                    data=torch.zeros(math.ceil(n_out / per_word), groups, dtype=torch.int32),
+                    input_dim=1, output_dim=0, packed_dim=0, packed_factor=per_word,
+                    weight_loader=weight_loader,
+                )  # fmt: skip
+                layer.register_parameter("weight_zero_point", zero)
+            layer.input_size_per_partition = k_in
+            layer.output_size_per_partition = n_out
+
+        def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+            # Plain frozen tensors from here on: the vLLM parameter subclasses only matter for loading.
+            for name in ("weight_packed", "weight_scale", "weight_zero_point"):
+                param = getattr(layer, name, None)
+                if param is not None:
+                    setattr(layer, name, torch.nn.Parameter(param.data.contiguous(), requires_grad=False))
+
+        def apply(
+            self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+        ) -> torch.Tensor:
+            zero = getattr(layer, "weight_zero_point", None)
+            return quant_linear(x, layer.weight_packed, layer.weight_scale, zero, self.scheme, bias)
+
+    class SqueezeserveConfig(QuantizationConfig):
+        """``--quantization squeezeserve`` over a compressed-tensors pack-quantized checkpoint."""
+
+        def __init__(self, scheme: WeightOnlyScheme) -> None:
+            super().__init__()
+            self.scheme = scheme
+
+        def get_name(self) -> str:
+            return QUANT_METHOD_NAME
+
+        def get_supported_act_dtypes(self) -> list[torch.dtype]:
+            return [torch.float16, torch.bfloat16]
+
+        @classmethod
+        def get_min_capability(cls) -> int:
+            return 80  # tl.dot on fp16/bf16 tensor cores
+
+        @staticmethod
+        def get_config_filenames() -> list[str]:
+            return []  # the scheme is config.json's quantization_config
+
+        @classmethod
+        def from_config(cls, config: dict[str, Any]) -> SqueezeserveConfig:
+            return cls(parse_scheme(config))
+
+        @classmethod
+        def override_quantization_method(
+            cls, hf_quant_cfg: dict[str, Any], user_quant: str | None, hf_config: Any = None
+        ) -> str | None:
+            # Only on request: a compressed-tensors checkpoint stays vLLM's unless the user names us.
+            if user_quant == QUANT_METHOD_NAME and hf_quant_cfg.get("quant_method") == "compressed-tensors":
+                return QUANT_METHOD_NAME
+            return None
+
+        def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> LinearMethodBase | None:
+            if not isinstance(layer, LinearBase):
+                return None
+            if should_ignore_layer(
+                prefix, ignore=self.scheme.ignore, fused_mapping=self.packed_modules_mapping
+            ):
+                return UnquantizedLinearMethod()
+            return SqueezeserveLinearMethod(self.scheme)
+
+    return SqueezeserveConfig

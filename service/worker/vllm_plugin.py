@@ -1,0 +1,65 @@
+"""vLLM general plugin: puts squeezeserve's kernels inside vLLM (entry point ``vllm.general_plugins``).
+
+vLLM calls :func:`register` in every process it starts (API server, engine core, workers) once the
+``squeezeserve`` package is installed. It installs, from ``squeezeserve.kernels.vllm_ops``:
+
+    silu_and_mul   vLLM's SiluAndMul  -> squeezeserve::silu_and_mul
+    rms_norm       vLLM's RMSNorm (and its fused residual add) -> squeezeserve::rmsnorm / add_rmsnorm
+    quant          the ``--quantization squeezeserve`` method: compressed-tensors int4/int8 weight-only
+                   checkpoints through squeezeserve::quant_matmul (vLLM's own kernels serve the same
+                   checkpoint when the flag is not given)
+
+Each one is switched off for A/B runs by setting its variable to 0 (``SQUEEZESERVE_VLLM_SILU_AND_MUL=0``,
+``SQUEEZESERVE_VLLM_RMS_NORM=0``, ``SQUEEZESERVE_VLLM_QUANT=0``); all are on by default. The variables
+must reach vLLM's engine processes, which inherit the environment of ``vllm serve``.
+
+This module imports neither torch nor vLLM at import time: the gateway's image and CI import it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+from collections.abc import Mapping
+
+log = logging.getLogger(__name__)
+
+SWITCHES = {
+    "silu_and_mul": "SQUEEZESERVE_VLLM_SILU_AND_MUL",
+    "rms_norm": "SQUEEZESERVE_VLLM_RMS_NORM",
+    "quant": "SQUEEZESERVE_VLLM_QUANT",
+}
+_ON = {"1", "true", "yes", "on"}
+_OFF = {"0", "false", "no", "off"}
+
+
+def enabled_features(environ: Mapping[str, str] = os.environ) -> dict[str, bool]:
+    """Which replacements to install, from the ``SQUEEZESERVE_VLLM_*`` variables (unset or empty: on)."""
+    features = {}
+    for feature, variable in SWITCHES.items():
+        value = environ.get(variable, "").strip().lower()
+        if value and value not in _ON | _OFF:
+            raise ValueError(f"{variable}={environ[variable]!r}: use 1/0 (or true/false, on/off, yes/no)")
+        features[feature] = value not in _OFF
+    return features
+
+
+def register() -> None:
+    """The entry point vLLM calls; idempotent (vLLM may load plugins several times in one process)."""
+    features = enabled_features()
+    if importlib.util.find_spec("vllm") is None:
+        raise RuntimeError("register() is vLLM's plugin entry point, but vLLM is not installed here")
+    from squeezeserve.kernels import vllm_ops
+
+    ops = tuple(op for op in vllm_ops.CUSTOM_OPS if features[op])
+    registered = vllm_ops.register_custom_ops(ops)
+    if features["quant"]:
+        vllm_ops.register_quantization()
+    if registered:
+        log.info(
+            "squeezeserve plugin (pid %d): replaced %s; quantization method %s",
+            os.getpid(),
+            ", ".join(registered),
+            "registered" if features["quant"] else "off",
+        )

@@ -1,0 +1,81 @@
+"""The vLLM plugin's CPU-side contract: it imports without vLLM or torch, its switches parse, it is declared
+as the entry point vLLM scans, and ``squeezeserve worker --engine vllm`` builds the ``vllm serve`` line.
+
+Registration itself (CustomOp.register_oot, register_quantization_config) runs only inside vLLM; it is
+exercised on the GPU machine by tests/gpu/run_h100.sh, where the probe log proves the calls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from squeezeserve.service.worker import command, launch, vllm_plugin
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def test_plugin_imports_without_torch_or_vllm():
+    code = (
+        "import sys, squeezeserve.service.worker.vllm_plugin as p; "
+        "print(sorted(m for m in ('torch', 'vllm', 'triton') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_switches_default_on_and_turn_off_one_by_one():
+    assert vllm_plugin.enabled_features({}) == {"silu_and_mul": True, "rms_norm": True, "quant": True}
+    env = {
+        "SQUEEZESERVE_VLLM_RMS_NORM": "0",
+        "SQUEEZESERVE_VLLM_SILU_AND_MUL": "on",
+        "SQUEEZESERVE_VLLM_QUANT": "",
+    }
+    assert vllm_plugin.enabled_features(env) == {"silu_and_mul": True, "rms_norm": False, "quant": True}
+    assert not any(
+        vllm_plugin.enabled_features(dict.fromkeys(vllm_plugin.SWITCHES.values(), "False")).values()
+    )
+
+
+def test_a_misspelt_switch_value_is_an_error():
+    with pytest.raises(ValueError, match="SQUEEZESERVE_VLLM_QUANT='of'"):
+        vllm_plugin.enabled_features({"SQUEEZESERVE_VLLM_QUANT": "of"})
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")
+def test_register_without_vllm_says_so():
+    with pytest.raises(RuntimeError, match="vLLM is not installed"):
+        vllm_plugin.register()
+
+
+def test_entry_point_declared_and_resolves():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    target = project["entry-points"]["vllm.general_plugins"]["squeezeserve"]
+    module, _, attr = target.partition(":")
+    assert callable(getattr(importlib.import_module(module), attr))
+    assert getattr(importlib.import_module(module), attr) is vllm_plugin.register
+
+
+def test_worker_command_passes_vllm_arguments_through():
+    parser = argparse.ArgumentParser()
+    command.add_arguments(parser)
+    args = parser.parse_args(
+        ["--engine", "vllm", "--model", "/models/int4", "--port", "8101", "--dtype", "float16",
+         "--", "--quantization", "squeezeserve", "--max-model-len", "2048"]
+    )  # fmt: skip
+    extra = [a for a in args.vllm_args if a != "--"]
+    cmd = launch.vllm_command(
+        args.model, command.served_name(args.model, "int4"), args.host, args.port, args.dtype, extra
+    )
+    serve = cmd.index("serve")
+    assert cmd[serve:] == [
+        "serve", "/models/int4", "--host", "127.0.0.1", "--port", "8101", "--served-model-name", "int4",
+        "--dtype", "float16", "--quantization", "squeezeserve", "--max-model-len", "2048",
+    ]  # fmt: skip
