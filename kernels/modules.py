@@ -100,7 +100,7 @@ class QuantLinear(nn.Module):
         return module
 
     def load_packed(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Copy compressed-tensors' tensors (keys ``weight_packed``, ``weight_scale``, ...) into the buffers."""
+        """Copy compressed-tensors' tensors (``weight_packed``, ``weight_scale``, ...) into the buffers."""
         for name in ("weight_packed", "weight_scale", "weight_zero_point"):
             buffer = getattr(self, name)
             if (buffer is None) != (name not in tensors):

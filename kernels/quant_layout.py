@@ -47,7 +47,7 @@ def pack_factor(bits: int) -> int:
 
 
 def pack_int32(values: torch.Tensor, bits: int, packed_dim: int = 1) -> torch.Tensor:
-    """Pack signed ints (int8 tensor, [rows, cols]) into int32 words along ``packed_dim``, lowest bits first."""
+    """Pack signed ints (int8 [rows, cols]) into int32 words along ``packed_dim``, lowest bits first."""
     if values.dtype != torch.int8 or values.dim() != 2:
         raise ValueError(
             f"pack_int32 expects a 2-D int8 tensor, got {values.dtype} of shape {tuple(values.shape)}"
@@ -128,7 +128,7 @@ def dequantize(
     group_size: int,
     bits: int,
 ) -> torch.Tensor:
-    """Packed layout -> dense weight [N, K] in ``scales.dtype``: (q - zero) * scale, compressed-tensors' order."""
+    """Packed layout -> dense weight [N, K] in ``scales.dtype``: (q - zero) * scale (compressed-tensors)."""
     n_out, k_in = shape
     q = unpack_int32(qweight, bits, (n_out, k_in))
     expand = lambda t: t.repeat_interleave(group_size, dim=1)[:, :k_in]  # noqa: E731

@@ -53,7 +53,7 @@ def silu_and_mul_backward(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 
 def swiglu_oai(x: torch.Tensor, y: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
-    """gpt-oss: xc = min(x, limit), yc = clamp(y, -limit, limit), out = xc * sigmoid(alpha * xc) * (yc + 1)."""
+    """gpt-oss: xc = min(x, limit), yc = clamp(y, -limit, limit), out = xc sigmoid(alpha xc) (yc + 1)."""
     xc = x.clamp(max=limit)
     yc = y.clamp(min=-limit, max=limit)
     return xc * torch.sigmoid(alpha * xc) * (yc + 1)
@@ -62,7 +62,8 @@ def swiglu_oai(x: torch.Tensor, y: torch.Tensor, alpha: float, limit: float) -> 
 def swiglu_oai_backward(
     grad: torch.Tensor, x: torch.Tensor, y: torch.Tensor, alpha: float, limit: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """d/dx = g (yc + 1) s (1 + alpha xc (1 - s)) [x <= limit], d/dy = g xc s [|y| <= limit], s = sigmoid(alpha xc).
+    """With s = sigmoid(alpha xc): d/dx = g (yc + 1) s (1 + alpha xc (1 - s)) [x <= limit],
+    d/dy = g xc s [|y| <= limit].
 
     At the clamp boundary the gradient passes, as torch.clamp's does.
     """

@@ -82,7 +82,8 @@ def check_inputs(logits: torch.Tensor, target: torch.Tensor, reduction: str) -> 
     reference.check_reduction(reduction)
     if logits.dim() != 2 or target.shape != logits.shape[:1]:
         raise ValueError(
-            f"cross_entropy expects logits [N, V] and target [N], got {tuple(logits.shape)} and {tuple(target.shape)}"
+            f"cross_entropy expects logits [N, V] and target [N], got {tuple(logits.shape)} and "
+            f"{tuple(target.shape)}"
         )
     if target.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"cross_entropy: target must be int32 or int64, got {target.dtype}")
@@ -118,7 +119,8 @@ def launch_cross_entropy(
     if n_rows:
         wrap_triton(_cross_entropy_fwd)[(n_rows,)](
             logits, logits.stride(0), target, loss, n_valid, n_cols, ignore_index, label_smoothing,
-            BLOCK=block, WRITE_GRAD=write_grad, MEAN=reduction == "mean", num_warps=16 if block >= 8192 else 8,
+            BLOCK=block, WRITE_GRAD=write_grad, MEAN=reduction == "mean",
+            num_warps=16 if block >= 8192 else 8,
         )  # fmt: skip
     return loss
 

@@ -1,4 +1,4 @@
-"""Weight-only quantized matmul: ``y = x @ dequantize(W).T`` reading compressed-tensors' pack-quantized layout.
+"""Weight-only quantized matmul: ``y = x @ dequantize(W).T`` over compressed-tensors' pack-quantized layout.
 
 The layout is defined once, in ``kernels/quant_layout.py``: ``qweight`` int32 [N, ceil(K / P)] packed
 along K (P = 32 // bits, lowest bits first, offset-binary), ``scales`` [N, ceil(K / G)], optional
@@ -55,7 +55,7 @@ def _quant_matmul_kernel(
     ATOMIC: tl.constexpr,  # accumulate into y with atomic adds (split-K)
     DOT_FP32: tl.constexpr,  # upcast both dot operands (Triton's interpreter gets bf16 tl.dot wrong)
 ):
-    """y[m, n] = sum_k x[m, k] * W[n, k],  W[n, k] = (q[n, k] - zero[n, k // GROUP]) * scale[n, k // GROUP]."""
+    """y[m, n] = sum_k x[m, k] W[n, k],  W[n, k] = (q[n, k] - zero[n, k // GROUP]) * scale[n, k // GROUP]."""
     PACK: tl.constexpr = 32 // BITS
     MASK: tl.constexpr = (1 << BITS) - 1
     OFFSET: tl.constexpr = 1 << (BITS - 1)
@@ -148,13 +148,17 @@ _DECODE_CONFIGS = [
 _PREFILL_CONFIGS = [
     _config(bm, bn, bk, 1, warps, stages)
     for bm, bn, bk, warps, stages in [
-        (64, 128, 64, 4, 4), (128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 128, 128, 8, 3), (64, 64, 128, 4, 4),
+        (64, 128, 64, 4, 4), (128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 128, 128, 8, 3),
+        (64, 64, 128, 4, 4),
     ]
 ]  # fmt: skip
 if interpreting():
     _DECODE_CONFIGS, _PREFILL_CONFIGS = _DECODE_CONFIGS[:1], _PREFILL_CONFIGS[:1]
+_DECODE_KEY = ["N", "K"]  # every M <= 16 runs the same BLOCK_M = 16 tiles
 _KEY = ["m_bucket", "N", "K"]
-_decode_kernel = triton.autotune(_DECODE_CONFIGS, key=_KEY, reset_to_zero=["y_ptr"])(_quant_matmul_kernel)
+_decode_kernel = triton.autotune(_DECODE_CONFIGS, key=_DECODE_KEY, reset_to_zero=["y_ptr"])(
+    _quant_matmul_kernel
+)
 _prefill_kernel = triton.autotune(_PREFILL_CONFIGS, key=_KEY)(_quant_matmul_kernel)
 
 

@@ -147,7 +147,8 @@ def _backward(
             g2, x2, weight, dres2, dx2, dw_partial,
             g2.stride(0), x2.stride(0), dres2.stride(0), dx2.stride(0),
             rows, n, triton.cdiv(rows, programs), eps,
-            BLOCK_R=block_rows(rows, block), BLOCK=block, HAS_DRES=dres is not None, num_warps=num_warps_for(block),
+            BLOCK_R=block_rows(rows, block), BLOCK=block, HAS_DRES=dres is not None,
+            num_warps=num_warps_for(block),
         )  # fmt: skip
     return dx, dw_partial.sum(0).to(weight.dtype)
 

@@ -47,6 +47,11 @@ def device() -> str:
 
 
 @pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True)
 def triton_path():
     """Run the Triton kernels: compiled on CUDA, interpreted on CPU."""
     if DEVICE == "cpu":

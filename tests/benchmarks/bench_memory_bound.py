@@ -1,0 +1,101 @@
+"""SwiGLU, RMSNorm and softmax on the H100: ours vs torch eager, torch.compile and Liger (forward and
+forward+backward), achieved GB/s counting each input read once and each output written once."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import Recorder, compiled, liger, peaks  # noqa: E402
+
+import squeezeserve.kernels as K  # noqa: E402
+
+DTYPE = torch.bfloat16
+ROW_SHAPES = [(1, 4096), (16, 4096), (4096, 4096), (16384, 4096), (16, 14336), (4096, 14336), (16384, 14336)]
+SOFTMAX_SHAPES = [(16, 32768), (4096, 32768), (16, 131072), (1024, 131072), (4096, 131072)]
+
+
+def _bench(rec, providers, make_inputs, shape, fwd_bytes, bwd_bytes, graph):
+    for name, fn in providers.items():
+        if fn is None:
+            continue
+        inputs = make_inputs()
+        rec.time(
+            name, "fwd", shape, DTYPE, lambda fn=fn, inputs=inputs: fn(*inputs), nbytes=fwd_bytes, graph=graph
+        )
+        grads_in = [t.detach().requires_grad_() for t in inputs]
+        try:
+            out = fn(*grads_in)
+        except Exception as exc:
+            print(f"# {rec.op} {name} {shape}: {type(exc).__name__}: {str(exc)[:100]}", file=sys.stderr)
+            continue
+        g = torch.randn_like(out)
+
+        def step(fn=fn, grads_in=grads_in, g=g):
+            fn(*grads_in).backward(g)
+
+        rec.time(name, "fwd+bwd", shape, DTYPE, step, nbytes=fwd_bytes + bwd_bytes)
+
+
+def swiglu(rec):
+    eager = lambda a, b: F.silu(a) * b  # noqa: E731
+    providers = {
+        "squeezeserve": K.swiglu,
+        "torch": eager,
+        "torch.compile": compiled(eager),
+        "liger": liger("liger_swiglu"),
+    }
+    for m, n in ROW_SHAPES:
+        e = m * n * 2
+        make = lambda m=m, n=n: [torch.randn(m, n, device="cuda", dtype=DTYPE) for _ in range(2)]  # noqa: E731
+        # fwd: read a, b, write out; bwd: read g, a, b, write da, db.
+        _bench(rec, providers, make, (m, n), 3 * e, 5 * e, graph=m <= 16)
+
+
+def rmsnorm(rec):
+    def eager(x, w):
+        xf = x.float()
+        return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
+
+    lig = liger("liger_rms_norm")
+    providers = {
+        "squeezeserve": lambda x, w: K.rmsnorm(x, w, 1e-6), "torch": eager, "torch.compile": compiled(eager),
+        "liger": None if lig is None else (lambda x, w: lig(x, w, 1e-6, 0.0, "llama", False)),
+    }  # fmt: skip
+    for m, n in ROW_SHAPES:
+        e = m * n * 2
+
+        def make(m=m, n=n):
+            return [
+                torch.randn(m, n, device="cuda", dtype=DTYPE),
+                torch.rand(n, device="cuda", dtype=DTYPE) + 0.5,
+            ]
+
+        _bench(rec, providers, make, (m, n), 2 * e, 3 * e, graph=m <= 16)
+
+
+def softmax(rec):
+    eager = lambda x: torch.softmax(x, dim=-1)  # noqa: E731
+    providers = {
+        "squeezeserve": K.softmax,
+        "torch": eager,
+        "torch.compile": compiled(eager),
+        "liger": liger("liger_softmax"),
+    }
+    for m, n in SOFTMAX_SHAPES:
+        e = m * n * 2
+        make = lambda m=m, n=n: [torch.randn(m, n, device="cuda", dtype=DTYPE) * 3]  # noqa: E731
+        _bench(rec, providers, make, (m, n), 2 * e, 3 * e, graph=m <= 16)
+
+
+if __name__ == "__main__":
+    peaks()
+    for bench in (swiglu, rmsnorm, softmax):
+        recorder = Recorder(bench.__name__)
+        bench(recorder)
+        recorder.write()
+        torch._dynamo.reset()
