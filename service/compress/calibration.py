@@ -106,9 +106,9 @@ def layerwise(
         hooks = []
         for name, module in linears.items():
 
-            def accumulate(_m: nn.Module, args: tuple, _out: Any, name: str = name) -> None:
+            def accumulate(_m: nn.Module, args: tuple, _out: Any, gram: torch.Tensor = grams[name]) -> None:
                 x = args[0].reshape(-1, args[0].shape[-1]).to(torch.float32)
-                grams[name].addmm_(x.T, x)
+                gram.addmm_(x.T, x)
 
             hooks.append(module.register_forward_hook(accumulate))
         try:

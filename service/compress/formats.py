@@ -6,7 +6,7 @@ bundled model, and vLLM keeps the LM head unquantized). Per quantized linear ``<
     int (format "pack-quantized", W4A16 / W8A16, vLLM scheme CompressedTensorsWNA16)
         <name>.weight_packed      int32 [out, ceil(in * bits / 32)]   codes + 2^(bits-1), packed along `in`
         <name>.weight_scale       float16 [out, in / group]           (channel: [out, 1])
-        <name>.weight_zero_point  int32 [ceil(out * bits / 32), in / group]  asymmetric only, packed along `out`
+        <name>.weight_zero_point  int32 [ceil(out * bits / 32), in / group]  asymmetric, packed along `out`
         <name>.weight_shape       int64 [2] = (out, in)
     fp8 (format "float-quantized", W8A8 dynamic per token on H100, vLLM scheme CompressedTensorsW8A8Fp8)
         <name>.weight             float8_e4m3fn [out, in]

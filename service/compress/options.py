@@ -110,6 +110,7 @@ def build_options(
     if options.needs_calibration and not calibration:
         why = "GPTQ" if algorithm == "gptq" else ("Wanda" if prune_method == "wanda" else "recovery")
         raise ValueError(
-            f"{why} needs calibration text: give --calibration FILE (or --algorithm rtn / --prune-method magnitude)"
+            f"{why} needs calibration text: give --calibration FILE "
+            "(or --algorithm rtn / --prune-method magnitude)"
         )
     return options

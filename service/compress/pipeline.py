@@ -76,7 +76,7 @@ def resolve_source(model: str) -> Path:
 
 
 def check_memory(source: Path, options: CompressOptions) -> None:
-    """Refuse early when the weights (float32 working copy, plus optimizer state when recovering) cannot fit."""
+    """Refuse early when the float32 working copy (plus optimizer state when recovering) cannot fit."""
     weight_bytes = sum(f.stat().st_size for f in source.glob("*.safetensors"))
     # Checkpoints are mostly 16-bit: the float32 copy is twice the file size; AdamW adds 2 more copies of
     # the trained weights plus their gradients.

@@ -9,6 +9,8 @@ the (tied) LM head are frozen, so optimizer state covers the Linears only.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import nn
 from tqdm.auto import tqdm
@@ -31,8 +33,9 @@ def recover(
     generator = torch.Generator().manual_seed(options.seed)
     was_training = model.training
     model.train()
-    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
-    enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    with warnings.catch_warnings():  # transformers 5 renames it (activation_checkpointing_*) without kwargs
+        warnings.simplefilter("ignore", FutureWarning)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     losses = []
     try:
         for _ in tqdm(range(options.recover_steps), desc="recovery fine-tune", unit="step"):
@@ -52,9 +55,11 @@ def recover(
             with torch.no_grad():
                 for name, module in modules.items():
                     module.weight.data = enforce_mask(module.weight.data, masks[name])
-            losses.append(float(loss))
+            losses.append(float(loss.detach()))
     finally:
-        (getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable)()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            model.gradient_checkpointing_disable()
         model.train(was_training)
         for p in params:
             p.requires_grad_(False)

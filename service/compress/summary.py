@@ -12,9 +12,10 @@ def _mib(n: int) -> str:
 def format_summary(result: CompressResult) -> str:
     record = result.record
     size = record["size_bytes"]
+    ratio = size["after"] / max(size["before"], 1)
     lines = [
         f"wrote {result.out} ({record['method']}, {record['wall_seconds']:.1f} s)",
-        f"size: {_mib(size['before'])} -> {_mib(size['after'])} ({size['after'] / max(size['before'], 1):.2f}x)",
+        f"size: {_mib(size['before'])} -> {_mib(size['after'])} ({ratio:.2f}x)",
         f"sparsity of the decoder linears: {record['sparsity']:.1%}",
     ]
     errors = [layer for layer in result.layers if layer.relative_error is not None]
