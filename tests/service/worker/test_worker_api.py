@@ -19,6 +19,8 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from squeezeserve.service.models.loader import read_config, resolve_dtype
+
 pytestmark = pytest.mark.slow
 
 MODEL = "smollm2-135m-instruct"
@@ -31,9 +33,11 @@ def client(baseline_worker: str) -> openai.OpenAI:
 
 @pytest.fixture(scope="module")
 def reference(baseline_dir: Path):
-    """transformers' own model and tokenizer for the checkpoint the worker serves (stock modules)."""
+    """transformers' own model and tokenizer for the checkpoint the worker serves (stock modules), in the
+    dtype the worker picks for it (``--dtype auto``)."""
+    dtype = resolve_dtype("auto", read_config(baseline_dir), "cpu")
     tokenizer = AutoTokenizer.from_pretrained(baseline_dir)
-    model = AutoModelForCausalLM.from_pretrained(baseline_dir, dtype=torch.float16).eval()
+    model = AutoModelForCausalLM.from_pretrained(baseline_dir, dtype=dtype).eval()
     return model, tokenizer
 
 
@@ -119,7 +123,7 @@ def test_echo_with_logprobs_scores_every_prompt_token_after_the_first(
     with torch.inference_mode():
         logits = model(torch.tensor([ids])).logits[0].float()
     expected = torch.log_softmax(logits[:-1], -1).gather(1, torch.tensor(ids[1:])[:, None]).squeeze(1)
-    # Same fp16 forward pass on the same CPU kernels; only the worker's log-softmax path differs.
+    # Same forward pass on the same CPU kernels; only the worker's log-softmax path differs.
     assert torch.allclose(torch.tensor(lp.token_logprobs[1:]), expected, atol=1e-3)
     assert "".join(lp.tokens) == prompt
 
