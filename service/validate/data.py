@@ -68,11 +68,12 @@ class Window:
 def sliding_windows(ids: list[int], window: int, stride: int) -> list[Window]:
     """Hugging Face's sliding-window perplexity recipe: windows of ``window`` tokens start every ``stride``
     tokens; each scores only the tokens the previous window did not, so every token but the first is
-    predicted exactly once, with up to ``window - stride`` tokens of context carried over."""
+    predicted exactly once, with at least ``window - stride`` tokens of context carried over."""
     if window < 2:
         raise UsageError(f"--window must be at least 2 tokens, got {window}")
-    if not 0 < stride <= window:
-        raise UsageError(f"--stride must be in 1..--window ({window}), got {stride}")
+    if not 0 < stride < window:
+        # stride == window would leave each window's first token without context inside its window
+        raise UsageError(f"--stride must be in 1..{window - 1} (less than --window), got {stride}")
     if len(ids) < 2:
         raise UsageError(f"the dataset slice has {len(ids)} token(s); perplexity needs at least 2")
     windows: list[Window] = []

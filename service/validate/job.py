@@ -106,6 +106,7 @@ class Job:
     # -- stages ----------------------------------------------------------------------------------
     def run(self) -> dict:
         cfg = self.config
+        logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request drowns the progress
         tokenizer, ids, items = self.preflight()
         cfg.out.mkdir(parents=True, exist_ok=True)
         self.report = {
