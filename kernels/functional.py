@@ -47,15 +47,22 @@ class _CrossEntropy(torch.autograd.Function):
     def forward(ctx, logits, target, ignore_index, label_smoothing, reduction):
         # The kernel writes d(loss)/d(logits) over the logits buffer: no second [N, V] tensor.
         loss = _ops.cross_entropy_(logits, target, ignore_index, label_smoothing, reduction, True)
-        ctx.save_for_backward(logits)
+        # Saved detached: the gradient returned in the backward must not be the leaf itself, or autograd
+        # copies it when accumulating (a second [N, V] tensor).
+        ctx.save_for_backward(logits.detach())
         ctx.reduction = reduction
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
         (grad_logits,) = ctx.saved_tensors
-        scale = grad_loss[:, None] if ctx.reduction == "none" else grad_loss
-        return grad_logits.mul_(scale.to(grad_logits.dtype)), None, None, None, None
+        if ctx.reduction == "none":
+            grad_logits.mul_(grad_loss[:, None].to(grad_logits.dtype))
+        elif not bool(grad_loss == 1):
+            # loss.backward() passes 1: skip a full read-and-write pass over [N, V] then (as Liger does, at
+            # the price of one host sync).
+            grad_logits.mul_(grad_loss.to(grad_logits.dtype))
+        return grad_logits, None, None, None, None
 
 
 def cross_entropy(

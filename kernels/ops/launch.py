@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 
@@ -41,10 +43,16 @@ def block_rows(n_rows: int, block: int) -> int:
     return max(1, min(triton.next_power_of_2(max(n_rows, 1)), tile // block))
 
 
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
 def persistent_programs(device: torch.device, n_rows: int) -> int:
     """Programs for a kernel that loops over rows: one per SM on a GPU, a few under the interpreter."""
     if device.type == "cuda":
-        return max(1, min(n_rows, torch.cuda.get_device_properties(device).multi_processor_count))
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return max(1, min(n_rows, _sm_count(index)))
     return max(1, min(n_rows, 4))
 
 

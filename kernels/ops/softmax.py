@@ -1,9 +1,10 @@
-"""Softmax over the last dim, forward and backward, one program per row.
+"""Softmax over the last dim, forward and backward.
 
-Rows up to ``SINGLE_BLOCK_COLS`` sit in one block: one read, one write. Wider rows (a 128k vocabulary)
-take the online path: pass 1 streams the row once keeping a running max m and a running sum
-d = sum exp(x - m) (rescaled by exp(m_old - m_new) when the max grows), pass 2 reads it again and writes
-exp(x - m) / d. No limit on the row width.
+Rows up to ``SINGLE_BLOCK_COLS`` (65536, Liger's limit) sit in one block, several narrow rows per
+program: one read, one write. Wider rows (a 128k vocabulary) take the online path, one persistent
+program per SM walking rows: pass 1 streams the row once keeping a running max m and a running sum
+d = sum exp(x - m) (rescaled by exp(m_old - m_new) when the max grows), pass 2 reads it again (from L2,
+the few rows in flight fit there) and writes exp(x - m) / d. No limit on the row width.
 """
 
 from __future__ import annotations
@@ -14,10 +15,10 @@ import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
 from squeezeserve.kernels import reference
-from squeezeserve.kernels.ops.launch import block_rows, num_warps_for, rows_2d
+from squeezeserve.kernels.ops.launch import block_rows, num_warps_for, persistent_programs, rows_2d
 from squeezeserve.kernels.registry import use_reference
 
-SINGLE_BLOCK_COLS = 16384
+SINGLE_BLOCK_COLS = 65536
 ONLINE_BLOCK = 8192
 
 
@@ -45,21 +46,23 @@ def _softmax_fwd(
         y = e / tl.sum(e, axis=1)[:, None]
         tl.store(y_ptr + rows * y_row_stride + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
     else:
-        row = tl.program_id(0).to(tl.int64)
-        x_row = x_ptr + row * x_row_stride
-        y_row = y_ptr + row * y_row_stride
-        m = -float("inf")
-        d = 0.0
-        for start in range(0, n_cols, BLOCK):
-            mask = start + cols < n_cols
-            x = tl.load(x_row + start + cols, mask=mask, other=-float("inf")).to(tl.float32)
-            m_new = tl.maximum(m, tl.max(x, axis=0))
-            d = d * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
-            m = m_new
-        for start in range(0, n_cols, BLOCK):
-            mask = start + cols < n_cols
-            x = tl.load(x_row + start + cols, mask=mask, other=-float("inf")).to(tl.float32)
-            tl.store(y_row + start + cols, (tl.exp(x - m) / d).to(y_ptr.dtype.element_ty), mask=mask)
+        # Persistent: one program per SM walks its rows, so the rows being read twice stay few enough
+        # for the second pass to hit L2.
+        for row in range(tl.program_id(0).to(tl.int64), n_rows, tl.num_programs(0)):
+            x_row = x_ptr + row * x_row_stride
+            y_row = y_ptr + row * y_row_stride
+            m = -float("inf")
+            d = 0.0
+            for start in range(0, n_cols, BLOCK):
+                mask = start + cols < n_cols
+                x = tl.load(x_row + start + cols, mask=mask, other=-float("inf")).to(tl.float32)
+                m_new = tl.maximum(m, tl.max(x, axis=0))
+                d = d * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
+                m = m_new
+            for start in range(0, n_cols, BLOCK):
+                mask = start + cols < n_cols
+                x = tl.load(x_row + start + cols, mask=mask, other=-float("inf")).to(tl.float32)
+                tl.store(y_row + start + cols, (tl.exp(x - m) / d).to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -86,19 +89,21 @@ def _softmax_bwd(
         dx = y * (dy - tl.sum(dy * y, axis=1)[:, None])
         tl.store(dx_ptr + rows * dx_row_stride + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
     else:
-        row = tl.program_id(0).to(tl.int64)
-        dot = 0.0
-        for start in range(0, n_cols, BLOCK):
-            mask = start + cols < n_cols
-            dy = tl.load(dy_ptr + row * dy_row_stride + start + cols, mask=mask, other=0.0).to(tl.float32)
-            y = tl.load(y_ptr + row * y_row_stride + start + cols, mask=mask, other=0.0).to(tl.float32)
-            dot += tl.sum(dy * y, axis=0)
-        for start in range(0, n_cols, BLOCK):
-            mask = start + cols < n_cols
-            dy = tl.load(dy_ptr + row * dy_row_stride + start + cols, mask=mask, other=0.0).to(tl.float32)
-            y = tl.load(y_ptr + row * y_row_stride + start + cols, mask=mask, other=0.0).to(tl.float32)
-            dx = y * (dy - dot)
-            tl.store(dx_ptr + row * dx_row_stride + start + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+        for row in range(tl.program_id(0).to(tl.int64), n_rows, tl.num_programs(0)):
+            dot = 0.0
+            for start in range(0, n_cols, BLOCK):
+                mask = start + cols < n_cols
+                dy = tl.load(dy_ptr + row * dy_row_stride + start + cols, mask=mask, other=0.0).to(tl.float32)
+                y = tl.load(y_ptr + row * y_row_stride + start + cols, mask=mask, other=0.0).to(tl.float32)
+                dot += tl.sum(dy * y, axis=0)
+            for start in range(0, n_cols, BLOCK):
+                mask = start + cols < n_cols
+                dy = tl.load(dy_ptr + row * dy_row_stride + start + cols, mask=mask, other=0.0).to(tl.float32)
+                y = tl.load(y_ptr + row * y_row_stride + start + cols, mask=mask, other=0.0).to(tl.float32)
+                dx = y * (dy - dot)
+                tl.store(
+                    dx_ptr + row * dx_row_stride + start + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask
+                )
 
 
 def launch_config(n_cols: int) -> tuple[int, bool, int]:
@@ -119,10 +124,12 @@ def _softmax(x: torch.Tensor) -> torch.Tensor:
     block, single, warps = launch_config(x.shape[-1])
     rows = x2.shape[0]
     if rows:
-        rows_per_program = block_rows(rows, block) if single else 1
-        wrap_triton(_softmax_fwd)[(triton.cdiv(rows, rows_per_program),)](
+        programs = (
+            triton.cdiv(rows, block_rows(rows, block)) if single else persistent_programs(x.device, rows)
+        )
+        wrap_triton(_softmax_fwd)[(programs,)](
             x2, y2, x2.stride(0), y2.stride(0), x.shape[-1], rows,
-            BLOCK_R=rows_per_program, BLOCK=block, SINGLE=single, num_warps=warps,
+            BLOCK_R=block_rows(rows, block) if single else 1, BLOCK=block, SINGLE=single, num_warps=warps,
         )  # fmt: skip
     return y
 
@@ -136,10 +143,12 @@ def _softmax_backward(grad: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     block, single, warps = launch_config(y.shape[-1])
     rows = y2.shape[0]
     if rows:
-        rows_per_program = block_rows(rows, block) if single else 1
-        wrap_triton(_softmax_bwd)[(triton.cdiv(rows, rows_per_program),)](
+        programs = (
+            triton.cdiv(rows, block_rows(rows, block)) if single else persistent_programs(y.device, rows)
+        )
+        wrap_triton(_softmax_bwd)[(programs,)](
             g2, y2, dx2, g2.stride(0), y2.stride(0), dx2.stride(0), y.shape[-1], rows,
-            BLOCK_R=rows_per_program, BLOCK=block, SINGLE=single, num_warps=warps,
+            BLOCK_R=block_rows(rows, block) if single else 1, BLOCK=block, SINGLE=single, num_warps=warps,
         )  # fmt: skip
     return dx
 

@@ -6,8 +6,9 @@ from squeezeserve.kernels import functional as K
 from squeezeserve.kernels import quant_layout as ql
 
 # (M, N, K, group): decode rows (M <= 16, split-K path) and prefill rows; K = 576 and 1536 are the
-# bundled model's widths, with groups that divide K but not 128 and a group that does not divide K.
-SHAPES = [(1, 72, 576, 64), (5, 40, 576, 32), (33, 24, 1536, 64), (3, 16, 200, 128)]
+# bundled model's widths, with groups that divide K but not 128, a group that does not divide K, and a
+# group (48) that is no power of two, so groups straddle the kernel's K tiles.
+SHAPES = [(1, 72, 576, 64), (5, 40, 576, 32), (33, 24, 1536, 64), (3, 16, 200, 128), (2, 24, 576, 48)]
 
 
 def _dense_reference(x, tensors, shape, group, bits):

@@ -6,7 +6,7 @@ from squeezeserve.kernels import reference
 from squeezeserve.kernels.ops import softmax as softmax_op
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-# (2, 20000) is wider than one block: it takes the online two-pass path.
+# the last shape is wider than one block: it takes the online two-pass path.
 SHAPES = [(4, 64), (3, 423, 213), (2, softmax_op.SINGLE_BLOCK_COLS + 3616)]
 
 
