@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
 
 import anyio
@@ -62,6 +62,29 @@ _NOT_RETURNED = HOP_BY_HOP | {"content-length", "content-encoding", "date", "ser
 _UNREACHABLE = (httpx.ConnectError, httpx.ConnectTimeout)
 # The connection broke before the upstream answered (e.g. a stale keep-alive connection): retry only.
 _BROKEN_BEFORE_ANSWER = (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError)
+
+
+_DISCONNECT_POLL_S = 0.25
+
+
+class ClientGone(Exception):
+    """The client disconnected while we waited for the upstream."""
+
+
+async def _unless_gone(work: Awaitable[bytes], client_gone: Callable[[], Awaitable[bool]] | None) -> bytes:
+    """Await ``work``, or raise ``ClientGone`` (cancelling it) as soon as ``client_gone()`` says so."""
+    task = asyncio.ensure_future(work)
+    if client_gone is None:
+        return await task
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await client_gone():
+                raise ClientGone
+    finally:
+        task.cancel()
 
 
 def strip_hop_by_hop(headers: Mapping[str, str], drop: frozenset[str] | set[str]) -> dict[str, str]:
@@ -176,8 +199,13 @@ class Proxy:
         client_headers: Mapping[str, str],
         path: str,
         client_wants_usage: bool,
+        client_gone: Callable[[], Awaitable[bool]] | None = None,
     ) -> Response:
-        """Send ``request`` upstream and return the response to give the client."""
+        """Send ``request`` upstream and return the response to give the client.
+
+        ``client_gone`` (Starlette's ``request.is_disconnected``) is polled while a non-streaming answer is
+        awaited: when the client hangs up, the upstream connection is closed, so the worker stops.
+        """
         loop = asyncio.get_running_loop()
         started = loop.time()
         deadline = started + self._settings.request_timeout
@@ -198,7 +226,10 @@ class Proxy:
             return self._relay(request, response, upstream, started, deadline, strip_usage)
         try:
             async with asyncio.timeout_at(deadline):
-                content = await response.aread()
+                content = await _unless_gone(response.aread(), client_gone)
+        except ClientGone:
+            log.info("request %s: client disconnected; closing the upstream request", request.request_id)
+            return Response(status_code=499)  # nobody reads it; nginx's code for "client closed request"
         except TimeoutError:
             raise errors.upstream_timeout(self._settings.request_timeout) from None
         except httpx.HTTPError as exc:

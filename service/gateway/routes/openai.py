@@ -41,7 +41,9 @@ async def _proxy(
     route = RouteRequest(
         route=path, model=parsed.model, request_id=request.state.request_id, stream=parsed.stream, body=body
     )
-    return await proxy.forward(route, raw, request.headers, path, parsed.include_usage_in_stream)
+    return await proxy.forward(
+        route, raw, request.headers, path, parsed.include_usage_in_stream, client_gone=request.is_disconnected
+    )
 
 
 @router.post("/completions", response_class=Response)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -72,3 +73,28 @@ def test_metrics_count_the_workers_tokens(client, worker_gateway, metric):
     after = metric(worker_gateway, "squeezeserve_gateway_tokens_total", model=MODEL, direction="completion")
     assert 1 <= after - before <= 5  # at most max_tokens; fewer only if the model stops early
     assert httpx.get(f"{worker_gateway}/readyz").status_code == 200
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+def test_client_hanging_up_stops_the_worker(worker_gateway: str, baseline_worker: str, stream: bool) -> None:
+    """A client that leaves mid-generation makes the gateway close its upstream request, and the worker
+    drops the sequence instead of generating thousands of tokens for nobody."""
+    body = {"model": MODEL, "prompt": "Write a very long essay.", "max_tokens": 4000, "stream": stream}
+
+    def running() -> float:
+        for line in httpx.get(f"{baseline_worker}/metrics").text.splitlines():
+            if line.startswith("squeezeserve_worker_num_requests_running "):
+                return float(line.split()[1])
+        raise AssertionError("worker metric missing")
+
+    url = f"{worker_gateway}/v1/completions"
+    if stream:
+        with httpx.stream("POST", url, json=body, timeout=30) as response:
+            next(response.iter_raw())  # generation is under way; leaving the block hangs up
+    else:
+        with pytest.raises(httpx.ReadTimeout):  # the client gives up before the answer is complete
+            httpx.post(url, json=body, timeout=1.5)
+    deadline = time.monotonic() + 20
+    while running() > 0:
+        assert time.monotonic() < deadline, "the worker kept generating for a client that left"
+        time.sleep(0.1)
