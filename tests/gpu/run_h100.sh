@@ -53,12 +53,14 @@ stop() {  # pid: the process group a setsid start made
 serve_and_bench() {  # label run model_dir served_name vocab [vllm args...]
   local label=$1 run=$2 model=$3 name=$4 vocab=$5; shift 5
   local t0=$SECONDS
-  setsid $SQ worker --engine vllm --model "$model" --served-model-name "$name" --port 8101 -- "$@" \
+  setsid taskset -c 0-7 $SQ worker --engine vllm --model "$model" --served-model-name "$name" --port 8101 -- "$@" \
     > "$LOGS/worker-$label.log" 2>&1 &
   local wpid=$!
   if wait_healthy http://127.0.0.1:8101 "$wpid" 400; then
     echo "$label: worker up in $((SECONDS - t0)) s" | tee -a "$LOGS/summary.txt"
-    python3 tests/benchmarks/bench_serving.py --base-url http://127.0.0.1:8100 --model "$name" --run "$run" \
+    local url=http://127.0.0.1:8100  # through our gateway; straight to the worker only if the gateway is down
+    curl -sf "$url/v1/models" >/dev/null || { url=http://127.0.0.1:8101; echo "$label: gateway down, direct" | tee -a "$LOGS/summary.txt"; }
+    python3 tests/benchmarks/bench_serving.py --base-url "$url" --model "$name" --run "$run" \
       --label "$label" --vocab "$vocab" --concurrency ${CONCURRENCY:-1 16 64} --csv "$CSV" \
       ${BENCH_ARGS:-} 2>&1 | tee -a "$LOGS/summary.txt"
   else
@@ -74,42 +76,52 @@ start_gateway() {
   sleep 3
 }
 
-case "$STAGE" in
-ab)
+prepare_models() {  # the bundled baseline (fp16) now; int8 and int4 compressed in the background (CPUs 8-15)
   if [ ! -f /tmp/model/hf/config.json ]; then
     python3 /tmp/vllm-tools/vllm_smoke.py convert --gguf /tmp/b/smollm2.gguf --out /tmp/model/hf > "$LOGS/convert.log" 2>&1 \
       || { tail -20 "$LOGS/convert.log"; exit 1; }
   fi
-  # Compress in the background (CPU) while the GPU runs the A/B.
-  ( taskset -c 8-15 $SQ compress --model /tmp/model/hf --method int8 --out /tmp/model/int8 --overwrite > "$LOGS/compress-int8.log" 2>&1
-    taskset -c 8-15 $SQ compress --model /tmp/model/hf --method int4 --out /tmp/model/int4 --overwrite \
-      --calibration .vllm-bundle/data/calibration.txt --calibration-samples 64 > "$LOGS/compress-int4.log" 2>&1 ) &
+  ( [ -f /tmp/model/int8/config.json ] || taskset -c 8-15 $SQ compress --model /tmp/model/hf --method int8 \
+      --out /tmp/model/int8 --overwrite > "$LOGS/compress-int8.log" 2>&1
+    [ -f /tmp/model/int4/config.json ] || timeout 300 taskset -c 8-15 $SQ compress --model /tmp/model/hf --method int4 \
+      --out /tmp/model/int4 --overwrite --calibration .vllm-bundle/data/calibration.txt --calibration-samples 64 \
+      > "$LOGS/compress-int4.log" 2>&1 ) &
   CPID=$!
+}
+
+case "$STAGE" in
+ab)
+  prepare_models
   for cfg in on off; do
     if [ "$cfg" = off ]; then export SQUEEZESERVE_VLLM_SILU_AND_MUL=0 SQUEEZESERVE_VLLM_RMS_NORM=0; fi
-    taskset -c 0-7 python3 tests/gpu/vllm_ab.py --model /tmp/model/hf --label "$cfg" --out "$OUT/ab-$cfg.json" > "$LOGS/ab-$cfg.log" 2>&1 \
+    timeout 200 taskset -c 0-7 python3 tests/gpu/vllm_ab.py --model /tmp/model/hf --label "$cfg" --out "$OUT/ab-$cfg.json" > "$LOGS/ab-$cfg.log" 2>&1 \
       || tail -30 "$LOGS/ab-$cfg.log"
     grep -E '^\{"label|^greedy' "$LOGS/ab-$cfg.log"
   done
   unset SQUEEZESERVE_VLLM_SILU_AND_MUL SQUEEZESERVE_VLLM_RMS_NORM
   python3 tests/gpu/vllm_ab.py --compare "$OUT/ab-off.json" "$OUT/ab-on.json" | tee -a "$LOGS/summary.txt"
-  wait "$CPID"; tail -3 "$LOGS/compress-int8.log" "$LOGS/compress-int4.log"
+  wait "$CPID"; tail -n 2 "$LOGS/compress-int8.log" "$LOGS/compress-int4.log"
   # The quantization method in the engine: the int4 checkpoint by vLLM's kernels, then by quant_matmul.
   for cfg in int4-vllm int4-squeezeserve; do
     q=(); [ "$cfg" = int4-squeezeserve ] && q=(--quantization squeezeserve)
-    python3 tests/gpu/vllm_ab.py --model /tmp/model/int4 "${q[@]}" --label "$cfg" --out "$OUT/ab-$cfg.json" \
+    timeout 200 python3 tests/gpu/vllm_ab.py --model /tmp/model/int4 "${q[@]}" --label "$cfg" --out "$OUT/ab-$cfg.json" \
       > "$LOGS/ab-$cfg.log" 2>&1 || tail -30 "$LOGS/ab-$cfg.log"
     grep -E '^\{"label|^greedy' "$LOGS/ab-$cfg.log"
   done
   python3 tests/gpu/vllm_ab.py --compare "$OUT/ab-int4-vllm.json" "$OUT/ab-int4-squeezeserve.json" | tee -a "$LOGS/summary.txt"
   ;;
 ckpt)
+  prepare_models
   start_gateway
   COMMON=(--dtype float16 --gpu-memory-utilization 0.3 --max-model-len 2048 --max-num-seqs 64)
   serve_and_bench baseline run1 /tmp/model/hf smollm2 49152 "${COMMON[@]}"
-  serve_and_bench int8-vllm run1 /tmp/model/int8 smollm2 49152 "${COMMON[@]}"
-  serve_and_bench int4-vllm run1 /tmp/model/int4 smollm2 49152 "${COMMON[@]}"
-  serve_and_bench int4-squeezeserve run1 /tmp/model/int4 smollm2 49152 "${COMMON[@]}" --quantization squeezeserve
+  wait "$CPID"; tail -n 2 "$LOGS/compress-int8.log" "$LOGS/compress-int4.log"
+  for ckpt in ${CKPTS:-int8 int4}; do
+    serve_and_bench "$ckpt-vllm" run1 "/tmp/model/$ckpt" smollm2 49152 "${COMMON[@]}"
+  done
+  if [ -n "${WITH_OURS:-}" ]; then
+    serve_and_bench int4-squeezeserve run1 /tmp/model/int4 smollm2 49152 "${COMMON[@]}" --quantization squeezeserve
+  fi
   stop "$GATEWAY"
   ;;
 synth)
