@@ -99,7 +99,7 @@ ab)
     grep -E '^\{"label|^greedy' "$LOGS/ab-$cfg.log"
   done
   unset SQUEEZESERVE_VLLM_SILU_AND_MUL SQUEEZESERVE_VLLM_RMS_NORM
-  python3 tests/gpu/vllm_ab.py --compare "$OUT/ab-off.json" "$OUT/ab-on.json" | tee -a "$LOGS/summary.txt"
+  python3 tests/gpu/vllm_ab.py --compare "$OUT/ab-off.json" "$OUT/ab-on.json" --csv "$OUT/vllm_ops_ab.csv" | tee -a "$LOGS/summary.txt"
   wait "$CPID"; tail -n 2 "$LOGS/compress-int8.log" "$LOGS/compress-int4.log"
   # The quantization method in the engine: the int4 checkpoint by vLLM's kernels, then by quant_matmul.
   for cfg in int4-vllm int4-squeezeserve; do
@@ -108,7 +108,7 @@ ab)
       > "$LOGS/ab-$cfg.log" 2>&1 || tail -30 "$LOGS/ab-$cfg.log"
     grep -E '^\{"label|^greedy' "$LOGS/ab-$cfg.log"
   done
-  python3 tests/gpu/vllm_ab.py --compare "$OUT/ab-int4-vllm.json" "$OUT/ab-int4-squeezeserve.json" | tee -a "$LOGS/summary.txt"
+  python3 tests/gpu/vllm_ab.py --compare "$OUT/ab-int4-vllm.json" "$OUT/ab-int4-squeezeserve.json" --csv "$OUT/vllm_ops_ab.csv" | tee -a "$LOGS/summary.txt"
   ;;
 ckpt)
   prepare_models

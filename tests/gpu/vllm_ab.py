@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import csv
 import json
 import os
 import sys
@@ -85,6 +86,7 @@ def run(args: argparse.Namespace) -> dict:
     ours = {op: sum(n for k, n in kernels.items() if name in k) for op, name in OUR_KERNELS.items()}
     return {
         "label": args.label,
+        "model": args.model,
         "pid": os.getpid(),
         "features": enabled_features(),
         "quantization": args.quantization,
@@ -105,20 +107,55 @@ def run(args: argparse.Namespace) -> dict:
     }
 
 
-def compare(paths: list[str]) -> int:
+CSV_FIELDS = [
+    "run", "label", "reference", "model", "quantization", "throughput_tok_s", "throughput_runs",
+    "ratio_vs_reference", "greedy_identical", "greedy_prompts", "first_divergence", "ours_launched",
+    "device", "versions",
+]  # fmt: skip
+
+
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    """Index of the first differing token of two greedy outputs, None when identical."""
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def compare(paths: list[str], csv_path: str | None = None) -> int:
     records = [json.load(open(p)) for p in paths]
     base = records[0]
-    ok = True
+    rows = []
     for rec in records:
         same = sum(a == b for a, b in zip(rec["greedy"], base["greedy"], strict=True))
         ratio = rec["throughput_tok_s"] / base["throughput_tok_s"]
+        diverge = [first_divergence(a, b) for a, b in zip(rec["greedy"], base["greedy"], strict=True)]
         print(
             f"{rec['label']:>10}: {rec['throughput_tok_s']:8.0f} tok/s ({ratio:.3f}x {base['label']}), "
-            f"greedy identical {same}/{len(base['greedy'])}, our kernels launched {rec['ours_launched']}, "
-            f"python calls {rec['call_counts']}"
+            f"greedy identical {same}/{len(base['greedy'])} (first differing token per prompt: {diverge}), "
+            f"our kernels launched {rec['ours_launched']}"
         )
-        ok &= same == len(base["greedy"])
-    return 0 if ok else 1
+        versions = rec["versions"]
+        run = "quant-method-ab" if any(r.get("quantization") for r in records) else "run3-ops-ab"
+        rows.append({
+            "run": run, "label": rec["label"], "reference": base["label"], "model": rec.get("model", ""),
+            "quantization": rec.get("quantization") or "",
+            "throughput_tok_s": f"{rec['throughput_tok_s']:.0f}",
+            "throughput_runs": " ".join(f"{r:.0f}" for r in rec["throughput_runs"]),
+            "ratio_vs_reference": f"{ratio:.3f}", "greedy_identical": same,
+            "greedy_prompts": len(base["greedy"]),
+            "first_divergence": " ".join("-" if d is None else str(d) for d in diverge),
+            "ours_launched": " ".join(f"{k}={v}" for k, v in rec["ours_launched"].items()),
+            "device": versions["gpu"], "versions": f"vllm {versions['vllm']}; torch {versions['torch']}",
+        })  # fmt: skip
+    if csv_path:
+        new = not os.path.exists(csv_path)
+        with open(csv_path, "a", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=CSV_FIELDS)
+            if new:
+                writer.writeheader()
+            writer.writerows(rows)
+    return 0
 
 
 def main() -> int:
@@ -137,9 +174,10 @@ def main() -> int:
     parser.add_argument("--batch-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--compare", nargs="+", help="JSON records to compare (first is the reference)")
+    parser.add_argument("--csv", help="with --compare: append one row per record to this CSV")
     args = parser.parse_args()
     if args.compare:
-        return compare(args.compare)
+        return compare(args.compare, args.csv)
     if not (args.model and args.out):
         parser.error("--model and --out are required unless --compare is given")
     record = run(args)
