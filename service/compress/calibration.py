@@ -9,6 +9,7 @@ inputs, so later layers calibrate on what they will really see (as in the GPTQ a
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -80,7 +81,8 @@ def layerwise(
     """Run ``fn(layer_index, linears, grams)`` for each decoder layer in order (see module docstring).
 
     ``linears`` maps full module names (``model.layers.3.mlp.down_proj``) to modules; ``grams`` maps the
-    same names to float32 ``X^T X`` ``[in, in]`` summed over every calibration token.
+    same names to float32 ``X^T X`` ``[in, in]`` summed over every calibration token. Linears that read the
+    very same input tensor (q/k/v, gate/up) share one Gram tensor object (``grams[a] is grams[b]``).
     """
     layers = decoder_layers(model)
     inputs: list[tuple[torch.Tensor, dict[str, Any]]] = []
@@ -102,23 +104,43 @@ def layerwise(
 
     for index, layer in enumerate(tqdm(layers, desc=desc or "calibrating", unit="layer")):
         linears = linear_modules(layer, prefix=f"model.layers.{index}.")
-        grams = {name: torch.zeros(m.in_features, m.in_features) for name, m in linears.items()}
-        hooks = []
-        for name, module in linears.items():
-
-            def accumulate(_m: nn.Module, args: tuple, _out: Any, gram: torch.Tensor = grams[name]) -> None:
-                x = args[0].reshape(-1, args[0].shape[-1]).to(torch.float32)
-                gram.addmm_(x.T, x)
-
-            hooks.append(module.register_forward_hook(accumulate))
-        try:
-            for hidden, kwargs in inputs:
-                layer(hidden, **kwargs)
-        finally:
-            for hook in hooks:
-                hook.remove()
+        grams = input_grams(layer, linears, inputs)
         fn(index, linears, grams)
         inputs = [(_hidden_of(layer(hidden, **kwargs)), kwargs) for hidden, kwargs in inputs]
+
+
+def input_grams(
+    layer: nn.Module, linears: dict[str, nn.Linear], inputs: list[tuple[torch.Tensor, dict[str, Any]]]
+) -> dict[str, torch.Tensor]:
+    """Run ``layer`` over ``inputs`` and return each linear's float32 input Gram matrix ``X^T X``.
+
+    Linears that read the very same tensor (q/k/v, gate/up) get one shared Gram tensor, computed once."""
+    grams: dict[str, torch.Tensor] = {}
+    batch_inputs: list[tuple[torch.Tensor, torch.Tensor]] = []  # (input, its Gram) seen in this batch
+
+    def accumulate(module: nn.Linear, args: tuple, _out: Any, name: str) -> None:
+        x = args[0]
+        for seen, gram in batch_inputs:
+            if seen is x:
+                grams.setdefault(name, gram)
+                return
+        gram = grams.setdefault(name, torch.zeros(module.in_features, module.in_features))
+        flat = x.reshape(-1, x.shape[-1]).to(torch.float32)
+        gram.addmm_(flat.T, flat)
+        batch_inputs.append((x, gram))
+
+    hooks = [
+        module.register_forward_hook(functools.partial(accumulate, name=name))
+        for name, module in linears.items()
+    ]
+    try:
+        for hidden, kwargs in inputs:
+            layer(hidden, **kwargs)
+            batch_inputs.clear()
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return grams
 
 
 def _hidden_of(output: Any) -> torch.Tensor:

@@ -5,16 +5,23 @@ For a Linear with inputs ``X`` (one row per token), the loss ``||X W^T - X Q^T||
 ``H = 2 X^T X`` (the scale does not matter here). With ``U`` the upper Cholesky factor of ``H^-1``
 (damped: ``H + λ mean(diag H) I``), quantizing column ``j`` to ``q_j`` and applying
 
-    e = (w_j - q_j) / U[j, j]          W[:, j+1:] -= e ⊗ U[j, j+1:]
+    e_j = (w_j - q_j) / U[j, j]          W[:, j+1:] -= e_j ⊗ U[j, j+1:]
 
-is the optimal update of the remaining columns. Columns are processed in blocks (lazy batch updates).
-Group scales and zero points are taken from the *updated* weights when a group starts (min/max, as in
-RTN). With a pruning ``mask`` the pruned entries are forced to 0 (exactly representable) and their
-error is spread like any other rounding error (SparseGPT's compensation, mask fixed in advance); kept
-entries never round to 0, so the sparsity pattern survives quantization exactly.
+is the optimal update of the remaining columns. The updates are applied lazily, as in the reference
+implementation: within a run of ``SWEEP`` columns one rank-1 update per column touches only that run;
+the run's errors ``E`` then reach the rest of its block in one matmul (``U[run, rest]^T E``), and each
+block's errors reach the rest of the matrix in one more. Work is done on ``W^T``, so a column is a
+contiguous row. Group scales and zero points are taken from the *updated* weights when a group starts
+(min/max, as in RTN). With a pruning ``mask`` the pruned entries are forced to 0 (exactly representable)
+and their error is spread like any other rounding error (SparseGPT's compensation, mask fixed in
+advance); kept entries never round to 0, so the sparsity pattern survives quantization exactly.
 """
 
 from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -26,6 +33,24 @@ from squeezeserve.service.compress.quantize import (
     package,
     quantize_with,
 )
+
+# Columns quantized one at a time between two matmul updates: short runs keep each rank-1 update small.
+SWEEP = 32
+
+
+@contextmanager
+def one_thread() -> Iterator[None]:
+    """Run torch ops on one thread. The column sweep is thousands of ops on vectors of ``out`` floats:
+    splitting those across threads only adds a barrier per op, and on a busy machine each barrier can wait
+    for a descheduled thread. Measured on the shared 2-core box under load: the sweep ran 10-30x slower on
+    2 threads than on 1, and with only the sweep on 1 thread the block matmuls and the factorisation still
+    made the whole 3x slower than all on 1 thread (they are too small to gain from a second thread)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def keep_nonzero(
@@ -54,6 +79,15 @@ def apply_mask(
     return codes.clamp(scheme.qmin, scheme.qmax)
 
 
+def inverse_hessian_factor(gram: torch.Tensor, damp: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``U`` (upper Cholesky factor of the damped ``H^-1``) and the mask of dead inputs (never nonzero)."""
+    h = gram.to(torch.float32).clone()
+    dead = torch.diag(h) == 0
+    h[dead, dead] = 1.0
+    h += damp * torch.mean(torch.diag(h)) * torch.eye(h.shape[0])
+    return torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True), dead
+
+
 def gptq_quantize(
     weight: torch.Tensor,
     gram: torch.Tensor,
@@ -65,50 +99,67 @@ def gptq_quantize(
     """GPTQ-quantize ``weight`` ``[out, in]`` given its inputs' Gram matrix ``gram`` ``[in, in]``."""
     if scheme.kind != "int":
         raise ValueError("GPTQ applies to integer schemes only")
+    in_features = weight.shape[1]
+    if gram.shape != (in_features, in_features):
+        raise ValueError(f"gram must be [{in_features}, {in_features}], got {tuple(gram.shape)}")
+    with one_thread():
+        return _gptq(weight, gram, scheme, mask, damp, block_size)
+
+
+def _gptq(
+    weight: torch.Tensor,
+    gram: torch.Tensor,
+    scheme: QuantScheme,
+    mask: torch.Tensor | None,
+    damp: float,
+    block_size: int,
+) -> QuantizedWeight:
     out, in_features = weight.shape
-    w = weight.detach().to(torch.float32).clone()
-    h = gram.to(torch.float32).clone()
-    dead = torch.diag(h) == 0
-    h[dead, dead] = 1.0
-    w[:, dead] = 0.0
-    h += damp * torch.mean(torch.diag(h)) * torch.eye(in_features)
-    u = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
+    u, dead = inverse_hessian_factor(gram, damp)
+    wt = weight.detach().to(torch.float32).t().contiguous()  # [in, out]: column j of W is row j
+    wt[dead] = 0.0
+    keep = None if mask is None else mask.t()
 
     width = scheme.group_width(in_features)
-    groups = in_features // width
-    if scheme.group_size is not None:
-        block_size = max(width, block_size // width * width)
-    codes = torch.zeros(out, in_features)
-    scales = torch.zeros(out, groups)
-    zeros = torch.zeros(out, groups) if not scheme.symmetric else None
+    run = math.gcd(width, SWEEP)  # a run never straddles a group start
+    block_size = max(width, block_size // width * width) if scheme.group_size is not None else block_size
+    block_size = max(run, block_size // run * run)
+    codes = torch.empty(in_features, out)
+    scales = torch.empty(scheme.groups_for(in_features), out)
+    zeros = None if scheme.symmetric else torch.empty_like(scales)
     if scheme.group_size is None:
-        scale, zero = compute_qparams(w.amin(dim=1), w.amax(dim=1), scheme)
-        scales[:, 0] = scale
+        scale, zero = compute_qparams(wt.amin(dim=0), wt.amax(dim=0), scheme)
+        scales[0] = scale
         if zeros is not None:
-            zeros[:, 0] = zero
+            zeros[0] = zero
 
     for b0 in range(0, in_features, block_size):
         b1 = min(b0 + block_size, in_features)
-        block = w[:, b0:b1].clone()
-        errors = torch.zeros_like(block)
-        u_block = u[b0:b1, b0:b1]
-        for i in range(b1 - b0):
-            col = b0 + i
-            g = col // width
-            if scheme.group_size is not None and col % width == 0:
-                chunk = block[:, i : i + width]
-                scale, zero = compute_qparams(chunk.amin(dim=1), chunk.amax(dim=1), scheme)
-                scales[:, g] = scale
+        block = wt[b0:b1]  # a view: updates land in wt
+        errors = torch.empty_like(block)
+        for r0 in range(0, b1 - b0, run):
+            r1 = min(r0 + run, b1 - b0)
+            first = b0 + r0
+            g = first // width
+            if scheme.group_size is not None and first % width == 0:
+                # Every earlier column's error has reached this group by now: its range is final.
+                group = wt[first : first + width]
+                scale, zero = compute_qparams(group.amin(dim=0), group.amax(dim=0), scheme)
+                scales[g] = scale
                 if zeros is not None:
-                    zeros[:, g] = zero
-            s = scales[:, g : g + 1]
-            z = None if zeros is None else zeros[:, g : g + 1]
-            column = block[:, i : i + 1]
-            q = quantize_with(column, s, z, scheme)
-            q = apply_mask(q, column, z, None if mask is None else mask[:, col : col + 1], scheme)
-            codes[:, col : col + 1] = q
-            error = (column - dequantize_codes(q, s, z)) / u_block[i, i]
-            block[:, i:] -= error @ u_block[i : i + 1, i:]
-            errors[:, i : i + 1] = error
-        w[:, b1:] -= errors @ u[b0:b1, b1:]
-    return package(codes, scales, zeros, scheme)
+                    zeros[g] = zero
+            s = scales[g]
+            z = None if zeros is None else zeros[g]
+            u_run = u[first : b0 + r1, first : b0 + r1]
+            for i in range(r1 - r0):
+                column = block[r0 + i]
+                q = quantize_with(column, s, z, scheme)
+                if keep is not None:
+                    q = apply_mask(q, column, z, keep[first + i], scheme)
+                codes[first + i] = q
+                error = (column - dequantize_codes(q, s, z)) / u_run[i, i]
+                errors[r0 + i] = error
+                block[r0 + i + 1 : r1].addr_(u_run[i, i + 1 :], error, alpha=-1.0)
+            block[r1:].addmm_(u[first : b0 + r1, b0 + r1 : b1].t(), errors[r0:r1], alpha=-1.0)
+        wt[b1:].addmm_(u[b0:b1, b1:].t(), errors, alpha=-1.0)
+    return package(codes.t(), scales.t(), None if zeros is None else zeros.t(), scheme)

@@ -157,9 +157,10 @@ def quantize(
 
     def record(name: str, module: nn.Linear, q: QuantizedWeight) -> None:
         quantized[name] = q
-        errors[name] = relative_error(module.weight.data, q.dequantize())
+        dequantized = q.dequantize()
+        errors[name] = relative_error(module.weight.data, dequantized)
         # Later layers calibrate on what the quantized model computes.
-        module.weight.data = q.dequantize(module.weight.dtype)
+        module.weight.data = dequantized.to(module.weight.dtype)
 
     def quantize_layer(_index: int, linears: dict[str, nn.Linear], grams: dict[str, torch.Tensor]) -> None:
         if options.algorithm == "gptq":
@@ -196,11 +197,11 @@ def quantize(
 
 
 def _shared_input_groups(grams: dict[str, torch.Tensor]) -> list[list[str]]:
-    """Names grouped by identical input Gram matrix (linears that read the same activations)."""
+    """Names grouped by shared Gram tensor (``layerwise`` shares it between linears with one input)."""
     groups: list[list[str]] = []
     for name, gram in grams.items():
         for group in groups:
-            if grams[group[0]].shape == gram.shape and torch.equal(grams[group[0]], gram):
+            if grams[group[0]] is gram:
                 group.append(name)
                 break
         else:
