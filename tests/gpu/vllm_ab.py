@@ -80,9 +80,11 @@ def run(args: argparse.Namespace) -> dict:
             batch[:16], SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True), use_tqdm=False
         )
     kernels: collections.Counter[str] = collections.Counter()
+    kernel_us: collections.Counter[str] = collections.Counter()
     for event in prof.events():
         if event.device_type == torch.autograd.DeviceType.CUDA:
             kernels[event.name] += 1
+            kernel_us[event.name] += event.time_range.elapsed_us()
     ours = {op: sum(n for k, n in kernels.items() if name in k) for op, name in OUR_KERNELS.items()}
     return {
         "label": args.label,
@@ -99,6 +101,7 @@ def run(args: argparse.Namespace) -> dict:
         "ours_launched": ours,
         "call_counts": vllm_ops.call_counts(),
         "top_kernels": dict(kernels.most_common(25)),
+        "top_kernel_us": {k: round(v, 1) for k, v in kernel_us.most_common(25)},
         "versions": {
             "vllm": vllm.__version__,
             "torch": torch.__version__,
