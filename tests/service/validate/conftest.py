@@ -16,7 +16,6 @@ from squeezeserve.service.gateway.app import create_app
 from squeezeserve.service.gateway.config import GatewaySettings
 
 HERE = Path(__file__).parent
-TASK_FILE = HERE / "data" / "task.jsonl"
 GATEWAY_KEY = "validate-test-key"
 
 
@@ -54,12 +53,12 @@ def wikitext_file(wikitext: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def keyed_gateway(baseline_worker: str) -> Iterator[str]:
-    """The gateway in front of the baseline worker, requiring ``GATEWAY_KEY``."""
+def keyed_gateway(baseline_worker: str) -> Iterator[tuple[str, str]]:
+    """(URL, key) of a gateway in front of the baseline worker that requires that key."""
     server = _server_thread_class()(
         create_app(GatewaySettings(upstreams=[baseline_worker], port=0, api_keys=[GATEWAY_KEY]))
     ).start()
     try:
-        yield server.url
+        yield server.url, GATEWAY_KEY
     finally:
         server.stop()
