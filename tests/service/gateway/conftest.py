@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -154,73 +155,43 @@ def eventually() -> Callable[..., None]:
     return wait_for
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def wait_until_healthy(url: str, timeout: float, process: subprocess.Popen[bytes] | None = None) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process is not None and process.poll() is not None:
-            raise RuntimeError(f"server for {url} exited with code {process.returncode}")
-        try:
-            if httpx.get(f"{url}/health", timeout=1.0).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise RuntimeError(f"{url} not healthy after {timeout} s")
-
-
-def stop_process(process: subprocess.Popen[bytes], sig: int = signal.SIGTERM) -> None:
-    if process.poll() is None:
-        process.send_signal(sig)
-        try:
-            process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-
-
 @pytest.fixture
-def fake_process() -> Iterator[Callable[..., tuple[str, subprocess.Popen[bytes]]]]:
+def fake_process(servers: SimpleNamespace) -> Iterator[Callable[..., tuple[str, subprocess.Popen[bytes]]]]:
     """``fake_process(model)``: a fake upstream in its own process (so a test can kill it)."""
     processes: list[subprocess.Popen[bytes]] = []
 
     def start(model: str = "fake-model") -> tuple[str, subprocess.Popen[bytes]]:
-        port = free_port()
+        port = servers.free_port()
         process = subprocess.Popen(
             [sys.executable, str(FAKE_SCRIPT), "--port", str(port), "--model", model, "--name", "process"]
         )
         processes.append(process)
         url = f"http://127.0.0.1:{port}"
-        wait_until_healthy(url, timeout=30, process=process)
+        servers.wait_until_healthy(url, timeout=30, process=process)
         return url, process
 
     yield start
     for process in processes:
-        stop_process(process, signal.SIGKILL)
+        servers.stop_process(process, signal.SIGKILL)
 
 
 @pytest.fixture
-def cli_gateway() -> Iterator[Callable[..., tuple[str, subprocess.Popen[bytes]]]]:
+def cli_gateway(servers: SimpleNamespace) -> Iterator[Callable[..., tuple[str, subprocess.Popen[bytes]]]]:
     """``cli_gateway(*flags)``: ``squeezeserve gateway FLAGS --port P`` as a process, once it is healthy."""
     processes: list[subprocess.Popen[bytes]] = []
 
     def start(*flags: str) -> tuple[str, subprocess.Popen[bytes]]:
-        port = free_port()
+        port = servers.free_port()
         command = [sys.executable, "-m", "squeezeserve.service.cli", "gateway", *flags, "--port", str(port)]
         process = subprocess.Popen(command)
         processes.append(process)
         url = f"http://127.0.0.1:{port}"
-        wait_until_healthy(url, timeout=60, process=process)
+        servers.wait_until_healthy(url, timeout=60, process=process)
         return url, process
 
     yield start
     for process in processes:
-        stop_process(process, signal.SIGKILL)
+        servers.stop_process(process, signal.SIGKILL)
 
 
 @pytest.fixture(scope="module")
