@@ -85,3 +85,8 @@ def test_rmsnorm_opcheck(device, check):
         torch.ops.squeezeserve.rmsnorm_backward.default,
         (torch.randn(3, 40, device=device), x.detach(), w.detach(), EPS),
     )
+    g = torch.randn(3, 40, device=device)
+    check.opcheck(
+        torch.ops.squeezeserve.add_rmsnorm_backward.default,
+        (g, torch.randn_like(g), x.detach(), w.detach(), EPS),
+    )

@@ -73,3 +73,6 @@ def test_swiglu_opcheck(device, check):
     )
     g = torch.randn(3, 17, device=device)
     check.opcheck(torch.ops.squeezeserve.swiglu_backward.default, (g, a.detach(), b.detach()))
+    check.opcheck(torch.ops.squeezeserve.swiglu_oai_backward.default, (g, a.detach(), b.detach(), 1.702, 1.0))
+    x = torch.randn(3, 34, device=device)
+    check.opcheck(torch.ops.squeezeserve.silu_and_mul_backward.default, (g, x))
