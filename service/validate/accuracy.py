@@ -41,6 +41,7 @@ from torch.nn import functional as F  # noqa: N812
 
 from squeezeserve.service.validate.data import TaskItem, Window
 from squeezeserve.service.validate.specs import ModelSpec, UsageError
+from squeezeserve.service.worker.local.openai_format import TokenText
 
 KL_CHUNK = 128
 HTTP_TOP_K = 1  # top-1 agreement needs the best alternative only
@@ -68,7 +69,7 @@ class LocalScorer:
         plain = isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.is_floating_point()
         self.head_weight = weight if plain else None
         self.head_bias = getattr(self.head, "bias", None) if plain else None
-        self._texts: dict[int, str] = {}
+        self.token_text = TokenText(loaded.tokenizer)  # token text as the worker shows it in logprobs
 
     @torch.no_grad()
     def hidden(self, ids: list[int]) -> torch.Tensor:
@@ -96,15 +97,6 @@ class LocalScorer:
             chunk = self.logits(rows[start : start + KL_CHUNK]).float()
             total += float(F.cross_entropy(chunk, target[start : start + KL_CHUNK], reduction="sum"))
         return total
-
-    def token_text(self, token_id: int) -> str:
-        text = self._texts.get(token_id)
-        if text is None:
-            text = self.tokenizer.decode(
-                [token_id], skip_special_tokens=False, clean_up_tokenization_spaces=False
-            )
-            self._texts[token_id] = text
-        return text
 
     @torch.no_grad()
     def score(self, ids: list[int], scored: int, top1: bool = False) -> ScoredWindow:
