@@ -63,6 +63,12 @@ serve_and_bench() {  # label run model_dir served_name vocab [vllm args...]
     python3 tests/benchmarks/bench_serving.py --base-url "$url" --model "$name" --run "$run" \
       --label "$label" --vocab "$vocab" --concurrency ${CONCURRENCY:-1 16 64} --csv "$CSV" \
       ${BENCH_ARGS:-} 2>&1 | tee -a "$LOGS/summary.txt"
+    if [ -n "${VALIDATE:-}" ]; then  # accuracy of the served candidate vs the fp16 baseline (local, on the GPU)
+      timeout 120 $SQ validate --baseline /tmp/model/hf --candidate "$url#$name" --tokenizer /tmp/model/hf \
+        --dataset .vllm-bundle/data/test.txt --max-tokens 16384 --skip-latency --device cuda --dtype float16 \
+        --out "$LOGS/validate-$label" > "$LOGS/validate-$label.log" 2>&1
+      tail -n 15 "$LOGS/validate-$label.log" | tee -a "$LOGS/summary.txt"
+    fi
   else
     tail -40 "$LOGS/worker-$label.log"
   fi
