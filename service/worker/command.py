@@ -36,6 +36,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--no-custom-ops", action="store_true", help="local: run the model on stock modules, not our ops"
     )
     parser.add_argument(
+        "--quantized-linear",
+        choices=["auto", "kernel", "dequantize"],
+        default="auto",
+        help="local: quantized weights through quant_matmul (kernel) or expanded at load (dequantize); "
+        "auto = kernel on GPU, dequantize on CPU",
+    )
+    parser.add_argument(
         "vllm_args", nargs=argparse.REMAINDER, help="vllm: arguments after -- go to vllm serve"
     )
 
@@ -70,6 +77,7 @@ def run(args: argparse.Namespace) -> int:
         args.max_waiting,
         args.threads,
         not args.no_custom_ops,
+        args.quantized_linear,
     )
 
 
@@ -83,6 +91,7 @@ def serve_local(
     max_waiting: int = 256,
     threads: int = 0,
     use_custom_ops: bool = True,
+    quantized_linear: str = "auto",
 ) -> int:
     import torch
     import uvicorn
@@ -93,7 +102,9 @@ def serve_local(
     if threads > 0:
         torch.set_num_threads(threads)
     try:
-        loaded = load_model(model, dtype=dtype, use_custom_ops=use_custom_ops)
+        loaded = load_model(
+            model, dtype=dtype, use_custom_ops=use_custom_ops, quantized_linear=quantized_linear
+        )
     except (OSError, ValueError) as exc:
         print(f"error: cannot load model {model}: {exc}", file=sys.stderr)
         return 1
