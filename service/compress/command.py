@@ -49,6 +49,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--recover-lr", type=float, default=2e-5, help="recovery learning rate (AdamW)")
     parser.add_argument("--recover-batch-size", type=int, default=4, help="windows per recovery step")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--threads",
+        type=int,
+        help="torch CPU threads (default: torch's, one per core); on a machine other jobs keep busy, 1 can "
+        "be several times faster",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -59,6 +65,13 @@ def run(args: argparse.Namespace) -> int:
     from squeezeserve.service.compress.pipeline import compress
     from squeezeserve.service.compress.summary import format_summary
 
+    if args.threads is not None and args.threads < 1:
+        print(f"error: --threads must be at least 1, got {args.threads}", file=sys.stderr)
+        return 2
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     try:
         options = build_options(
             method=args.method,

@@ -54,12 +54,19 @@ def one_thread() -> Iterator[None]:
 
 
 def keep_nonzero(
-    codes: torch.Tensor, weight: torch.Tensor, zero: torch.Tensor | None, keep: torch.Tensor
+    codes: torch.Tensor,
+    weight: torch.Tensor,
+    zero: torch.Tensor | None,
+    keep: torch.Tensor,
+    scheme: QuantScheme,
 ) -> torch.Tensor:
-    """Move kept entries whose code decodes to 0 one step towards their weight's sign."""
+    """Move kept entries whose code decodes to 0 one step towards their weight's sign (the other way when
+    that step leaves [qmin, qmax]: a zero point at qmax has no code above it)."""
     zero_code = torch.zeros_like(codes) if zero is None else zero.expand_as(codes)
     collapsed = keep & (codes == zero_code)
     step = torch.where(weight >= 0, 1.0, -1.0)
+    step = torch.where(zero_code + step > scheme.qmax, -1.0, step)
+    step = torch.where(zero_code + step < scheme.qmin, 1.0, step)
     return torch.where(collapsed, zero_code + step, codes)
 
 
@@ -75,8 +82,7 @@ def apply_mask(
         return codes
     zero_code = torch.zeros_like(codes) if zero is None else zero.expand_as(codes)
     codes = torch.where(mask, codes, zero_code)
-    codes = keep_nonzero(codes, weight, zero, mask)
-    return codes.clamp(scheme.qmin, scheme.qmax)
+    return keep_nonzero(codes.clamp(scheme.qmin, scheme.qmax), weight, zero, mask, scheme)
 
 
 def inverse_hessian_factor(gram: torch.Tensor, damp: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -37,6 +37,7 @@ from squeezeserve.service.compress.gptq import apply_mask, gptq_quantize
 from squeezeserve.service.compress.options import CompressOptions
 from squeezeserve.service.compress.prune import enforce_mask, prune_mask, prune_scores
 from squeezeserve.service.compress.quantize import QuantizedWeight, QuantScheme, package, quantize_rtn
+from squeezeserve.service.validate.size import checkpoint_bytes
 
 log = logging.getLogger(__name__)
 
@@ -237,10 +238,6 @@ def versions() -> dict[str, str]:
     return found
 
 
-def dir_size(path: Path) -> int:
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
-
-
 def compress(
     model: str, out: str | Path, options: CompressOptions, overwrite: bool = False
 ) -> CompressResult:
@@ -304,12 +301,12 @@ def compress(
             },
             "quantization": None if scheme is None else {"format": quantization_config(scheme)["format"]},
             "versions": versions(),
-            "size_bytes": {"before": dir_size(source), "after": 0},
+            "size_bytes": {"before": checkpoint_bytes(source), "after": 0},
             "sparsity": _overall_sparsity(layers),
             "layers": [vars(layer) | {"shape": list(layer.shape)} for layer in layers],
             "wall_seconds": 0.0,
         }
-        record["size_bytes"]["after"] = dir_size(tmp)
+        record["size_bytes"]["after"] = checkpoint_bytes(tmp)
         record["wall_seconds"] = round(time.perf_counter() - start, 2)
         (tmp / RECORD).write_text(json.dumps(record, indent=2) + "\n")
         if out.exists():

@@ -74,3 +74,15 @@ def test_unstructured_mask_prunes_each_row_by_the_fraction() -> None:
 def test_impossible_options_are_refused_with_a_reason(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         build_options(**kwargs)
+
+
+def test_kept_weight_keeps_a_nonzero_code_when_the_zero_point_is_qmax() -> None:
+    # A group with no positive weight: its range widens to include 0, so its zero point is qmax (7) and a
+    # kept weight of (almost) 0 cannot step up; it must step down instead of collapsing onto the zero code.
+    weight = -torch.rand(4, 32) - 0.1
+    weight[:, 0] = 1e-30
+    mask = torch.ones_like(weight, dtype=torch.bool)
+    mask[:, 1::2] = False
+    q = gptq_quantize(weight * mask, torch.eye(32), INT4_G32, mask=mask)
+    assert torch.equal(q.zero_point, torch.full((4, 1), 7, dtype=torch.int8))
+    assert torch.equal(q.dequantize() != 0, mask)
