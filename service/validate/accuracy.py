@@ -55,26 +55,35 @@ class ScoredWindow:
 
 
 class LocalScorer:
-    """A checkpoint loaded in this process (``squeezeserve.service.models.loader.load_model``)."""
+    """A causal LM in this process: any transformers model (e.g. ``load_model(path).model``) and its
+    tokenizer. ``squeezeserve compress`` scores its output through this too."""
 
     exact = True
 
-    def __init__(self, loaded: Any) -> None:
-        self.loaded = loaded
-        self.model = loaded.model
-        self.tokenizer = loaded.tokenizer
-        self.head = self.model.get_output_embeddings()
+    def __init__(self, model: Any, tokenizer: Any) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.device = next(model.parameters()).device
+        self.head = model.get_output_embeddings()
         weight = getattr(self.head, "weight", None)
         # A quantized head has no plain weight matrix: its logits then go through the module, chunked.
         plain = isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.is_floating_point()
         self.head_weight = weight if plain else None
         self.head_bias = getattr(self.head, "bias", None) if plain else None
-        self.token_text = TokenText(loaded.tokenizer)  # token text as the worker shows it in logprobs
+        self.token_text = TokenText(tokenizer)  # token text as the worker shows it in logprobs
+
+    @classmethod
+    def load(cls, path: Any, dtype: str = "auto", device: str = "cpu") -> LocalScorer:
+        """A checkpoint through ``squeezeserve.service.models.loader.load_model`` (compressed ones too)."""
+        from squeezeserve.service.models.loader import load_model
+
+        loaded = load_model(path, dtype=dtype, device=device)
+        return cls(loaded.model, loaded.tokenizer)
 
     @torch.no_grad()
     def hidden(self, ids: list[int]) -> torch.Tensor:
         """Final hidden states [len(ids), hidden] (after the last norm): row i predicts token i + 1."""
-        x = torch.tensor([ids], dtype=torch.long, device=self.loaded.device)
+        x = torch.tensor([ids], dtype=torch.long, device=self.device)
         return self.model.base_model(input_ids=x, use_cache=False).last_hidden_state[0]
 
     @torch.no_grad()

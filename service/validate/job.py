@@ -149,9 +149,7 @@ class Job:
         from squeezeserve.service.validate.accuracy import HttpScorer, LocalScorer
 
         if spec.is_local:
-            from squeezeserve.service.models.loader import load_model
-
-            return LocalScorer(load_model(spec.path, dtype=self.config.dtype, device=self.config.device))
+            return LocalScorer.load(spec.path, self.config.dtype, self.config.device)
         return HttpScorer(spec, self.config.api_key)
 
     def _accuracy(self, progress: Progress, tokenizer: Any, ids: list[int], items: Any) -> None:

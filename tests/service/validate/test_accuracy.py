@@ -24,7 +24,7 @@ DTYPE = "float32"  # fp16 matmuls are several times slower on CPU; the compariso
 
 @pytest.fixture(scope="module")
 def baseline(baseline_dir: Path) -> accuracy.LocalScorer:
-    return accuracy.LocalScorer(load_model(baseline_dir, dtype=DTYPE))
+    return accuracy.LocalScorer.load(baseline_dir, DTYPE)
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +54,7 @@ def plain_baseline_ppl(baseline_dir, windows) -> float:
 @pytest.mark.parametrize("candidate_fixture", ["int8_dir", "int4_dir"])
 def test_perplexities_equal_plain_pytorch(candidate_fixture, request, baseline, windows, plain_baseline_ppl):
     candidate_dir = request.getfixturevalue(candidate_fixture)
-    candidate = accuracy.LocalScorer(load_model(candidate_dir, dtype=DTYPE))
+    candidate = accuracy.LocalScorer.load(candidate_dir, DTYPE)
 
     side_b, side_c, fidelity = accuracy.compare(baseline, candidate, windows)
 

@@ -57,7 +57,7 @@ def test_passing_gates_exit_0_and_the_report_parses(baseline_dir, int8_dir, wiki
         "--warmup-requests",
         "1",
     ]
-    args += ["--prompt-tokens", "16", "--output-tokens", "4", "--slo-ttft-ms", "60000"]
+    args += ["--prompt-tokens", "8", "--output-tokens", "3", "--slo-ttft-ms", "60000"]
     args += [
         "--gate",
         "ppl_ratio<=1.5",

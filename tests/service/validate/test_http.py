@@ -7,7 +7,6 @@ import json
 import pytest
 
 from squeezeserve.service.cli import main
-from squeezeserve.service.models.loader import load_model
 from squeezeserve.service.validate import accuracy
 from squeezeserve.service.validate.data import sliding_windows, tokenize
 from squeezeserve.service.validate.specs import parse_spec
@@ -24,7 +23,7 @@ HTTP_REL_TOL = 1e-4
 
 def test_perplexity_over_http_equals_local(keyed_gateway, baseline_dir, wikitext_file):
     url, key = keyed_gateway
-    local = accuracy.LocalScorer(load_model(baseline_dir, dtype="auto"))
+    local = accuracy.LocalScorer.load(baseline_dir, "auto")
     remote = accuracy.HttpScorer(parse_spec(f"{url}/v1#{SERVED}", "--candidate"), key)
     ids = tokenize(local.tokenizer, wikitext_file.read_text(encoding="utf-8"), 160)
 
