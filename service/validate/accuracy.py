@@ -145,7 +145,10 @@ class HttpScorer:
             )
         if response.status_code != 200:
             raise UsageError(f"{self.spec.raw}: GET /models answered HTTP {response.status_code}")
-        served = [m.get("id") for m in response.json().get("data", [])]
+        try:
+            served = [m.get("id") for m in response.json().get("data", [])]
+        except (ValueError, AttributeError) as exc:
+            raise UsageError(f"{self.spec.raw}: GET /models did not answer an OpenAI model list") from exc
         if self.spec.model not in served:
             raise UsageError(f"{self.spec.raw}: the endpoint serves {served}, not {self.spec.model!r}")
 
