@@ -16,7 +16,9 @@ LOGS=/tmp/vllm-logs/$STAGE
 mkdir -p "$OUT" "$LOGS"
 REPO=$PWD
 CSV="$OUT/vllm_serving.csv"
-trap 'tar -C /tmp/vllm-logs -czf "$OUT/logs-$STAGE.tar.gz" "$STAGE"; cp "$LOGS/summary.txt" "$OUT/summary-$STAGE.txt" 2>/dev/null' EXIT
+# Servers start in their own sessions (setsid) and would outlive this script: stop them on any exit.
+STARTED=()
+trap 'for p in "${STARTED[@]}"; do kill -KILL -- "-$p" 2>/dev/null; done; tar -C /tmp/vllm-logs -czf "$OUT/logs-$STAGE.tar.gz" "$STAGE"; cp "$LOGS/summary.txt" "$OUT/summary-$STAGE.txt" 2>/dev/null' EXIT
 
 [ -d /tmp/vllm-site/vllm ] || { echo "vLLM is not staged in /tmp/vllm-site (see ../shared/device/README.md)"; exit 3; }
 # squeezeserve on PYTHONPATH as the namespace package pyproject maps, plus the dist-info that declares the
@@ -56,7 +58,8 @@ serve_and_bench() {  # label run model_dir served_name vocab [vllm args...]
   setsid taskset -c 0-7 $SQ worker --engine vllm --model "$model" --served-model-name "$name" --port 8101 -- "$@" \
     > "$LOGS/worker-$label.log" 2>&1 &
   local wpid=$!
-  if wait_healthy http://127.0.0.1:8101 "$wpid" 400; then
+  STARTED+=("$wpid")
+  if wait_healthy http://127.0.0.1:8101 "$wpid" "${START_TIMEOUT:-400}"; then
     echo "$label: worker up in $((SECONDS - t0)) s" | tee -a "$LOGS/summary.txt"
     local url=http://127.0.0.1:8100  # through our gateway; straight to the worker only if the gateway is down
     curl -sf "$url/v1/models" >/dev/null || { url=http://127.0.0.1:8101; echo "$label: gateway down, direct" | tee -a "$LOGS/summary.txt"; }
@@ -79,6 +82,7 @@ serve_and_bench() {  # label run model_dir served_name vocab [vllm args...]
 start_gateway() {
   setsid $SQ gateway --upstream http://127.0.0.1:8101 --port 8100 --health-interval 1 > "$LOGS/gateway.log" 2>&1 &
   GATEWAY=$!
+  STARTED+=("$GATEWAY")
   sleep 3
 }
 
@@ -134,7 +138,10 @@ synth)
   python3 tests/gpu/synthetic_llama.py --tokenizer /tmp/model/hf --out /tmp/model/llama8b-bf16
   python3 tests/gpu/synthetic_llama.py --tokenizer /tmp/model/hf --out /tmp/model/llama8b-w4a16 --w4a16
   start_gateway
-  COMMON=(--dtype bfloat16 --load-format dummy --gpu-memory-utilization 0.85 --max-model-len 2048 --max-num-seqs 64)
+  # No torch.compile (its 8B compile would not fit three servers in one 10-minute call); decode steps still
+  # replay full CUDA graphs, so TPOT is not host-bound.
+  COMMON=(--dtype bfloat16 --load-format dummy --gpu-memory-utilization 0.85 --max-model-len 2048 --max-num-seqs 64
+          --compilation-config '{"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}')
   serve_and_bench bf16 run2 /tmp/model/llama8b-bf16 llama8b 49152 "${COMMON[@]}"
   serve_and_bench w4a16-vllm run2 /tmp/model/llama8b-w4a16 llama8b 49152 "${COMMON[@]}"
   serve_and_bench w4a16-squeezeserve run2 /tmp/model/llama8b-w4a16 llama8b 49152 "${COMMON[@]}" --quantization squeezeserve
