@@ -30,10 +30,14 @@ def test_no_top_level_kernels_or_service_from_this_repo() -> None:
         "    spec = importlib.util.find_spec(name)\n"
         "    print(name, spec.origin if spec else None)\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, check=True
+    )
     for line in out.stdout.splitlines():
         name, origin = line.split(" ", 1)
-        assert origin == "None" or not origin.startswith(str(REPO_ROOT)), f"top-level {name} resolves to {origin}"
+        assert origin == "None" or not origin.startswith(str(REPO_ROOT)), (
+            f"top-level {name} resolves to {origin}"
+        )
 
 
 def test_squeezeserve_maps_onto_the_fixed_folders() -> None:

@@ -81,10 +81,10 @@ async def _unless_gone(work: Awaitable[bytes], client_gone: Callable[[], Awaitab
             done, _ = await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
             if done:
                 return task.result()
-            if await client_gone():
+            if await client_gone() and not task.done():  # done while we asked: use the result
                 raise ClientGone
     finally:
-        task.cancel()
+        task.cancel()  # no-op once done; otherwise the work's own cleanup runs (e.g. releasing its slot)
 
 
 def strip_hop_by_hop(headers: Mapping[str, str], drop: frozenset[str] | set[str]) -> dict[str, str]:
@@ -217,7 +217,14 @@ class Proxy:
         headers = self._upstream_headers(request, client_headers)
         try:
             async with asyncio.timeout_at(deadline):
-                response, upstream = await self._send(request, body, headers, path)
+                # A non-streaming upstream sends its headers only with the finished answer: watch the client
+                # from here on.
+                response, upstream = await _unless_gone(
+                    self._send(request, body, headers, path), None if request.stream else client_gone
+                )
+        except ClientGone:
+            log.info("request %s: client disconnected; closing the upstream request", request.request_id)
+            return Response(status_code=499)  # nobody reads it; nginx's code for "client closed request"
         except TimeoutError:
             raise errors.upstream_timeout(self._settings.request_timeout) from None
 

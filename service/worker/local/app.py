@@ -248,7 +248,7 @@ def create_app(
         request = service.submit(prompts, body.n, params)
         ctx = _CompletionContext(service, body, prompts, request, start)
         if body.stream:
-            return _stream(http, ctx.stream(), service)
+            return _stream(http, ctx.stream(), request, service)
         return await _collect(http, request, ctx.collect(), service)
 
     @app.post("/v1/chat/completions")
@@ -269,7 +269,7 @@ def create_app(
         request = service.submit([prompt], body.n, params)
         ctx = _ChatContext(service, body, prompt, request, start)
         if body.stream:
-            return _stream(http, ctx.stream(), service)
+            return _stream(http, ctx.stream(), request, service)
         return await _collect(http, request, ctx.collect(), service)
 
     return app
@@ -291,9 +291,29 @@ def _sampling(
     )
 
 
-def _stream(http: Request, chunks: AsyncIterator[bytes], service: WorkerService) -> StreamingResponse:
+class _EngineStream(StreamingResponse):
+    """An SSE response that cancels its engine request however the response ends.
+
+    When the client hangs up, Starlette stops iterating the body without closing the generator, whose own
+    cleanup then waits for garbage collection; cancelling here stops generation at the next engine step.
+    """
+
+    def __init__(self, chunks: AsyncIterator[bytes], request: EngineRequest) -> None:
+        super().__init__(chunks, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self._engine_request = request
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._engine_request.cancel()  # a no-op for the engine once every sequence has finished
+
+
+def _stream(
+    http: Request, chunks: AsyncIterator[bytes], request: EngineRequest, service: WorkerService
+) -> StreamingResponse:
     service.metrics.requests.labels(endpoint=http.url.path, status="200").inc()
-    return StreamingResponse(chunks, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    return _EngineStream(chunks, request)
 
 
 async def _collect(http: Request, request: EngineRequest, result: Any, service: WorkerService) -> Response:

@@ -166,12 +166,13 @@ def test_concurrent_requests_all_complete_and_agree_with_sequential(client: open
     for seq, con in zip(sequential, concurrent, strict=True):
         assert con.choices[0].finish_reason == "length" and con.usage.completion_tokens == 12
         a, b = seq.choices[0].logprobs, con.choices[0].logprobs
-        # Batched fp16 matmuls round differently, so greedy paths may part after a near tie; up to
-        # that point each token's logprob must agree (a wrong mask or position is off by whole nats).
+        # Batched bf16 matmuls (8-bit mantissa) accumulate in another order than one-row ones: logprobs
+        # move by up to ~0.2 nats (0.16 seen), and greedy paths may part after a near tie. Up to that
+        # point each token's logprob must agree; a wrong mask or position is off by whole nats.
         for tok_a, tok_b, lp_a, lp_b in zip(
             a.tokens, b.tokens, a.token_logprobs, b.token_logprobs, strict=True
         ):
-            assert abs(lp_a - lp_b) < 0.1
+            assert abs(lp_a - lp_b) < 0.35
             if tok_a != tok_b:
                 break
 
