@@ -11,9 +11,8 @@ import logging
 import signal
 import subprocess
 import sys
-import time
 
-import httpx
+from squeezeserve.service.processes import stop_process, wait_until_healthy
 
 log = logging.getLogger(__name__)
 
@@ -50,32 +49,8 @@ def _prepare_model(args: argparse.Namespace) -> tuple[str, str]:
     return str(result.path), args.served_model_name or bundled.SERVED_NAME
 
 
-def _wait_healthy(url: str, worker: subprocess.Popen, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if worker.poll() is not None:
-            raise RuntimeError(f"the worker exited with code {worker.returncode} before it was ready")
-        try:
-            if httpx.get(f"{url}/health", timeout=2.0).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"the worker at {url} was not ready within {timeout:.0f}s")
-
-
 def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
-
-
-def _stop(worker: subprocess.Popen) -> None:
-    if worker.poll() is None:
-        worker.send_signal(signal.SIGTERM)
-        try:
-            worker.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            worker.kill()
-            worker.wait()
 
 
 def run(args: argparse.Namespace) -> int:
@@ -112,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _interrupt)
     try:
         print(f"starting worker ({args.engine}) for {name} on {worker_url} ...", flush=True)
-        _wait_healthy(worker_url, worker, WORKER_START_TIMEOUT_S)
+        wait_until_healthy(worker_url, WORKER_START_TIMEOUT_S, worker)
         return _serve_gateway(args, worker_url, name)
     except KeyboardInterrupt:
         return 0
@@ -121,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
         return 1
     finally:
         print("stopping worker ...", flush=True)
-        _stop(worker)
+        stop_process(worker, grace=15)
 
 
 def _serve_gateway(args: argparse.Namespace, worker_url: str, name: str) -> int:

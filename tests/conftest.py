@@ -8,50 +8,19 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
-import httpx
 import pytest
+
+from squeezeserve.service.processes import free_port, stop_process, wait_until_healthy
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 WIKITEXT = REPO_ROOT.parent / "shared" / "data" / "wikitext-2"
 SERVED_NAME = "smollm2-135m-instruct"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def wait_until_healthy(url: str, timeout: float, process: subprocess.Popen | None = None) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process is not None and process.poll() is not None:
-            raise RuntimeError(f"server for {url} exited with code {process.returncode}")
-        try:
-            if httpx.get(f"{url}/health", timeout=1.0).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise RuntimeError(f"{url} not healthy after {timeout} s")
-
-
-def stop_process(process: subprocess.Popen, sig: int = signal.SIGTERM) -> None:
-    if process.poll() is None:
-        process.send_signal(sig)
-        try:
-            process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
 
 
 def start_worker(model: Path | str, name: str, *extra: str) -> tuple[str, subprocess.Popen]:
@@ -98,7 +67,7 @@ def baseline_worker(baseline_dir: Path) -> Iterator[str]:
 
 @pytest.fixture(scope="session")
 def servers() -> SimpleNamespace:
-    """The process helpers above, for test modules (``--import-mode=importlib`` cannot import conftest)."""
+    """Process helpers for test modules (``--import-mode=importlib`` cannot import conftest)."""
     return SimpleNamespace(
         free_port=free_port,
         wait_until_healthy=wait_until_healthy,

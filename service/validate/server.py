@@ -2,22 +2,13 @@
 
 from __future__ import annotations
 
-import signal
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import httpx
+from squeezeserve.service.processes import free_port, stop_process, wait_until_healthy
 
 START_TIMEOUT_S = 600.0  # model load on a busy CPU, or vLLM's compile and warm-up
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def peak_rss_bytes(pid: int) -> int | None:
@@ -35,7 +26,7 @@ class WorkerProcess:
     """``squeezeserve worker --engine ENGINE`` on a free loopback port; a context manager."""
 
     def __init__(self, model: Path, name: str, engine: str, dtype: str, max_batch_size: int) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         self.name = name
         self.url = f"http://127.0.0.1:{self.port}"
         self.command = [sys.executable, "-m", "squeezeserve.service.cli", "--log-level", "WARNING", "worker"]
@@ -48,18 +39,12 @@ class WorkerProcess:
 
     def __enter__(self) -> WorkerProcess:
         self.process = subprocess.Popen(self.command, stdin=subprocess.DEVNULL)
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"the worker exited with code {self.process.returncode} while starting")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        self.__exit__(None, None, None)
-        raise RuntimeError(f"the worker was not healthy after {START_TIMEOUT_S:.0f} s")
+        try:
+            wait_until_healthy(self.url, START_TIMEOUT_S, self.process)
+        except RuntimeError:
+            self.__exit__(None, None, None)
+            raise
+        return self
 
     def __exit__(self, *exc: object) -> None:
         process = self.process
@@ -67,10 +52,4 @@ class WorkerProcess:
             return
         # vLLM runs the model in child processes; the worker's own high-water mark is what /proc gives.
         self.peak_rss = peak_rss_bytes(process.pid)
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+        stop_process(process)
