@@ -38,6 +38,7 @@ class SamplingFields(BaseModel):
     presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
     user: str | None = None
+    ignore_eos: bool = False  # vLLM's extension: generate max_tokens even past end-of-sequence (benchmarks)
 
     @property
     def stop_strings(self) -> list[str]:

@@ -288,6 +288,7 @@ def _sampling(
         frequency_penalty=body.frequency_penalty,
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
+        ignore_eos=body.ignore_eos,
     )
 
 

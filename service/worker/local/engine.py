@@ -230,7 +230,7 @@ class Engine:
         seq.counts[token] += 1
         event.token_ids.append(token)
         self.stats.generation_tokens += 1
-        if token in self.eos_token_ids:
+        if token in self.eos_token_ids and not params.ignore_eos:
             seq.finish_reason = "stop"
         else:
             event.text += seq.detok.add(token)

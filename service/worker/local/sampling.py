@@ -23,6 +23,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     logprobs: int | None = None  # alternatives per generated token; 0 = the chosen token's logprob only
     prompt_logprobs: int | None = None  # same, for every prompt token after the first (echo)
+    ignore_eos: bool = False  # keep generating past end-of-sequence tokens (load tests)
 
     @property
     def greedy(self) -> bool:

@@ -236,3 +236,13 @@ def test_sse_frames_are_well_formed(baseline_worker: str) -> None:
     assert frames[-1] == "data: [DONE]"
     for frame in frames[:-1]:
         assert json.loads(frame.removeprefix("data: "))["object"] == "text_completion"
+
+
+def test_ignore_eos_generates_max_tokens(client: openai.OpenAI) -> None:
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    short = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=30)
+    assert short.choices[0].finish_reason == "stop" and short.usage.completion_tokens < 30
+    long = client.chat.completions.create(
+        model=MODEL, messages=messages, temperature=0, max_tokens=30, extra_body={"ignore_eos": True}
+    )
+    assert long.choices[0].finish_reason == "length" and long.usage.completion_tokens == 30
