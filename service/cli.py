@@ -52,7 +52,10 @@ def _add(subparsers: argparse._SubParsersAction, name: str, module: str, help_: 
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="squeezeserve", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="squeezeserve",
+        description="Serve compressed LLMs behind an OpenAI-compatible gateway; compress and validate them.",
+    )
     parser.add_argument("--version", action="version", version=f"squeezeserve {__version__}")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -72,6 +75,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(
         level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
+    # httpx logs every request at INFO, health checks included; ours says what matters.
+    for noisy in ("httpx", "httpcore"):
+        logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLevelName(args.log_level)))
     try:
         return int(args._run(args) or 0)
     except KeyboardInterrupt:
