@@ -414,14 +414,14 @@ class _CompletionContext:
                     "logprobs": lp.as_dict() if lp is not None else None,
                     "finish_reason": event.finish_reason,
                 }
-                yield fmt.sse(fmt.completion_chunk(self.id, self.created, self.body.model, [choice]))
+                yield fmt.sse(fmt.chunk("text_completion", self.id, self.created, self.body.model, [choice]))
         except APIError as exc:
             yield fmt.sse(error_body(str(exc), exc.type, exc.code))
             return
         self.timing.done(sum(len(p) for p in self.prompts))
         if self.body.include_usage_in_stream:
             yield fmt.sse(
-                fmt.completion_chunk(self.id, self.created, self.body.model, [], self._usage(choices))
+                fmt.chunk("text_completion", self.id, self.created, self.body.model, [], self._usage(choices))
             )
         yield fmt.sse("[DONE]")
 
@@ -489,7 +489,7 @@ class _ChatContext:
                 "logprobs": None,
                 "finish_reason": None,
             }
-            yield fmt.sse(fmt.chat_chunk(self.id, self.created, self.body.model, [first]))
+            yield fmt.sse(fmt.chunk("chat.completion.chunk", self.id, self.created, self.body.model, [first]))
         try:
             async for event in _events(self.request):
                 entries = self._apply(choices[event.index], event)
@@ -502,11 +502,17 @@ class _ChatContext:
                     "logprobs": {"content": entries} if self.body.logprobs else None,
                     "finish_reason": event.finish_reason,
                 }
-                yield fmt.sse(fmt.chat_chunk(self.id, self.created, self.body.model, [choice]))
+                yield fmt.sse(
+                    fmt.chunk("chat.completion.chunk", self.id, self.created, self.body.model, [choice])
+                )
         except APIError as exc:
             yield fmt.sse(error_body(str(exc), exc.type, exc.code))
             return
         self.timing.done(len(self.prompt))
         if self.body.include_usage_in_stream:
-            yield fmt.sse(fmt.chat_chunk(self.id, self.created, self.body.model, [], self._usage(choices)))
+            yield fmt.sse(
+                fmt.chunk(
+                    "chat.completion.chunk", self.id, self.created, self.body.model, [], self._usage(choices)
+                )
+            )
         yield fmt.sse("[DONE]")

@@ -85,32 +85,20 @@ def chat_logprob_entries(entries: list[TokenLogprob], token_text: TokenText) -> 
     return [{**one(e.token_id, e.logprob), "top_logprobs": [one(t, lp) for t, lp in e.top]} for e in entries]
 
 
-def completion_chunk(
-    rid: str, created: int, model: str, choices: list[dict], usage_: dict | None = None
+def chunk(
+    object_: str, rid: str, created: int, model: str, choices: list[dict], usage_: dict | None = None
 ) -> dict:
-    chunk: dict[str, Any] = {
+    """One streamed chunk: ``object_`` is "text_completion" or "chat.completion.chunk"."""
+    out: dict[str, Any] = {
         "id": rid,
-        "object": "text_completion",
+        "object": object_,
         "created": created,
         "model": model,
         "choices": choices,
     }
     if usage_ is not None:
-        chunk["usage"] = usage_
-    return chunk
-
-
-def chat_chunk(rid: str, created: int, model: str, choices: list[dict], usage_: dict | None = None) -> dict:
-    chunk: dict[str, Any] = {
-        "id": rid,
-        "object": "chat.completion.chunk",
-        "created": created,
-        "model": model,
-        "choices": choices,
-    }
-    if usage_ is not None:
-        chunk["usage"] = usage_
-    return chunk
+        out["usage"] = usage_
+    return out
 
 
 def now() -> int:
