@@ -170,12 +170,11 @@ class Engine:
                     return
                 request = self._waiting[0]
                 room = self.max_batch_size - len(self._seqs)
-                if request.cancelled:
-                    self._waiting.popleft()
-                elif self._seqs and request.size > room:
-                    return  # wait for rows to free up; FIFO keeps admission fair
-                else:
-                    self._waiting.popleft()
+                # FIFO: the head waits for rows to free up, and nobody overtakes it. A request larger than
+                # the whole batch is admitted alone.
+                if not request.cancelled and self._seqs and request.size > room:
+                    return
+                self._waiting.popleft()
                 self.stats.waiting = len(self._waiting)
             if not request.cancelled:
                 self._prefill(request)
@@ -246,13 +245,14 @@ class Engine:
         """Add freshly prefilled rows to the batch, left-padding whichever side is shorter."""
         if self._cache is None or not self._seqs:
             self._cache, self._seqs = cache, new
-            return
-        batch_len = self._cache.get_seq_length()
-        new_len = cache.get_seq_length()
-        for mine, theirs in zip(self._cache.layers, cache.layers, strict=True):
-            mine.keys = torch.cat(_left_pad([mine.keys, theirs.keys], [batch_len, new_len]), dim=0)
-            mine.values = torch.cat(_left_pad([mine.values, theirs.values], [batch_len, new_len]), dim=0)
-        self._seqs = self._seqs + new
+        else:
+            batch_len = self._cache.get_seq_length()
+            new_len = cache.get_seq_length()
+            for mine, theirs in zip(self._cache.layers, cache.layers, strict=True):
+                mine.keys = torch.cat(_left_pad([mine.keys, theirs.keys], [batch_len, new_len]), dim=0)
+                mine.values = torch.cat(_left_pad([mine.values, theirs.values], [batch_len, new_len]), dim=0)
+            self._seqs = self._seqs + new
+        self.stats.running = len(self._seqs)
 
     def _step(self) -> None:
         seqs = self._seqs
