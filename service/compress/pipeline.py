@@ -9,8 +9,6 @@ from __future__ import annotations
 import json
 import logging
 import platform
-import shutil
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,6 +35,7 @@ from squeezeserve.service.compress.gptq import apply_mask, gptq_quantize
 from squeezeserve.service.compress.options import CompressOptions
 from squeezeserve.service.compress.prune import enforce_mask, prune_mask, prune_scores
 from squeezeserve.service.compress.quantize import QuantizedWeight, QuantScheme, package, quantize_rtn
+from squeezeserve.service.paths import atomic_directory
 from squeezeserve.service.validate.size import checkpoint_bytes
 
 log = logging.getLogger(__name__)
@@ -278,10 +277,7 @@ def compress(
         recover(lm, masks, calibration.input_ids, options)
     quantized, errors = quantize(lm, scheme, options, masks, calibration) if scheme is not None else ({}, {})
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    tmp.chmod(0o755)
-    try:
+    with atomic_directory(out) as tmp:
         tensors = _checkpoint_tensors(lm, quantized, save_dtype)
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         copy_side_files(source, tmp)
@@ -309,12 +305,6 @@ def compress(
         record["size_bytes"]["after"] = checkpoint_bytes(tmp)
         record["wall_seconds"] = round(time.perf_counter() - start, 2)
         (tmp / RECORD).write_text(json.dumps(record, indent=2) + "\n")
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return CompressResult(out=out, record=record, layers=layers)
 
 

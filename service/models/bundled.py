@@ -15,15 +15,13 @@ import hashlib
 import importlib.util
 import json
 import logging
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from squeezeserve.service.paths import home
+from squeezeserve.service.paths import atomic_directory, home
 
 log = logging.getLogger(__name__)
 
@@ -121,10 +119,7 @@ def export_baseline(out: Path | None = None, dtype: str = "float16", force: bool
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     start = time.perf_counter()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    tmp.chmod(0o755)  # mkdtemp makes it private; the checkpoint is meant to be shared (e.g. mounted)
-    try:
+    with atomic_directory(out) as tmp:
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(
             gguf.parent, gguf_file=gguf.name, dtype=getattr(torch, dtype), low_cpu_mem_usage=True
@@ -144,10 +139,4 @@ def export_baseline(out: Path | None = None, dtype: str = "float16", force: bool
             "served_name": SERVED_NAME,
         }
         (tmp / MARKER).write_text(json.dumps(meta, indent=2) + "\n")
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return ExportResult(out, created=True, seconds=time.perf_counter() - start)
