@@ -1,10 +1,17 @@
-"""Thin functional API over ``torch.ops.squeezeserve.*`` (autograd-aware; CPU tensors run the reference)."""
+"""Thin functional API over ``torch.ops.squeezeserve.*`` (autograd-aware; CPU tensors run the reference).
+
+Eager calls run the op bodies directly (``registry.EagerOp``: same kernels, same gradients, no dispatcher
+overhead); traced and compiled calls go through the registered ops.
+"""
 
 from __future__ import annotations
 
 import torch
 
 from squeezeserve.kernels import registry
+from squeezeserve.kernels.ops import rmsnorm as _rmsnorm
+from squeezeserve.kernels.ops import softmax as _softmax
+from squeezeserve.kernels.ops import swiglu as _swiglu
 
 registry.load()
 _ops = torch.ops.squeezeserve
@@ -12,21 +19,29 @@ _ops = torch.ops.squeezeserve
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up."""
+    if registry.eager(gate, up):
+        return _swiglu.swiglu_eager(gate, up)
     return _ops.swiglu(gate, up)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """[..., 2d] -> [..., d]: silu(x[..., :d]) * x[..., d:] (vLLM's packed form)."""
+    if registry.eager(x):
+        return _swiglu.silu_and_mul_eager(x)
     return _ops.silu_and_mul(x)
 
 
 def swiglu_oai(x: torch.Tensor, y: torch.Tensor, alpha: float = 1.702, limit: float = 7.0) -> torch.Tensor:
     """gpt-oss: min(x, limit) * sigmoid(alpha * min(x, limit)) * (clamp(y, -limit, limit) + 1)."""
+    if registry.eager(x, y):
+        return _swiglu.swiglu_oai_eager(x, y, alpha, limit)
     return _ops.swiglu_oai(x, y, alpha, limit)
 
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """weight * x / sqrt(mean(x^2) + eps), statistics in fp32 (Hugging Face Llama's rounding)."""
+    if registry.eager(x, weight):
+        return _rmsnorm.rmsnorm_eager(x, weight, eps)
     return _ops.rmsnorm(x, weight, eps)
 
 
@@ -34,11 +49,15 @@ def add_rmsnorm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """h = x + residual; returns (rmsnorm(h, weight, eps), h)."""
+    if registry.eager(x, residual, weight):
+        return _rmsnorm.add_rmsnorm_eager(x, residual, weight, eps)
     return _ops.add_rmsnorm(x, residual, weight, eps)
 
 
 def softmax(x: torch.Tensor) -> torch.Tensor:
-    """Softmax over the last dim (any width; an online two-pass path for rows wider than one block)."""
+    """Softmax over the last dim (any width; rows wider than one block are split across programs)."""
+    if registry.eager(x):
+        return _softmax.softmax_eager(x)
     return _ops.softmax(x)
 
 

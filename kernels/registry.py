@@ -11,6 +11,13 @@ launcher with ``torch.library.triton_op("squeezeserve::<name>")`` (launches go t
   ``TRITON_INTERPRET=1`` set before the kernels were imported. That is how the tests exercise the Triton
   kernels on a machine without a GPU while production CPU calls take the fast reference.
 
+Eager calls through ``kernels/functional.py`` skip the dispatcher (:func:`eager`, :class:`EagerOp`): the
+torch.library layers (custom-op dispatch, the Python autograd kernel, the backward op's second dispatch)
+cost tens of microseconds of host time per call, more than the kernels at decode sizes. The fast path
+runs the same op bodies and autograd formulas under one ``torch.autograd.Function``; anything that traces
+(torch.compile, make_fx, fake or functional tensors, functorch transforms) goes through
+``torch.ops.squeezeserve.*`` as before, so compiled graphs still see the registered ops.
+
 :func:`load` imports every op file, registering all ops; ``torch.ops.squeezeserve.*`` exists after it.
 """
 
@@ -19,9 +26,13 @@ from __future__ import annotations
 import contextlib
 import importlib
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
 
 import torch
+from torch._library.triton import set_wrap_triton_enabled
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 OP_MODULES = ("swiglu", "rmsnorm", "softmax", "cross_entropy", "fused_linear_ce", "quant_matmul")
 
@@ -56,6 +67,59 @@ def use_reference(tensor: torch.Tensor) -> bool:
     under torch.compile (functionalization) a ``triton_op`` is decomposed into its body on every device.
     """
     return tensor.device.type != "cuda" and not _triton_on_cpu
+
+
+# Tensor types the fast path takes as they are; any other subclass may override dispatch.
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def eager(*tensors: torch.Tensor | None) -> bool:
+    """True when a functional call may take the fast path: nothing is tracing and every tensor is plain.
+
+    Dynamo folds ``is_compiling()`` to True, so compiled code keeps calling the registered ops; AOT
+    tracing, make_fx and fake tensors run under a dispatch mode; functorch transforms wrap tensors.
+    """
+    if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
+        return False
+    if torch._C._functorch.peek_interpreter_stack() is not None:
+        return False
+    return all(t is None or type(t) in _PLAIN for t in tensors)
+
+
+@dataclass(frozen=True)
+class EagerOp:
+    """An op's body and autograd formulas, callable without the dispatcher.
+
+    ``forward`` is the function registered with ``triton_op``; ``setup_context`` and ``backward`` have
+    ``register_autograd``'s signatures, with ``backward`` calling the backward op's body directly.
+    """
+
+    forward: Callable[..., Any]
+    setup_context: Callable[[Any, tuple, Any], None]
+    backward: Callable[..., tuple]
+
+    def __call__(self, *inputs: Any) -> Any:
+        if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in inputs):
+            return _EagerFunction.apply(self, *inputs)
+        with set_wrap_triton_enabled(False):
+            return self.forward(*inputs)
+
+
+class _EagerFunction(torch.autograd.Function):
+    """One autograd node around an op body; launches go straight to the Triton kernels (no HOP)."""
+
+    @staticmethod
+    def forward(ctx, op: EagerOp, *inputs):
+        with set_wrap_triton_enabled(False):
+            output = op.forward(*inputs)
+        op.setup_context(ctx, inputs, output)
+        ctx.op = op
+        return output
+
+    @staticmethod
+    def backward(ctx, *grads):
+        with set_wrap_triton_enabled(False):
+            return None, *ctx.op.backward(ctx, *grads)
 
 
 def load() -> None:

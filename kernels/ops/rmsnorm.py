@@ -8,6 +8,8 @@ extra tensor) and reduces dw in per-program fp32 partial sums.
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import triton
 import triton.language as tl
@@ -15,7 +17,7 @@ from torch.library import triton_op, wrap_triton
 
 from squeezeserve.kernels import reference
 from squeezeserve.kernels.ops.launch import block_rows, num_warps_for, persistent_programs, row_block, rows_2d
-from squeezeserve.kernels.registry import use_reference
+from squeezeserve.kernels.registry import EagerOp, use_reference
 
 
 @triton.jit
@@ -226,9 +228,9 @@ def _rmsnorm_setup(ctx, inputs, output):
     ctx.eps = eps
 
 
-def _rmsnorm_grad(ctx, grad):
+def _rmsnorm_grad(ctx, grad, backward=rmsnorm_backward):
     x, weight = ctx.saved_tensors
-    dx, dw = rmsnorm_backward(grad, x, weight, ctx.eps)
+    dx, dw = backward(grad, x, weight, ctx.eps)
     return dx, dw, None
 
 
@@ -238,13 +240,19 @@ def _add_rmsnorm_setup(ctx, inputs, output):
     ctx.eps = eps
 
 
-def _add_rmsnorm_grad(ctx, grad_y, grad_h):
+def _add_rmsnorm_grad(ctx, grad_y, grad_h, backward=add_rmsnorm_backward):
     h, weight = ctx.saved_tensors
     if grad_h is None:
         grad_h = torch.zeros_like(h)
-    dh, dw = add_rmsnorm_backward(grad_y, grad_h, h, weight, ctx.eps)
+    dh, dw = backward(grad_y, grad_h, h, weight, ctx.eps)
     return dh, dh, dw, None
 
 
 rmsnorm.register_autograd(_rmsnorm_grad, setup_context=_rmsnorm_setup)
 add_rmsnorm.register_autograd(_add_rmsnorm_grad, setup_context=_add_rmsnorm_setup)
+
+# The same bodies and formulas for eager calls, without the dispatcher (registry.EagerOp).
+rmsnorm_eager = EagerOp(_rmsnorm, _rmsnorm_setup, partial(_rmsnorm_grad, backward=_rmsnorm_backward))
+add_rmsnorm_eager = EagerOp(
+    _add_rmsnorm, _add_rmsnorm_setup, partial(_add_rmsnorm_grad, backward=_add_rmsnorm_backward)
+)

@@ -10,6 +10,8 @@ writes exp(x - m) / d. No limit on the row width.
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import triton
 import triton.language as tl
@@ -17,7 +19,7 @@ from torch.library import triton_op, wrap_triton
 
 from squeezeserve.kernels import reference
 from squeezeserve.kernels.ops.launch import block_rows, num_warps_for, rows_2d
-from squeezeserve.kernels.registry import use_reference
+from squeezeserve.kernels.registry import EagerOp, use_reference
 
 SINGLE_BLOCK_COLS = 65536
 ONLINE_BLOCK = 8192
@@ -168,9 +170,11 @@ def _setup(ctx, inputs, output):
     ctx.save_for_backward(output)
 
 
-def _grad(ctx, grad):
+def _grad(ctx, grad, backward=softmax_backward):
     (y,) = ctx.saved_tensors
-    return softmax_backward(grad, y)
+    return (backward(grad, y),)
 
 
 softmax.register_autograd(_grad, setup_context=_setup)
+# The same body and formula for eager calls, without the dispatcher (registry.EagerOp).
+softmax_eager = EagerOp(_softmax, _setup, partial(_grad, backward=_softmax_backward))

@@ -6,6 +6,8 @@ form reads gate and up as the two halves of each row of x, so it shares the kern
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import triton
 import triton.language as tl
@@ -13,7 +15,7 @@ from torch.library import triton_op, wrap_triton
 
 from squeezeserve.kernels import reference
 from squeezeserve.kernels.ops.launch import block_rows, rows_2d
-from squeezeserve.kernels.registry import use_reference
+from squeezeserve.kernels.registry import EagerOp, use_reference
 
 # Columns per program; a 2-D grid of [rows, columns] tiles keeps each row contiguous for the packed form.
 BLOCK = 1024
@@ -275,15 +277,15 @@ def _save_inputs(ctx, inputs, output):
     ctx.extra = inputs[2:]
 
 
-def _swiglu_grad(ctx, grad):
+def _swiglu_grad(ctx, grad, backward=swiglu_backward):
     gate, up = ctx.saved_tensors
-    return swiglu_backward(grad, gate, up)
+    return backward(grad, gate, up)
 
 
-def _swiglu_oai_grad(ctx, grad):
+def _swiglu_oai_grad(ctx, grad, backward=swiglu_oai_backward):
     x, y = ctx.saved_tensors
     alpha, limit = ctx.extra
-    d_x, d_y = swiglu_oai_backward(grad, x, y, alpha, limit)
+    d_x, d_y = backward(grad, x, y, alpha, limit)
     return d_x, d_y, None, None
 
 
@@ -291,11 +293,20 @@ def _silu_and_mul_setup(ctx, inputs, output):
     ctx.save_for_backward(inputs[0])
 
 
-def _silu_and_mul_grad(ctx, grad):
+def _silu_and_mul_grad(ctx, grad, backward=silu_and_mul_backward):
     (x,) = ctx.saved_tensors
-    return silu_and_mul_backward(grad, x)
+    return (backward(grad, x),)
 
 
 swiglu.register_autograd(_swiglu_grad, setup_context=_save_inputs)
 swiglu_oai.register_autograd(_swiglu_oai_grad, setup_context=_save_inputs)
 silu_and_mul.register_autograd(_silu_and_mul_grad, setup_context=_silu_and_mul_setup)
+
+# The same bodies and formulas for eager calls, without the dispatcher (registry.EagerOp).
+swiglu_eager = EagerOp(_swiglu, _save_inputs, partial(_swiglu_grad, backward=_swiglu_backward))
+swiglu_oai_eager = EagerOp(
+    _swiglu_oai, _save_inputs, partial(_swiglu_oai_grad, backward=_swiglu_oai_backward)
+)
+silu_and_mul_eager = EagerOp(
+    _silu_and_mul, _silu_and_mul_setup, partial(_silu_and_mul_grad, backward=_silu_and_mul_backward)
+)
