@@ -11,7 +11,8 @@ every process that builds a model. What it installs:
   ``RMSNorm.forward_native`` calls the vLLM IR ops ``ir.ops.rms_norm`` / ``fused_add_rms_norm``; replacing
   the module keeps the IR priority (set per engine from ``--ir-op-priority``) out of the A/B: with ours on,
   no IR op is left in the model. Our ops are ``triton_op``s, so torch.compile traces the Triton kernels
-  into vLLM's compiled graph and CUDA graphs capture them.
+  into vLLM's compiled graph and CUDA graphs capture them. RMSNorm rounds like the vLLM path it replaces
+  (:func:`rms_norm`), so greedy outputs with our ops match vLLM's own in both modes.
 - The ``squeezeserve`` quantization method (``register_quantization_config``): serves compressed-tensors
   ``pack-quantized`` int4/int8 weight-only checkpoints (``squeezeserve compress``) through
   ``torch.ops.squeezeserve.quant_matmul``, reading the checkpoint's packed layout as stored (no repacking).
@@ -64,6 +65,26 @@ def _note(op: str, x: torch.Tensor) -> None:
     if path and n & (n - 1) == 0:
         with open(path, "a") as f:
             f.write(f"pid={os.getpid()} op={op} call={n} shape={tuple(x.shape)} dtype={x.dtype}\n")
+
+
+def rms_norm(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, compiled: bool
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """vLLM's RMSNorm (``residual``: the fused add, returning (y, x + residual)) through our ops.
+
+    Rounding follows the path replaced. Eager vLLM runs its CUDA kernels, which round x + residual and the
+    normalised row to the activation dtype as Hugging Face does (our default). Compiled vLLM runs its IR
+    ops fused by Inductor, which keeps both in fp32 and rounds only y and the new residual: ``compiled``
+    selects our kernel's ``fused_rounding`` for that."""
+    if residual is None:
+        _note("rms_norm", x)
+        if compiled:
+            return torch.ops.squeezeserve.rmsnorm(x, weight, eps, True)
+        return functional.rmsnorm(x, weight, eps)
+    _note("fused_add_rms_norm", x)
+    if compiled:
+        return torch.ops.squeezeserve.add_rmsnorm(x, residual, weight, eps, True)
+    return functional.add_rmsnorm(x, residual, weight, eps)
 
 
 # --- the quantization scheme, parsed from the checkpoint's compressed-tensors config ------------------
@@ -172,11 +193,8 @@ def _register_rms_norm() -> None:
         ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
             if not self.has_weight or self.variance_size_override is not None:
                 return super().forward_native(x, residual)
-            if residual is None:
-                _note("rms_norm", x)
-                return functional.rmsnorm(x, self.weight, self.variance_epsilon)
-            _note("fused_add_rms_norm", x)
-            return functional.add_rmsnorm(x, residual, self.weight, self.variance_epsilon)
+            compiled = torch.compiler.is_compiling()
+            return rms_norm(x, residual, self.weight, self.variance_epsilon, compiled)
 
         def forward_cuda(
             self, x: torch.Tensor, residual: torch.Tensor | None = None

@@ -2,8 +2,10 @@
 
 One program per row, the whole row in one block (rows up to 65536 wide), statistics in fp32. The
 forward keeps Hugging Face's rounding: the normalised row is cast to the input dtype before the weight
-multiplies it. The backward recomputes 1/rms from x instead of saving it (one extra reduction, no
-extra tensor) and reduces dw in per-program fp32 partial sums.
+multiplies it. ``fused_rounding=True`` rounds only the outputs instead (x + residual and the normalised
+row stay fp32), as a torch.compile-fused RMSNorm does (vLLM's compiled path; kernels/vllm_ops.py). The
+backward recomputes 1/rms from x instead of saving it (one extra reduction, no extra tensor) and reduces dw
+in per-program fp32 partial sums.
 """
 
 from __future__ import annotations
@@ -37,21 +39,25 @@ def _rmsnorm_fwd(
     BLOCK_R: tl.constexpr,  # rows per program (several for narrow rows)
     BLOCK: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,  # fused residual add: h = x + residual, normalise h
+    FUSED_ROUNDING: tl.constexpr,  # round only the stored outputs (Inductor's numerics), not h and h * r
 ):
     """h = x (+ residual, in the input dtype); r = rsqrt(mean(h^2) + eps) in fp32;
-    y = w * cast_to_input_dtype(h * r)."""
+    y = w * cast_to_input_dtype(h * r). FUSED_ROUNDING: h and h * r stay fp32, y = w * h * r."""
     rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)[:, None]
     cols = tl.arange(0, BLOCK)[None, :]
     mask = (rows < n_rows) & (cols < n_cols)
-    h = tl.load(x_ptr + rows * x_row_stride + cols, mask=mask, other=0.0)
+    hf = tl.load(x_ptr + rows * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
         # One rounding of the exact fp32 sum, as the eager add does.
-        res = tl.load(res_ptr + rows * res_row_stride + cols, mask=mask, other=0.0)
-        h = (h.to(tl.float32) + res.to(tl.float32)).to(x_ptr.dtype.element_ty)
+        hf += tl.load(res_ptr + rows * res_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        h = hf.to(x_ptr.dtype.element_ty)
         tl.store(h_ptr + rows * h_row_stride + cols, h, mask=mask)
-    hf = h.to(tl.float32)
+        if not FUSED_ROUNDING:
+            hf = h.to(tl.float32)
     r = tl.rsqrt(tl.sum(hf * hf, axis=1) / n_cols + eps)[:, None]
-    normed = (hf * r).to(x_ptr.dtype.element_ty).to(tl.float32)
+    normed = hf * r
+    if not FUSED_ROUNDING:
+        normed = normed.to(x_ptr.dtype.element_ty).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
     tl.store(y_ptr + rows * y_row_stride + cols, (w * normed).to(y_ptr.dtype.element_ty), mask=mask)
 
@@ -111,7 +117,9 @@ def _check(x: torch.Tensor, weight: torch.Tensor, op: str) -> None:
     row_block(x.shape[-1], op)
 
 
-def _forward(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
+def _forward(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, fused_rounding: bool
+):
     n = x.shape[-1]
     block = row_block(n, "rmsnorm")
     x2 = rows_2d(x)
@@ -127,7 +135,7 @@ def _forward(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tenso
             x2, res2, h2, weight, y2,
             x2.stride(0), res2.stride(0), h2.stride(0), y2.stride(0),
             n, eps, rows, BLOCK_R=rows_per_program, BLOCK=block, HAS_RESIDUAL=residual is not None,
-            num_warps=num_warps_for(block),
+            FUSED_ROUNDING=fused_rounding, num_warps=num_warps_for(block),
         )  # fmt: skip
     return y, h
 
@@ -155,11 +163,22 @@ def _backward(
     return dx, dw_partial.sum(0).to(weight.dtype)
 
 
-def _rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def _fused_rounding_reference(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``fused_rounding`` on CPU: vLLM's RMSNorm IR ops as Inductor fuses them, rounding only (y, h)."""
+    h = x.float() if residual is None else x.float() + residual.float()
+    y = weight.float() * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps))
+    return y.to(torch.promote_types(x.dtype, weight.dtype)), h.to(x.dtype)
+
+
+def _rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, fused_rounding: bool = False) -> torch.Tensor:
     _check(x, weight, "rmsnorm")
     if use_reference(x):
+        if fused_rounding:
+            return _fused_rounding_reference(x, None, weight, eps)[0]
         return reference.rmsnorm(x, weight, eps)
-    return _forward(x, None, weight, eps)[0]
+    return _forward(x, None, weight, eps, fused_rounding)[0]
 
 
 def _rmsnorm_backward(
@@ -171,7 +190,7 @@ def _rmsnorm_backward(
 
 
 def _add_rmsnorm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, fused_rounding: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     _check(x, weight, "add_rmsnorm")
     if residual.shape != x.shape or residual.dtype != x.dtype:
@@ -180,8 +199,10 @@ def _add_rmsnorm(
             f"and {tuple(x.shape)} {x.dtype}"
         )
     if use_reference(x):
+        if fused_rounding:
+            return _fused_rounding_reference(x, residual, weight, eps)
         return reference.add_rmsnorm(x, residual, weight, eps)
-    return _forward(x, residual, weight, eps)
+    return _forward(x, residual, weight, eps, fused_rounding)
 
 
 def _add_rmsnorm_backward(
@@ -201,7 +222,7 @@ add_rmsnorm_backward = triton_op("squeezeserve::add_rmsnorm_backward", _add_rmsn
 
 
 @rmsnorm.register_fake
-def _(x, weight, eps):
+def _(x, weight, eps, fused_rounding=False):
     _check(x, weight, "rmsnorm")
     return x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype))
 
@@ -212,7 +233,7 @@ def _(grad, x, weight, eps):
 
 
 @add_rmsnorm.register_fake
-def _(x, residual, weight, eps):
+def _(x, residual, weight, eps, fused_rounding=False):
     _check(x, weight, "add_rmsnorm")
     return x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype)), x.new_empty(x.shape)
 
@@ -223,7 +244,7 @@ def _(grad_y, grad_h, h, weight, eps):
 
 
 def _rmsnorm_setup(ctx, inputs, output):
-    x, weight, eps = inputs
+    x, weight, eps = inputs[:3]
     ctx.save_for_backward(x, weight)
     ctx.eps = eps
 
@@ -231,11 +252,11 @@ def _rmsnorm_setup(ctx, inputs, output):
 def _rmsnorm_grad(ctx, grad, backward=rmsnorm_backward):
     x, weight = ctx.saved_tensors
     dx, dw = backward(grad, x, weight, ctx.eps)
-    return dx, dw, None
+    return dx, dw, None, None
 
 
 def _add_rmsnorm_setup(ctx, inputs, output):
-    _, _, weight, eps = inputs
+    _, _, weight, eps = inputs[:4]
     ctx.save_for_backward(output[1], weight)
     ctx.eps = eps
 
@@ -245,7 +266,7 @@ def _add_rmsnorm_grad(ctx, grad_y, grad_h, backward=add_rmsnorm_backward):
     if grad_h is None:
         grad_h = torch.zeros_like(h)
     dh, dw = backward(grad_y, grad_h, h, weight, ctx.eps)
-    return dh, dh, dw, None
+    return dh, dh, dw, None, None
 
 
 rmsnorm.register_autograd(_rmsnorm_grad, setup_context=_rmsnorm_setup)

@@ -1,23 +1,38 @@
-"""The vLLM quantization method's arithmetic and checkpoint handling, on CPU without vLLM.
+"""The vLLM ops' arithmetic and checkpoint handling, without vLLM: on CPU (reference path and Triton's
+interpreter) or, on a GPU machine, the compiled kernels on CUDA.
 
 What vLLM adds at serving time is loading: for a merged layer (qkv_proj, gate_up_proj) its loader writes
 each shard's checkpoint tensors into consecutive output rows of one parameter. These tests build exactly
 that from per-shard checkpoint tensors and check that ``quant_linear`` on the stacked tensors equals the
 shards' dequantized weights stacked and multiplied in plain PyTorch -- through the reference path and
-through the Triton kernel under the interpreter.
+through the Triton kernel. RMSNorm must round like the vLLM path it replaces (eager: Hugging Face's
+rounding; compiled: only the outputs rounded).
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
-from squeezeserve.kernels import quant_layout, registry, vllm_ops
+from squeezeserve.kernels import quant_layout, reference, registry, vllm_ops
 from squeezeserve.service.compress.formats import quantization_config
 from squeezeserve.service.compress.quantize import QuantScheme
 
+PATHS = ["reference", "triton"]
+
+
+def _path(path: str, device: str) -> tuple[str, contextlib.AbstractContextManager]:
+    """Where a case runs: the reference on CPU, or the Triton kernel (compiled on CUDA, interpreted on CPU,
+    where conftest's autouse fixture routes CPU tensors to the kernels)."""
+    if path == "reference":
+        return "cpu", registry.triton_on_cpu(False)
+    return device, contextlib.nullcontext()
+
 
 def _config(bits: int, group_size: int | None, symmetric: bool, kind: str = "int") -> dict:
+    pytest.importorskip("compressed_tensors")  # the config writer's library (absent on the GPU image)
     return quantization_config(QuantScheme(kind=kind, bits=bits, group_size=group_size, symmetric=symmetric))
 
 
@@ -79,24 +94,25 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("triton", [False, True], ids=["reference", "triton-interpreter"])
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize(("scheme", "widths", "k_in"), CASES)
-def test_quant_linear_on_stacked_shards_equals_dequantize_then_matmul(scheme, widths, k_in, triton):
+def test_quant_linear_on_stacked_shards_equals_dequantize_then_matmul(scheme, widths, k_in, path, device):
     gen = torch.Generator().manual_seed(0)
     dtype = torch.float16
     shards = [(torch.randn(n, k_in, generator=gen) * 0.05).to(dtype) for n in widths]
     stacked, dense = _stacked_checkpoint(shards, scheme)
     x = torch.randn(5, k_in, generator=gen).to(dtype)
     bias = torch.randn(sum(widths), generator=gen).to(dtype)
-    with registry.triton_on_cpu(triton):
+    on, context = _path(path, device)
+    with context:
         y = vllm_ops.quant_linear(
-            x,
-            stacked["weight_packed"],
-            stacked["weight_scale"],
-            stacked.get("weight_zero_point"),
+            x.to(on),
+            stacked["weight_packed"].to(on),
+            stacked["weight_scale"].to(on),
+            stacked["weight_zero_point"].to(on) if "weight_zero_point" in stacked else None,
             scheme,
-            bias,
-        )
+            bias.to(on),
+        ).cpu()
     expected = x.float() @ dense.float().T + bias.float()
     assert y.shape == (5, sum(widths)) and y.dtype == dtype
     # Both sides multiply the same fp16 values; they differ by the fp32 summation order and the final fp16
@@ -116,3 +132,62 @@ def test_quant_linear_counts_its_calls():
         scheme,
     )
     assert vllm_ops.call_counts()["quant_matmul"] == before + 1
+
+
+# --- RMSNorm: rounding of the path it replaces -------------------------------------------------------
+
+
+def _fused_reference(x, residual, weight, eps):
+    """vLLM's IR ops ``rms_norm`` / ``fused_add_rms_norm`` (vllm/ir/ops/layernorm.py) as Inductor compiles
+    them: its fp16/bf16 casts inside one kernel become fp32 (``emulate_precision_casts`` off), so the sum
+    x + residual and the normalised row stay fp32 and only the stored outputs are rounded."""
+    h = x.float() if residual is None else x.float() + residual.float()
+    y = (weight.float() * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps))).to(x.dtype)
+    return y if residual is None else (y, h.to(x.dtype))
+
+
+def _hf_reference(x, residual, weight, eps):
+    """vLLM's eager CUDA kernels round like Hugging Face: the sum, then the normalised row."""
+    if residual is None:
+        return reference.rmsnorm(x, weight, eps)
+    return reference.add_rmsnorm(x, residual, weight, eps)
+
+
+def _dtypes(device: str) -> list[torch.dtype]:
+    # Triton's interpreter truncates to bf16 instead of rounding to nearest: bf16 is checked on a GPU only.
+    return [torch.float16, torch.bfloat16] if device == "cuda" else [torch.float16]
+
+
+@pytest.mark.parametrize("residual", [False, True], ids=["rms_norm", "fused_add_rms_norm"])
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("path", PATHS)
+def test_rms_norm_rounds_like_the_vllm_path_it_replaces(path, compiled, residual, device):
+    on, context = _path(path, device)
+    for dtype in _dtypes(on):
+        gen = torch.Generator().manual_seed(0)
+        # A residual stream 16x wider than the update: most sums x + residual are not representable in
+        # the activation dtype, so rounding them or not changes a large share of the outputs.
+        x = (torch.randn(8, 320, generator=gen) * 4).to(dtype).to(on)
+        res = (torch.randn(8, 320, generator=gen) * 64).to(dtype).to(on) if residual else None
+        weight = (1 + 0.1 * torch.randn(320, generator=gen)).to(dtype).to(on)
+        with context:
+            out = vllm_ops.rms_norm(x, res, weight, 1e-6, compiled)
+        matching, other = (_fused_reference, _hf_reference) if compiled else (_hf_reference, _fused_reference)
+        expected, wrong = matching(x, res, weight, 1e-6), other(x, res, weight, 1e-6)
+        y, y_expected, y_wrong = (out[0], expected[0], wrong[0]) if residual else (out, expected, wrong)
+        if residual:
+            assert torch.equal(out[1], expected[1])  # the new residual is the rounded sum on both paths
+        # Bit-equal on the reference path and in the interpreter (same fp32 formula); on a GPU rsqrt and
+        # the reduction order can move a value across a rounding boundary: at most 1% of the outputs, by
+        # one unit in the last place. The other rounding scheme differs in 25-35% of them (measured).
+        differs = (y != y_expected).float().mean().item()
+        assert differs <= (0.0 if on == "cpu" else 0.01), f"{dtype}: {differs:.2%} differ"
+        assert (y != y_wrong).float().mean().item() > 0.1
+        torch.testing.assert_close(y.float(), y_expected.float(), rtol=2**-7, atol=0)
+
+
+def test_fused_rounding_op_schema_fake_and_autograd(check, device):
+    x, res = torch.randn(4, 64, device=device), torch.randn(4, 64, device=device)
+    weight = torch.randn(64, device=device, requires_grad=True)
+    check.opcheck(torch.ops.squeezeserve.add_rmsnorm, (x.requires_grad_(), res, weight, 1e-6, True))
+    check.opcheck(torch.ops.squeezeserve.rmsnorm, (x, weight, 1e-6, True))
