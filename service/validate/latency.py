@@ -206,7 +206,16 @@ def _meets_slo(record: RequestRecord, settings: LoadSettings) -> bool:
     return True
 
 
-async def sweep(
+@dataclass
+class Level:
+    """One concurrency level's raw results: every request's record and the level's wall time."""
+
+    concurrency: int
+    records: list[RequestRecord]
+    wall_s: float
+
+
+async def sweep_levels(
     base_url: str,
     model: str,
     api_key: str | None,
@@ -214,12 +223,13 @@ async def sweep(
     settings: LoadSettings,
     on_level: Callable[[int, int], None] | None = None,
     on_done: Callable[[], None] | None = None,
-) -> list[dict]:
-    """Every concurrency level in turn, each after its own uncounted warm-up; one metrics row per level."""
+) -> list[Level]:
+    """Every concurrency level in turn, each after its own uncounted warm-up. ``base_url`` ends in /v1;
+    ``prompts(i)`` is request i's token ids (negative i: warm-up requests)."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=max(settings.concurrency) + 4)
     timeout = httpx.Timeout(settings.timeout_s, connect=10.0)
-    rows = []
+    levels = []
     async with httpx.AsyncClient(
         base_url=base_url, headers=headers, timeout=timeout, limits=limits
     ) as client:
@@ -232,5 +242,19 @@ async def sweep(
             if on_level is not None:
                 on_level(concurrency, settings.requests_for(concurrency))
             records, wall = await run_level(client, model, prompts, concurrency, settings, on_done)
-            rows.append(level_metrics(concurrency, records, wall, settings))
-    return rows
+            levels.append(Level(concurrency, records, wall))
+    return levels
+
+
+async def sweep(
+    base_url: str,
+    model: str,
+    api_key: str | None,
+    prompts: Callable[[int], list[int]],
+    settings: LoadSettings,
+    on_level: Callable[[int, int], None] | None = None,
+    on_done: Callable[[], None] | None = None,
+) -> list[dict]:
+    """:func:`sweep_levels`, one :func:`level_metrics` row per level."""
+    levels = await sweep_levels(base_url, model, api_key, prompts, settings, on_level, on_done)
+    return [level_metrics(level.concurrency, level.records, level.wall_s, settings) for level in levels]

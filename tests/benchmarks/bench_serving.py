@@ -1,18 +1,17 @@
-"""Serving benchmark: TTFT, TPOT and throughput of an OpenAI-compatible endpoint at fixed concurrency.
+"""Serving benchmark: TTFT, TPOT and throughput of one OpenAI-compatible endpoint, as CSV rows.
 
-For each concurrency c, ``requests_per_level`` streamed ``/v1/completions`` requests (default 4c, at
-least 8) go out with at most c in flight. Prompts are token ids (exactly ``--prompt-tokens`` each, a
-different random sequence per request so no prefix cache hit is shared), outputs are exactly
-``--output-tokens`` (``ignore_eos``), greedy. Per request:
+A thin driver over ``squeezeserve.service.validate.latency`` (the load generator ``squeezeserve validate``
+uses; its docstring defines TTFT, TPOT and the throughputs): per concurrency c, after its uncounted
+warm-up, ``--requests-per-level`` streamed ``/v1/completions`` requests (default 4c, at least 8) with at
+most c in flight. Prompts are token ids, exactly ``--prompt-tokens`` each and a different random sequence
+per request (no shared prefix-cache hits); outputs exactly ``--output-tokens`` (``ignore_eos``), greedy.
+For a run against one endpoint where ``squeezeserve validate`` needs a baseline and a candidate side (the
+8B-class synthetic model of tests/gpu/run_h100.sh).
 
-    TTFT = time of the first streamed token - send time
-    TPOT = (time of the last token - time of the first token) / (output tokens - 1)
+Rows (p20/p50/p80 of TTFT and TPOT in ms, output tokens/s and requests/s over the level's wall time) are
+appended to ``--csv`` with the label, model, device and versions.
 
-Rows (p20/p50/p80 of TTFT and TPOT in ms, output tokens/s over the level's wall time, request/s) are
-appended to ``--csv`` with the label, model, device and vLLM version. Works through our gateway or
-straight against a worker.
-
-    python3 tests/benchmarks/bench_serving.py --base-url http://127.0.0.1:8000 --model m --label bf16 \
+    python3 tests/benchmarks/bench_serving.py --base-url http://127.0.0.1:8000 --model m --label bf16 \\
         --concurrency 1 16 64 --csv results.csv
 """
 
@@ -22,99 +21,47 @@ import argparse
 import asyncio
 import csv
 import datetime
-import json
 import os
 import random
-import time
 from pathlib import Path
 
-import httpx
+from squeezeserve.service.validate import latency
 
 FIELDS = [
     "run", "label", "model", "concurrency", "requests", "prompt_tokens", "output_tokens",
     "ttft_ms_p20", "ttft_ms_p50", "ttft_ms_p80", "tpot_ms_p20", "tpot_ms_p50", "tpot_ms_p80",
     "output_tok_per_s", "requests_per_s", "errors", "device", "versions", "date",
 ]  # fmt: skip
+QUANTILES = (20, 50, 80)
 
 
-def percentile(values: list[float], q: float) -> float:
-    """Linear-interpolated percentile (q in [0, 100]) of a non-empty list."""
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * q / 100
-    lo = int(pos)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+def random_prompts(length: int, vocab: int, seed: int):
+    """``prompts(i)`` for latency.sweep_levels: request i's ids (negative i: warm-up), each distinct.
+    Ids from 1000 up: past the special tokens of common tokenizers."""
+
+    def prompt(index: int) -> list[int]:
+        rng = random.Random(f"{seed}:{index}")
+        return [rng.randrange(1000, vocab) for _ in range(length)]
+
+    return prompt
 
 
-async def one_request(
-    client: httpx.AsyncClient, url: str, model: str, prompt: list[int], max_tokens: int
-) -> tuple[float, float, int]:
-    """(TTFT s, TPOT s, tokens) of one streamed completion."""
-    body = {
-        "model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-        "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True},
-    }  # fmt: skip
-    start = time.perf_counter()
-    first = last = None
-    chunks = 0
-    usage_tokens = None
-    async with client.stream("POST", url, json=body) as response:
-        if response.status_code != 200:
-            raise RuntimeError(f"HTTP {response.status_code}: {(await response.aread())[:200]!r}")
-        async for line in response.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[6:])
-            if event.get("usage"):
-                usage_tokens = event["usage"].get("completion_tokens")
-            if event.get("choices") and event["choices"][0].get("text") is not None:
-                now = time.perf_counter()
-                first = first or now
-                last = now
-                chunks += 1
-    if first is None:
-        raise RuntimeError("stream ended without a token")
-    tokens = usage_tokens or chunks
-    tpot = (last - first) / (tokens - 1) if tokens > 1 else 0.0
-    return first - start, tpot, tokens
-
-
-async def run_level(
-    base_url: str, model: str, concurrency: int, requests: int, prompt_tokens: int, output_tokens: int,
-    vocab: int, seed: int,
-) -> dict[str, float]:  # fmt: skip
-    rng = random.Random(seed * 1000 + concurrency)
-    # Ids from 1000 up: past the special tokens of common tokenizers.
-    prompts = [[rng.randrange(1000, vocab) for _ in range(prompt_tokens)] for _ in range(requests)]
-    gate = asyncio.Semaphore(concurrency)
-    url = base_url.rstrip("/") + "/v1/completions"
-    results: list[tuple[float, float, int]] = []
-    errors: list[str] = []
-    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
-
-        async def worker(prompt: list[int]) -> None:
-            async with gate:
-                try:
-                    results.append(await one_request(client, url, model, prompt, output_tokens))
-                except (httpx.HTTPError, RuntimeError) as exc:
-                    errors.append(str(exc))
-
-        start = time.perf_counter()
-        await asyncio.gather(*(worker(p) for p in prompts))
-        wall = time.perf_counter() - start
-    if not results:
-        raise RuntimeError(f"every request failed at concurrency {concurrency}: {errors[:3]}")
-    ttft = [1000 * r[0] for r in results]
-    tpot = [1000 * r[1] for r in results]
-    stats: dict[str, float] = {"requests": len(results)}
-    for name, values in (("ttft", ttft), ("tpot", tpot)):
-        for q in (20, 50, 80):
-            stats[f"{name}_ms_p{q}"] = percentile(values, q)
-    stats["output_tok_per_s"] = sum(r[2] for r in results) / wall
-    stats["requests_per_s"] = len(results) / wall
-    stats["errors"] = len(errors)
-    return stats
+def level_row(level: latency.Level) -> dict[str, object]:
+    """The CSV columns for one level (timings in ms over the completed requests)."""
+    done = [r for r in level.records if r.ok]
+    if not done:
+        errors = sorted({r.error or "" for r in level.records})
+        raise RuntimeError(f"every request failed at concurrency {level.concurrency}: {errors[:3]}")
+    row: dict[str, object] = {"concurrency": level.concurrency, "requests": len(done)}
+    samples = {"ttft": [r.ttft for r in done if r.ttft is not None], "tpot": [r.tpot for r in done]}
+    for name, values in samples.items():
+        ms = [1000 * v for v in values if v is not None]
+        for q in QUANTILES:
+            row[f"{name}_ms_p{q}"] = latency.percentile(ms, q)
+    row["output_tok_per_s"] = sum(r.output_tokens or 0 for r in done) / level.wall_s
+    row["requests_per_s"] = len(done) / level.wall_s
+    row["errors"] = len(level.records) - len(done)
+    return row
 
 
 def append_rows(path: Path, rows: list[dict[str, object]]) -> None:
@@ -131,12 +78,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--base-url", required=True)
+    parser.add_argument("--base-url", required=True, help="server root or its /v1")
     parser.add_argument("--model", required=True, help="served model name")
     parser.add_argument("--run", default="serving", help="which experiment (CSV column)")
     parser.add_argument("--label", required=True, help="configuration name (CSV column)")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--requests-per-level", type=int, default=0, help="0: max(8, 4 x concurrency)")
+    parser.add_argument("--warmup-requests", type=int, default=4, help="uncounted requests per level")
     parser.add_argument("--prompt-tokens", type=int, default=256)
     parser.add_argument("--output-tokens", type=int, default=128)
     parser.add_argument("--vocab", type=int, default=49152, help="prompt ids are drawn below this")
@@ -147,26 +95,33 @@ def main() -> None:
     args = parser.parse_args()
     if min(args.concurrency) < 1 or args.prompt_tokens < 1 or args.output_tokens < 2:
         parser.error("concurrency and prompt tokens must be >= 1, output tokens >= 2")
-    # Warm-up: the first requests pay for autotuning and allocator growth.
-    asyncio.run(run_level(args.base_url, args.model, 4, 4, args.prompt_tokens, 8, args.vocab, args.seed + 99))
+    if args.vocab <= 1000 or args.requests_per_level < 0 or args.warmup_requests < 0:
+        parser.error("--vocab must exceed 1000; request counts must be >= 0")
+    settings = latency.LoadSettings(
+        concurrency=args.concurrency,
+        requests_per_level=args.requests_per_level or None,
+        duration_s=None,
+        output_tokens=args.output_tokens,
+        warmup_requests=args.warmup_requests,
+        slo_ttft_ms=None,
+        slo_tpot_ms=None,
+    )
+    base = args.base_url.rstrip("/")
+    base = base if base.endswith("/v1") else base + "/v1"
+    prompts = random_prompts(args.prompt_tokens, args.vocab, args.seed)
+    levels = asyncio.run(latency.sweep_levels(base, args.model, None, prompts, settings))
+    date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
     rows = []
-    for c in args.concurrency:
-        n = args.requests_per_level or max(8, 4 * c)
-        stats = asyncio.run(
-            run_level(
-                args.base_url, args.model, c, n, args.prompt_tokens, args.output_tokens, args.vocab, args.seed
-            )
-        )
+    for level in levels:
         row = {
-            "run": args.run, "label": args.label, "model": args.model, "concurrency": c,
-            "prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens, **stats,
-            "device": args.device, "versions": args.versions,
-            "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+            "run": args.run, "label": args.label, "model": args.model, **level_row(level),
+            "prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens,
+            "device": args.device, "versions": args.versions, "date": date,
         }  # fmt: skip
         rows.append(row)
         print(
-            f"{args.run} {args.label} c={c}: TTFT p50 {stats['ttft_ms_p50']:.1f} ms, TPOT p50 "
-            f"{stats['tpot_ms_p50']:.2f} ms, {stats['output_tok_per_s']:.0f} tok/s, errors {stats['errors']}",
+            f"{args.run} {args.label} c={level.concurrency}: TTFT p50 {row['ttft_ms_p50']:.1f} ms, TPOT p50 "
+            f"{row['tpot_ms_p50']:.2f} ms, {row['output_tok_per_s']:.0f} tok/s, errors {row['errors']}",
             flush=True,
         )
     append_rows(args.csv, rows)
