@@ -13,6 +13,22 @@ SHAPES = [(4, 64), (3, 423, 213), (2, softmax_op.SINGLE_BLOCK_COLS + 3616)]
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", SHAPES)
 def test_softmax_matches_reference(shape, dtype, device, check):
+    _check_softmax(shape, dtype, device, check)
+
+
+@pytest.mark.parametrize("wide_path", ["split", "online"])
+def test_softmax_wide_row_paths(wide_path, device, check, monkeypatch):
+    # Rows wider than one block, and a row whose first chunk is all -inf (a zero partial sum).
+    monkeypatch.setattr(softmax_op, "WIDE_PATH", wide_path)
+    _check_softmax((2, softmax_op.SINGLE_BLOCK_COLS + 3616), torch.float32, device, check)
+    x = torch.randn(2, softmax_op.SINGLE_BLOCK_COLS + 3616, device=device)
+    x[0, : softmax_op.SPLIT_CHUNK + 5] = float("-inf")
+    out = K.softmax(x)
+    assert torch.all(out[0, : softmax_op.SPLIT_CHUNK + 5] == 0)
+    check.close(out, reference.softmax(x), torch.float32)
+
+
+def _check_softmax(shape, dtype, device, check):
     x = (torch.randn(shape, device=device) * 4).to(dtype).requires_grad_()
     out = K.softmax(x)
     grad = torch.randn_like(out)
