@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+from collections.abc import Mapping
 
 
 def vllm_command(model: str, name: str, host: str, port: int, dtype: str, extra: list[str]) -> list[str]:
@@ -17,6 +18,13 @@ def vllm_command(model: str, name: str, host: str, port: int, dtype: str, extra:
     return cmd + extra
 
 
+def vllm_environment(environ: Mapping[str, str]) -> dict[str, str]:
+    """``environ`` plus the compile-cache root of the plugin's op switches (``VLLM_CACHE_ROOT``)."""
+    from squeezeserve.service.worker.vllm_plugin import compile_cache_root
+
+    return {**environ, "VLLM_CACHE_ROOT": compile_cache_root(environ)}
+
+
 def exec_vllm(model: str, name: str, host: str, port: int, dtype: str, extra: list[str]) -> int:
     """Replace this process with vLLM, so signals and exit codes reach it directly (containers, probes)."""
     import importlib.util
@@ -27,5 +35,5 @@ def exec_vllm(model: str, name: str, host: str, port: int, dtype: str, extra: li
         )
         return 1
     cmd = vllm_command(model, name, host, port, dtype, extra)
-    os.execvp(cmd[0], cmd)
+    os.execvpe(cmd[0], cmd, vllm_environment(os.environ))
     return 0  # not reached

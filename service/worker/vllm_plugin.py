@@ -11,7 +11,8 @@ vLLM calls :func:`register` in every process it starts (API server, engine core,
 
 Each one is switched off for A/B runs by setting its variable to 0 (``SQUEEZESERVE_VLLM_SILU_AND_MUL=0``,
 ``SQUEEZESERVE_VLLM_RMS_NORM=0``, ``SQUEEZESERVE_VLLM_QUANT=0``); all are on by default. The variables
-must reach vLLM's engine processes, which inherit the environment of ``vllm serve``.
+must reach vLLM's engine processes, which inherit the environment of ``vllm serve``. vLLM's compile cache
+key does not see them, so every set of replacements needs its own cache (:func:`compile_cache_root`).
 
 This module imports neither torch nor vLLM at import time: the gateway's image and CI import it.
 """
@@ -43,6 +44,23 @@ def enabled_features(environ: Mapping[str, str] = os.environ) -> dict[str, bool]
             raise ValueError(f"{variable}={environ[variable]!r}: use 1/0 (or true/false, on/off, yes/no)")
         features[feature] = value not in _OFF
     return features
+
+
+def compile_cache_root(environ: Mapping[str, str] = os.environ) -> str:
+    """``VLLM_CACHE_ROOT`` for the op replacements ``environ`` selects: a subfolder per set under vLLM's
+    root (``$VLLM_CACHE_ROOT``, else ``$XDG_CACHE_HOME/vllm``, else ``~/.cache/vllm``).
+
+    vLLM keys its torch.compile cache on its config, its own environment variables and the model's
+    forward, not on which ``CustomOp`` classes a plugin swapped in: without this, a server started with
+    our ops off could load the graph compiled with them on (or the reverse)."""
+    root = environ.get("VLLM_CACHE_ROOT") or os.path.join(
+        environ.get("XDG_CACHE_HOME")
+        or os.path.join(environ.get("HOME") or os.path.expanduser("~"), ".cache"),
+        "vllm",
+    )
+    features = enabled_features(environ)
+    ops = [op for op in ("silu_and_mul", "rms_norm") if features[op]]
+    return os.path.join(root, "squeezeserve-" + ("-".join(ops) or "no-ops"))
 
 
 def register() -> None:

@@ -79,3 +79,24 @@ def test_worker_command_passes_vllm_arguments_through():
         "serve", "/models/int4", "--host", "127.0.0.1", "--port", "8101", "--served-model-name", "int4",
         "--dtype", "float16", "--quantization", "squeezeserve", "--max-model-len", "2048",
     ]  # fmt: skip
+
+
+def test_each_set_of_op_replacements_compiles_into_its_own_cache():
+    root = {"VLLM_CACHE_ROOT": "/cache/vllm"}
+    on = vllm_plugin.compile_cache_root(root)
+    off = vllm_plugin.compile_cache_root({**root, "SQUEEZESERVE_VLLM_RMS_NORM": "0"})
+    none = vllm_plugin.compile_cache_root(
+        {**root, "SQUEEZESERVE_VLLM_RMS_NORM": "0", "SQUEEZESERVE_VLLM_SILU_AND_MUL": "off"}
+    )
+    assert on == "/cache/vllm/squeezeserve-silu_and_mul-rms_norm"
+    assert off == "/cache/vllm/squeezeserve-silu_and_mul"
+    assert none == "/cache/vllm/squeezeserve-no-ops"
+    # The quantization switch changes no compiled graph of its own (the method is in vLLM's config key).
+    assert vllm_plugin.compile_cache_root({**root, "SQUEEZESERVE_VLLM_QUANT": "0"}) == on
+    assert vllm_plugin.compile_cache_root({"XDG_CACHE_HOME": "/x"}).startswith("/x/vllm/squeezeserve-")
+
+
+def test_vllm_gets_the_compile_cache_of_its_switches():
+    env = launch.vllm_environment({"PATH": "/bin", "SQUEEZESERVE_VLLM_SILU_AND_MUL": "0", "HOME": "/h"})
+    assert env["PATH"] == "/bin" and env["SQUEEZESERVE_VLLM_SILU_AND_MUL"] == "0"
+    assert env["VLLM_CACHE_ROOT"] == "/h/.cache/vllm/squeezeserve-rms_norm"
