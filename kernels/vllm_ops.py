@@ -125,7 +125,9 @@ def parse_scheme(quant_config: dict[str, Any]) -> WeightOnlyScheme:
         raise ValueError(f"expected compressed-tensors format {PACK_QUANTIZED!r}, got {fmt!r}")
     if group.get("input_activations"):
         raise ValueError("the checkpoint quantizes activations; the squeezeserve method is weight-only")
-    if (group.get("weights") or {}).get("actorder") not in (None, "static", False):
+    # "weight" and "static" orders change only the order GPTQ quantized the columns in: the groups stay
+    # contiguous, so the stored weights dequantize as usual. "group" needs a g_idx, which we do not read.
+    if (group.get("weights") or {}).get("actorder") not in (None, "static", "weight", False):
         raise ValueError("activation reordering (actorder=group) is not supported by quant_matmul")
     if scheme.bits not in (4, 8):
         raise ValueError(f"quant_matmul serves 4- and 8-bit weights, the checkpoint has {scheme.bits}")

@@ -51,6 +51,8 @@ def test_parse_scheme_refuses_fp8_with_the_reason():
 
 def test_parse_scheme_refuses_activation_reordering():
     config = _config(4, 32, True)
+    config["config_groups"]["group_0"]["weights"]["actorder"] = "weight"  # column order only: served
+    assert vllm_ops.parse_scheme(config).group_size == 32
     config["config_groups"]["group_0"]["weights"]["actorder"] = "group"
     with pytest.raises(ValueError, match="actorder"):
         vllm_ops.parse_scheme(config)
