@@ -18,9 +18,10 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from torch.library import triton_op, wrap_triton
+from torch.library import triton_op
 
 from squeezeserve.kernels import reference
+from squeezeserve.kernels.ops.launch import traceable
 from squeezeserve.kernels.registry import use_reference
 
 # Columns per block of the online loop: large enough to keep loads wide, small enough not to spill.
@@ -117,7 +118,7 @@ def launch_cross_entropy(
     loss = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
     block = min(triton.next_power_of_2(n_cols), MAX_BLOCK)
     if n_rows:
-        wrap_triton(_cross_entropy_fwd)[(n_rows,)](
+        traceable(_cross_entropy_fwd)[(n_rows,)](
             logits, logits.stride(0), target, loss, n_valid, n_cols, ignore_index, label_smoothing,
             BLOCK=block, WRITE_GRAD=write_grad, MEAN=reduction == "mean",
             num_warps=16 if block >= 8192 else 8,

@@ -6,11 +6,20 @@ import functools
 
 import torch
 import triton
+from torch._library.triton import is_wrap_triton_enabled
+from torch.library import wrap_triton
 
 from squeezeserve.kernels.registry import interpreting
 
 # The widest row a single-block kernel holds in registers; wider rows need a looping kernel.
 MAX_FUSED_COLS = 65536
+
+
+def traceable(kernel: triton.JITFunction):
+    """``kernel`` to index with a grid: wrapped by ``wrap_triton`` where torch may be tracing the launch
+    (torch.compile's decomposition of a triton_op), the JIT function itself on eager paths, where
+    ``wrap_triton`` would only launch it after building two wrapper objects (~5-15 us of host time)."""
+    return wrap_triton(kernel) if is_wrap_triton_enabled() else kernel
 
 
 def row_block(n_cols: int, op: str, limit: int = MAX_FUSED_COLS) -> int:

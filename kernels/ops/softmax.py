@@ -23,10 +23,10 @@ from functools import partial
 import torch
 import triton
 import triton.language as tl
-from torch.library import triton_op, wrap_triton
+from torch.library import triton_op
 
 from squeezeserve.kernels import reference
-from squeezeserve.kernels.ops.launch import block_rows, num_warps_for, rows_2d
+from squeezeserve.kernels.ops.launch import block_rows, num_warps_for, rows_2d, traceable
 from squeezeserve.kernels.registry import EagerOp, use_reference
 
 SINGLE_BLOCK_COLS = 65536
@@ -234,14 +234,14 @@ def _softmax(x: torch.Tensor) -> torch.Tensor:
     rows = x2.shape[0]
     if rows and not single and WIDE_PATH == "split":
         n_chunks, stats, arrivals = _split_scratch(rows, n, 2, x.device)
-        wrap_triton(_softmax_fwd_split)[(rows * n_chunks,)](
+        traceable(_softmax_fwd_split)[(rows * n_chunks,)](
             x2, y2, stats, arrivals, x2.stride(0), y2.stride(0), n, n_chunks,
             CHUNK=SPLIT_CHUNK, MAX_CHUNKS=triton.next_power_of_2(n_chunks),
             num_warps=num_warps_for(SPLIT_CHUNK),
         )  # fmt: skip
     elif rows:
         programs = triton.cdiv(rows, block_rows(rows, block)) if single else rows
-        wrap_triton(_softmax_fwd)[(programs,)](
+        traceable(_softmax_fwd)[(programs,)](
             x2, y2, x2.stride(0), y2.stride(0), n, rows,
             BLOCK_R=block_rows(rows, block) if single else 1, BLOCK=block, SINGLE=single, num_warps=warps,
         )  # fmt: skip
@@ -259,14 +259,14 @@ def _softmax_backward(grad: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     rows = y2.shape[0]
     if rows and not single and WIDE_PATH == "split":
         n_chunks, partials, arrivals = _split_scratch(rows, n, 1, y.device)
-        wrap_triton(_softmax_bwd_split)[(rows * n_chunks,)](
+        traceable(_softmax_bwd_split)[(rows * n_chunks,)](
             g2, y2, dx2, partials, arrivals, g2.stride(0), y2.stride(0), dx2.stride(0), n, n_chunks,
             CHUNK=SPLIT_CHUNK, MAX_CHUNKS=triton.next_power_of_2(n_chunks),
             num_warps=num_warps_for(SPLIT_CHUNK),
         )  # fmt: skip
     elif rows:
         programs = triton.cdiv(rows, block_rows(rows, block)) if single else rows
-        wrap_triton(_softmax_bwd)[(programs,)](
+        traceable(_softmax_bwd)[(programs,)](
             g2, y2, dx2, g2.stride(0), y2.stride(0), dx2.stride(0), n, rows,
             BLOCK_R=block_rows(rows, block) if single else 1, BLOCK=block, SINGLE=single, num_warps=warps,
         )  # fmt: skip

@@ -11,10 +11,10 @@ from functools import partial
 import torch
 import triton
 import triton.language as tl
-from torch.library import triton_op, wrap_triton
+from torch.library import triton_op
 
 from squeezeserve.kernels import reference
-from squeezeserve.kernels.ops.launch import block_rows, rows_2d
+from squeezeserve.kernels.ops.launch import block_rows, rows_2d, traceable
 from squeezeserve.kernels.registry import EagerOp, use_reference
 
 # Columns per program; a 2-D grid of [rows, columns] tiles keeps each row contiguous for the packed form.
@@ -117,7 +117,7 @@ def _launch_fwd(
     if rows == 0 or d == 0:
         return
     rows_per_tile, block, grid = _tiles(rows, d)
-    wrap_triton(_swiglu_fwd)[grid](
+    traceable(_swiglu_fwd)[grid](
         gate2, up2, out2, gate2.stride(0), up2.stride(0), out2.stride(0), d, alpha, limit, rows,
         BLOCK_R=rows_per_tile, BLOCK=block, OAI=oai,
     )  # fmt: skip
@@ -128,7 +128,7 @@ def _launch_bwd(g2, gate2, up2, dgate2, dup2, alpha: float, limit: float, oai: b
     if rows == 0 or d == 0:
         return
     rows_per_tile, block, grid = _tiles(rows, d)
-    wrap_triton(_swiglu_bwd)[grid](
+    traceable(_swiglu_bwd)[grid](
         g2, gate2, up2, dgate2, dup2,
         g2.stride(0), gate2.stride(0), up2.stride(0), dgate2.stride(0), dup2.stride(0),
         d, alpha, limit, rows, BLOCK_R=rows_per_tile, BLOCK=block, OAI=oai,
