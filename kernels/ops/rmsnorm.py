@@ -15,10 +15,17 @@ from functools import partial
 import torch
 import triton
 import triton.language as tl
-from torch.library import triton_op, wrap_triton
+from torch.library import triton_op
 
 from squeezeserve.kernels import reference
-from squeezeserve.kernels.ops.launch import block_rows, num_warps_for, persistent_programs, row_block, rows_2d
+from squeezeserve.kernels.ops.launch import (
+    block_rows,
+    num_warps_for,
+    persistent_programs,
+    row_block,
+    rows_2d,
+    traceable,
+)
 from squeezeserve.kernels.registry import EagerOp, use_reference
 
 
@@ -131,7 +138,7 @@ def _forward(
     rows = x2.shape[0]
     if rows:
         rows_per_program = block_rows(rows, block)
-        wrap_triton(_rmsnorm_fwd)[(triton.cdiv(rows, rows_per_program),)](
+        traceable(_rmsnorm_fwd)[(triton.cdiv(rows, rows_per_program),)](
             x2, res2, h2, weight, y2,
             x2.stride(0), res2.stride(0), h2.stride(0), y2.stride(0),
             n, eps, rows, BLOCK_R=rows_per_program, BLOCK=block, HAS_RESIDUAL=residual is not None,
@@ -153,7 +160,7 @@ def _backward(
     programs = persistent_programs(x.device, rows)
     dw_partial = torch.zeros((programs, n), dtype=torch.float32, device=x.device)
     if rows:
-        wrap_triton(_rmsnorm_bwd)[(programs,)](
+        traceable(_rmsnorm_bwd)[(programs,)](
             g2, x2, weight, dres2, dx2, dw_partial,
             g2.stride(0), x2.stride(0), dres2.stride(0), dx2.stride(0),
             rows, n, triton.cdiv(rows, programs), eps,
