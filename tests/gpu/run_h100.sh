@@ -1,32 +1,37 @@
 #!/usr/bin/env bash
 # vLLM with squeezeserve inside, on the lent H100 (issue 6). Runs on the device machine from the repo root,
-# after vLLM 0.26.0 was staged into /tmp/vllm-site and the bundled GGUF into /tmp/b/smollm2.gguf
-# (../shared/device/README.md). Logs, JSON and CSV go to $OUT.
+# after vLLM 0.26.0 was unpacked into /tmp/vllm-site and the bundled GGUF into /tmp/b/smollm2.gguf
+# (../shared/device/README.md). Each stage fits one 10-minute call; CSV, summary and a log tarball go to $OUT.
 #
-#   bash tests/gpu/run_h100.sh ab      # convert + compress the bundled model; run 3: our ops on vs off
-#   bash tests/gpu/run_h100.sh ckpt    # run 1: baseline/int8/int4 by vLLM behind our gateway, c = 1, 16, 64
+#   bash tests/gpu/run_h100.sh prep    # (staging call 5) GGUF -> fp16 baseline; compress int8, int4, fp8
+#   bash tests/gpu/run_h100.sh ab      # run 3: our ops on vs off (+ int4 by Marlin vs quant_matmul), CPUs clean
+#   bash tests/gpu/run_h100.sh ckpt    # run 1: baseline/int8/int4/fp8 by vLLM behind our gateway + validate
 #   bash tests/gpu/run_h100.sh synth   # run 2: 8B-class synthetic Llama: bf16 / W4A16 vLLM / W4A16 ours
 #
-# Data for GPTQ calibration: .vllm-bundle/data/calibration.txt (carried; wikitext-2 calibration split).
+# Data: .vllm-bundle/data/{calibration,test}.txt (wikitext-2, carried in the prep call, kept in /tmp/model).
+# Servers start side by side (one GPU, each with a fixed --kv-cache-memory-bytes, so no server sizes its KV
+# cache from memory another one is still allocating), each pinned to its own CPUs; measurements run one
+# server at a time while the others sit idle. One failing configuration leaves the others measured.
 set -uo pipefail
-STAGE=${1:?usage: run_h100.sh ab|ckpt|synth}
+STAGE=${1:?usage: run_h100.sh prep|ab|ckpt|synth}
 OUT=${OUT:-/tmp/vllm-out}
-# $OUT brings back at most 8 files: logs go to $LOGS and come back as one tarball.
 LOGS=/tmp/vllm-logs/$STAGE
 mkdir -p "$OUT" "$LOGS"
-REPO=$PWD
-CSV="$OUT/vllm_serving.csv"
-# Servers start in their own sessions (setsid) and would outlive this script: stop them on any exit.
+SUMMARY="$LOGS/summary.txt"
 STARTED=()
-trap 'for p in "${STARTED[@]}"; do kill -KILL -- "-$p" 2>/dev/null; done; tar -C /tmp/vllm-logs -czf "$OUT/logs-$STAGE.tar.gz" "$STAGE"; cp "$LOGS/summary.txt" "$OUT/summary-$STAGE.txt" 2>/dev/null' EXIT
+# Servers run in their own sessions (setsid) and would outlive this script: stop them on any exit, then
+# bring back the logs ($OUT returns few files: logs travel as one tarball).
+trap 'for p in "${STARTED[@]}"; do kill -KILL -- "-$p" 2>/dev/null; done
+      tar -C /tmp/vllm-logs -czf "$OUT/logs-$STAGE.tar.gz" "$STAGE"; cp "$SUMMARY" "$OUT/summary-$STAGE.txt"' EXIT
+note() { echo "[$(date +%T) +${SECONDS}s] $*" | tee -a "$SUMMARY"; }
 
-[ -d /tmp/vllm-site/vllm ] || { echo "vLLM is not staged in /tmp/vllm-site (see ../shared/device/README.md)"; exit 3; }
+[ -d /tmp/vllm-site/vllm ] || { note "vLLM is not staged in /tmp/vllm-site (../shared/device/README.md)"; exit 3; }
 # squeezeserve on PYTHONPATH as the namespace package pyproject maps, plus the dist-info that declares the
 # vllm.general_plugins entry point (what `pip install squeezeserve` would write).
 SITE=/tmp/sqsite
 mkdir -p "$SITE/squeezeserve" "$SITE/squeezeserve-0.1.0.dist-info"
-ln -sfn "$REPO/kernels" "$SITE/squeezeserve/kernels"
-ln -sfn "$REPO/service" "$SITE/squeezeserve/service"
+ln -sfn "$PWD/kernels" "$SITE/squeezeserve/kernels"
+ln -sfn "$PWD/service" "$SITE/squeezeserve/service"
 printf 'Metadata-Version: 2.1\nName: squeezeserve\nVersion: 0.1.0\n' > "$SITE/squeezeserve-0.1.0.dist-info/METADATA"
 printf '[vllm.general_plugins]\nsqueezeserve = squeezeserve.service.worker.vllm_plugin:register\n' \
   > "$SITE/squeezeserve-0.1.0.dist-info/entry_points.txt"
@@ -35,119 +40,199 @@ export PYTHONPATH="$SITE:/tmp/vllm-site" VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OF
 VERSIONS=$(python3 -c "import importlib.metadata as m, torch, triton; print(f'vllm {m.version(\"vllm\")}; torch {torch.__version__}; triton {triton.__version__}')" 2>/dev/null)
 DEVICE=$(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -1)
 export BENCH_VERSIONS="$VERSIONS" BENCH_DEVICE="$DEVICE"
-echo "device: $DEVICE; $VERSIONS" | tee -a "$LOGS/summary.txt"
+note "stage $STAGE; device: $DEVICE; $VERSIONS"
 SQ="python3 -m squeezeserve.service.cli"
+MODELS=/tmp/model
+DATA=$MODELS/data
+GW=http://127.0.0.1:8100
 
-wait_healthy() {  # url pid timeout
-  local t=0
-  until curl -sf "$1/health" >/dev/null 2>&1; do
-    kill -0 "$2" 2>/dev/null || { echo "process $2 exited before $1 was healthy"; return 1; }
-    sleep 2; t=$((t + 2)); [ "$t" -ge "$3" ] && { echo "$1 not healthy after $3 s"; return 1; }
+declare -A PID PORT T0
+start_server() {  # label cpus port model [vLLM args...]; served under the name <label>
+  local label=$1 cpus=$2 port=$3 model=$4; shift 4
+  [ -f "$model/config.json" ] || { note "$label: no checkpoint at $model, skipped"; return 1; }
+  setsid taskset -c "$cpus" $SQ worker --engine vllm --model "$model" --served-model-name "$label" \
+    --port "$port" -- "$@" > "$LOGS/worker-$label.log" 2>&1 &
+  PID[$label]=$!; PORT[$label]=$port; T0[$label]=$SECONDS; STARTED+=("$!")
+}
+
+wait_servers() {  # timeout_s label...: every label healthy, dead or timed out; prints the healthy ones
+  local limit=$1; shift
+  local pending=("$@") up=()
+  while [ ${#pending[@]} -gt 0 ]; do
+    local next=()
+    for label in "${pending[@]}"; do
+      if curl -sf "http://127.0.0.1:${PORT[$label]}/health" >/dev/null 2>&1; then
+        note "$label: healthy after $((SECONDS - T0[$label])) s" >&2; up+=("$label")
+      elif ! kill -0 "${PID[$label]}" 2>/dev/null; then
+        note "$label: exited before it was healthy; log tail:" >&2; tail -25 "$LOGS/worker-$label.log" >&2
+      elif [ $((SECONDS - T0[$label])) -ge "$limit" ]; then
+        note "$label: not healthy after $limit s; stopped" >&2; kill -KILL -- "-${PID[$label]}" 2>/dev/null
+      else
+        next+=("$label")
+      fi
+    done
+    pending=("${next[@]}")
+    [ ${#pending[@]} -gt 0 ] && sleep 2
   done
-  echo "healthy after ${t}s: $1"
+  echo "${up[@]}"
 }
 
-stop() {  # pid: the process group a setsid start made
-  kill -INT -- "-$1" 2>/dev/null; for _ in $(seq 30); do kill -0 "$1" 2>/dev/null || return 0; sleep 1; done
-  kill -KILL -- "-$1" 2>/dev/null; sleep 2
+start_gateway() {  # cpus port...
+  local cpus=$1; shift
+  local upstreams=()
+  for port in "$@"; do upstreams+=(--upstream "http://127.0.0.1:$port"); done
+  setsid taskset -c "$cpus" $SQ gateway "${upstreams[@]}" --port 8100 --health-interval 1 \
+    --max-inflight-per-upstream 512 > "$LOGS/gateway.log" 2>&1 &
+  STARTED+=("$!")
 }
 
-serve_and_bench() {  # label run model_dir served_name vocab [vllm args...]
-  local label=$1 run=$2 model=$3 name=$4 vocab=$5; shift 5
-  local t0=$SECONDS
-  setsid taskset -c 0-7 $SQ worker --engine vllm --model "$model" --served-model-name "$name" --port 8101 -- "$@" \
-    > "$LOGS/worker-$label.log" 2>&1 &
-  local wpid=$!
-  STARTED+=("$wpid")
-  if wait_healthy http://127.0.0.1:8101 "$wpid" "${START_TIMEOUT:-400}"; then
-    echo "$label: worker up in $((SECONDS - t0)) s" | tee -a "$LOGS/summary.txt"
-    local url=http://127.0.0.1:8100  # through our gateway; straight to the worker only if the gateway is down
-    curl -sf "$url/v1/models" >/dev/null || { url=http://127.0.0.1:8101; echo "$label: gateway down, direct" | tee -a "$LOGS/summary.txt"; }
-    python3 tests/benchmarks/bench_serving.py --base-url "$url" --model "$name" --run "$run" \
-      --label "$label" --vocab "$vocab" --concurrency ${CONCURRENCY:-1 16 64} --csv "$CSV" \
-      ${BENCH_ARGS:-} 2>&1 | tee -a "$LOGS/summary.txt"
-    if [ -n "${VALIDATE:-}" ]; then  # accuracy of the served candidate vs the fp16 baseline (local, on the GPU)
-      timeout 120 $SQ validate --baseline /tmp/model/hf --candidate "$url#$name" --tokenizer /tmp/model/hf \
-        --dataset .vllm-bundle/data/test.txt --max-tokens 16384 --skip-latency --device cuda --dtype float16 \
-        --out "$LOGS/validate-$label" > "$LOGS/validate-$label.log" 2>&1
-      tail -n 15 "$LOGS/validate-$label.log" | tee -a "$LOGS/summary.txt"
-    fi
-  else
-    tail -40 "$LOGS/worker-$label.log"
-  fi
-  grep -E "squeezeserve plugin|Using .* for CompressedTensorsWNA16|Error|error" "$LOGS/worker-$label.log" | head -8
-  stop "$wpid"
-}
-
-start_gateway() {
-  setsid $SQ gateway --upstream http://127.0.0.1:8101 --port 8100 --health-interval 1 > "$LOGS/gateway.log" 2>&1 &
-  GATEWAY=$!
-  STARTED+=("$GATEWAY")
-  sleep 3
-}
-
-prepare_models() {  # the bundled baseline (fp16) now; int8 and int4 compressed in the background (CPUs 8-15)
-  if [ ! -f /tmp/model/hf/config.json ]; then
-    python3 /tmp/vllm-tools/vllm_smoke.py convert --gguf /tmp/b/smollm2.gguf --out /tmp/model/hf > "$LOGS/convert.log" 2>&1 \
-      || { tail -20 "$LOGS/convert.log"; exit 1; }
-  fi
-  ( [ -f /tmp/model/int8/config.json ] || taskset -c 8-15 $SQ compress --model /tmp/model/hf --method int8 \
-      --out /tmp/model/int8 --overwrite > "$LOGS/compress-int8.log" 2>&1
-    [ -f /tmp/model/int4/config.json ] || timeout 300 taskset -c 8-15 $SQ compress --model /tmp/model/hf --method int4 \
-      --out /tmp/model/int4 --overwrite --calibration .vllm-bundle/data/calibration.txt --calibration-samples 64 \
-      > "$LOGS/compress-int4.log" 2>&1 ) &
-  CPID=$!
+gateway_serves() {  # label: wait (<= 20 s) until the gateway lists it
+  for _ in $(seq 20); do
+    curl -sf "$GW/v1/models" | grep -q "\"$1\"" && return 0; sleep 1
+  done
+  note "$1: the gateway does not list it"; return 1
 }
 
 case "$STAGE" in
-ab)
-  prepare_models
-  for cfg in on off; do
-    if [ "$cfg" = off ]; then export SQUEEZESERVE_VLLM_SILU_AND_MUL=0 SQUEEZESERVE_VLLM_RMS_NORM=0; fi
-    timeout 200 taskset -c 0-7 python3 tests/gpu/vllm_ab.py --model /tmp/model/hf --label "$cfg" --out "$OUT/ab-$cfg.json" > "$LOGS/ab-$cfg.log" 2>&1 \
-      || tail -30 "$LOGS/ab-$cfg.log"
-    grep -E '^\{"label|^greedy' "$LOGS/ab-$cfg.log"
+prep)
+  mkdir -p "$DATA" && cp .vllm-bundle/data/calibration.txt .vllm-bundle/data/test.txt "$DATA/" \
+    || { note "carry .vllm-bundle/data with this call"; exit 1; }
+  if [ ! -f $MODELS/hf/config.json ]; then
+    timeout 200 python3 /tmp/vllm-tools/vllm_smoke.py convert --gguf /tmp/b/smollm2.gguf --out $MODELS/hf \
+      > "$LOGS/convert.log" 2>&1 || { tail -20 "$LOGS/convert.log"; exit 1; }
+  fi
+  note "baseline converted"
+  # GPTQ on the GPU where compress offers it (--device), else on 12 CPUs; int8/fp8 (RTN) on the rest.
+  ON_GPU=(); $SQ compress --help | grep -q -- "--device" && ON_GPU=(--device cuda)
+  ( timeout 420 taskset -c 0-11 $SQ compress --model $MODELS/hf --method int4 --out $MODELS/int4 --overwrite \
+      --calibration $DATA/calibration.txt --calibration-samples 64 "${ON_GPU[@]}" > "$LOGS/compress-int4.log" 2>&1
+    note "int4 (GPTQ g32, ${ON_GPU[*]:-cpu}): exit $?; $(tail -n 1 "$LOGS/compress-int4.log")" ) &
+  for method in int8 fp8; do
+    timeout 200 taskset -c 12-15 $SQ compress --model $MODELS/hf --method $method --out $MODELS/$method \
+      --overwrite > "$LOGS/compress-$method.log" 2>&1
+    note "$method: exit $?; $(tail -n 1 "$LOGS/compress-$method.log")"
   done
-  unset SQUEEZESERVE_VLLM_SILU_AND_MUL SQUEEZESERVE_VLLM_RMS_NORM
-  python3 tests/gpu/vllm_ab.py --compare "$OUT/ab-off.json" "$OUT/ab-on.json" --csv "$OUT/vllm_ops_ab.csv" | tee -a "$LOGS/summary.txt"
-  wait "$CPID"; tail -n 2 "$LOGS/compress-int8.log" "$LOGS/compress-int4.log"
+  wait
+  du -sh $MODELS/* | tee -a "$SUMMARY"
+  ;;
+ab)
+  # Run 3, alone on the machine. One configuration per process (the plugin reads its switches at load).
+  AB=(--repeats 5)
+  for cfg in off on; do
+    if [ "$cfg" = off ]; then sw=0; else sw=1; fi
+    SQUEEZESERVE_VLLM_SILU_AND_MUL=$sw SQUEEZESERVE_VLLM_RMS_NORM=$sw timeout 170 python3 tests/gpu/vllm_ab.py \
+      --model $MODELS/hf --label "$cfg" --out "$OUT/ab-$cfg.json" "${AB[@]}" > "$LOGS/ab-$cfg.log" 2>&1 \
+      || { note "ab $cfg failed"; tail -30 "$LOGS/ab-$cfg.log"; }
+    grep -E '^\{"label|^greedy' "$LOGS/ab-$cfg.log" | tee -a "$SUMMARY"
+  done
+  python3 tests/gpu/vllm_ab.py --compare "$OUT/ab-off.json" "$OUT/ab-on.json" --csv "$OUT/vllm_ops_ab.csv" \
+    | tee -a "$SUMMARY"
   # The quantization method in the engine: the int4 checkpoint by vLLM's kernels, then by quant_matmul.
   for cfg in int4-vllm int4-squeezeserve; do
     q=(); [ "$cfg" = int4-squeezeserve ] && q=(--quantization squeezeserve)
-    timeout 200 python3 tests/gpu/vllm_ab.py --model /tmp/model/int4 "${q[@]}" --label "$cfg" --out "$OUT/ab-$cfg.json" \
-      > "$LOGS/ab-$cfg.log" 2>&1 || tail -30 "$LOGS/ab-$cfg.log"
-    grep -E '^\{"label|^greedy' "$LOGS/ab-$cfg.log"
+    timeout 150 python3 tests/gpu/vllm_ab.py --model $MODELS/int4 "${q[@]}" --label "$cfg" \
+      --out "$OUT/ab-$cfg.json" "${AB[@]}" > "$LOGS/ab-$cfg.log" 2>&1 || { note "ab $cfg failed"; tail -30 "$LOGS/ab-$cfg.log"; }
+    grep -E '^\{"label|^greedy' "$LOGS/ab-$cfg.log" | tee -a "$SUMMARY"
   done
-  python3 tests/gpu/vllm_ab.py --compare "$OUT/ab-int4-vllm.json" "$OUT/ab-int4-squeezeserve.json" --csv "$OUT/vllm_ops_ab.csv" | tee -a "$LOGS/summary.txt"
+  python3 tests/gpu/vllm_ab.py --compare "$OUT/ab-int4-vllm.json" "$OUT/ab-int4-squeezeserve.json" \
+    --csv "$OUT/vllm_ops_ab.csv" | tee -a "$SUMMARY"
   ;;
 ckpt)
-  prepare_models
-  start_gateway
-  COMMON=(--dtype float16 --gpu-memory-utilization 0.3 --max-model-len 2048 --max-num-seqs 64)
-  serve_and_bench baseline run1 /tmp/model/hf smollm2 49152 "${COMMON[@]}"
-  wait "$CPID"; tail -n 2 "$LOGS/compress-int8.log" "$LOGS/compress-int4.log"
-  for ckpt in ${CKPTS:-int8 int4}; do
-    serve_and_bench "$ckpt-vllm" run1 "/tmp/model/$ckpt" smollm2 49152 "${COMMON[@]}"
+  # Run 1. Four servers (compiled + CUDA graphs, our ops on), 3 CPUs each; gateway and clients on 12-15.
+  COMMON=(--dtype float16 --max-model-len 1024 --max-num-seqs 64 --gpu-memory-utilization 0.1
+          --kv-cache-memory-bytes 2147483648)
+  CKPTS=(baseline:$MODELS/hf int8:$MODELS/int8 int4:$MODELS/int4 fp8:$MODELS/fp8)
+  labels=(); ports=(); i=0
+  for entry in "${CKPTS[@]}"; do
+    label=${entry%%:*}; cpus="$((3 * i))-$((3 * i + 2))"; port=$((8101 + i)); i=$((i + 1))
+    start_server "$label" "$cpus" "$port" "${entry#*:}" "${COMMON[@]}" && { labels+=("$label"); ports+=("$port"); }
   done
-  if [ -n "${WITH_OURS:-}" ]; then
-    serve_and_bench int4-squeezeserve run1 /tmp/model/int4 smollm2 49152 "${COMMON[@]}" --quantization squeezeserve
+  start_gateway 12-13 "${ports[@]}"
+  # While the servers start: exact KL / top-1 of each checkpoint vs the baseline, both in our loader on the
+  # GPU (the endpoint gives top-k log-probs only, so KL over HTTP is not measured).
+  for c in int8 int4 fp8; do
+    [ -f $MODELS/$c/config.json ] || continue
+    timeout 120 taskset -c 14-15 $SQ validate --baseline $MODELS/hf --candidate $MODELS/$c --dataset $DATA/test.txt \
+      --max-tokens 16384 --skip-latency --device cuda --dtype float16 --out "$LOGS/kl-$c" > "$LOGS/kl-$c.log" 2>&1
+    note "kl $c (local, exit $?): $(grep -E 'kl_mean|top1' "$LOGS/kl-$c/report.md" 2>/dev/null | tr -s ' ' | head -3 | tr '\n' ' ')"
+  done
+  read -r -a up <<< "$(wait_servers "${START_TIMEOUT:-360}" "${labels[@]}")"
+  note "serving: ${up[*]}"
+  LAT=(--concurrency 1,16,64 --prompt-tokens 256 --output-tokens 128 --warmup-requests 4)
+  if [[ " ${up[*]} " == *" baseline "* ]] && gateway_serves baseline; then
+    # The serving path itself: vLLM's fp16 baseline vs our fp16 scorer on the same checkpoint.
+    timeout 120 taskset -c 14-15 $SQ validate --baseline $MODELS/hf --candidate "$GW#baseline" --tokenizer $MODELS/hf \
+      --dataset $DATA/test.txt --max-tokens 16384 --skip-latency --device cuda --dtype float16 \
+      --out "$LOGS/served-baseline" > "$LOGS/served-baseline.log" 2>&1
+    note "served baseline vs local (exit $?)"
+    for c in int8 int4 fp8; do
+      [[ " ${up[*]} " == *" $c "* ]] && gateway_serves "$c" || continue
+      # Accuracy (PPL, top-1 by token text) and latency of both sides, all through the gateway.
+      timeout 200 taskset -c 14-15 $SQ validate --baseline "$GW#baseline" --candidate "$GW#$c" --tokenizer $MODELS/hf \
+        --dataset $DATA/test.txt --max-tokens 16384 "${LAT[@]}" --out "$LOGS/validate-$c" > "$LOGS/validate-$c.log" 2>&1
+      note "validate $c through the gateway (exit $?)"
+    done
   fi
-  stop "$GATEWAY"
+  python3 - "$LOGS" "$OUT/vllm_run1.csv" "$DEVICE" "$VERSIONS" <<'EOF' | tee -a "$SUMMARY"
+import csv, json, sys
+from pathlib import Path
+logs, out, device, versions = Path(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+def metrics(name):
+    path = logs / name / "report.json"
+    return json.loads(path.read_text())["metrics"] if path.exists() else {}
+rows = []
+served_base = metrics("served-baseline")
+for ckpt in ("baseline", "int8", "int4", "fp8"):
+    served = metrics(f"validate-{ckpt}") if ckpt != "baseline" else {}
+    local = metrics(f"kl-{ckpt}") if ckpt != "baseline" else {}
+    side = "candidate" if ckpt != "baseline" else "baseline"
+    source = served or metrics("validate-int8") or metrics("validate-int4") or metrics("validate-fp8")
+    for c in (1, 16, 64):
+        row = {"checkpoint": ckpt, "concurrency": c}
+        for key, name in (("ttft_p50_ms", "ttft_p50_ms"), ("tpot_p50_ms", "tpot_p50_ms"),
+                          ("output_tok_s", "output_throughput"), ("request_s", "request_throughput")):
+            row[key] = source.get(f"{name}_{side}@c{c}")
+        if ckpt == "baseline":
+            row.update(ppl_served=served_base.get("ppl_candidate"), ppl_local_fp16=served_base.get("ppl_baseline"),
+                       top1_served_vs_local=served_base.get("top1_agreement"))
+        else:
+            row.update(ppl_served=served.get("ppl_candidate"), ppl_baseline_served=served.get("ppl_baseline"),
+                       ln_ppl_ratio_served=served.get("ln_ppl_ratio"), top1_served=served.get("top1_agreement"),
+                       kl_mean_local=local.get("kl_mean"), kl_p99_local=local.get("kl_p99"),
+                       top1_local=local.get("top1_agreement"), ppl_local=local.get("ppl_candidate"))
+        rows.append({**row, "device": device, "versions": versions})
+fields = list(dict.fromkeys(k for r in rows for k in r))
+with open(out, "w", newline="") as f:
+    writer = csv.DictWriter(f, fieldnames=fields)
+    writer.writeheader()
+    writer.writerows(rows)
+for r in rows:
+    print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items() if k not in ("device", "versions")})
+EOF
   ;;
 synth)
-  python3 tests/gpu/synthetic_llama.py --tokenizer /tmp/model/hf --out /tmp/model/llama8b-bf16
-  python3 tests/gpu/synthetic_llama.py --tokenizer /tmp/model/hf --out /tmp/model/llama8b-w4a16 --w4a16
-  start_gateway
-  # No torch.compile (its 8B compile would not fit three servers in one 10-minute call); decode steps still
-  # replay full CUDA graphs, so TPOT is not host-bound.
-  COMMON=(--dtype bfloat16 --load-format dummy --gpu-memory-utilization 0.85 --max-model-len 2048 --max-num-seqs 64
-          --compilation-config '{"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}')
-  serve_and_bench bf16 run2 /tmp/model/llama8b-bf16 llama8b 49152 "${COMMON[@]}"
-  serve_and_bench w4a16-vllm run2 /tmp/model/llama8b-w4a16 llama8b 49152 "${COMMON[@]}"
-  serve_and_bench w4a16-squeezeserve run2 /tmp/model/llama8b-w4a16 llama8b 49152 "${COMMON[@]}" --quantization squeezeserve
-  stop "$GATEWAY"
+  python3 tests/gpu/synthetic_llama.py --tokenizer $MODELS/hf --out $MODELS/llama8b-bf16
+  python3 tests/gpu/synthetic_llama.py --tokenizer $MODELS/hf --out $MODELS/llama8b-w4a16 --w4a16
+  # No torch.compile (three 8B compiles would not fit one call); decode steps replay full CUDA graphs, so TPOT
+  # is not host-bound. 4 GiB of KV each covers 64 sequences x 320 tokens (128 KiB a token).
+  COMMON=(--dtype bfloat16 --load-format dummy --max-model-len 1024 --max-num-seqs 64 --gpu-memory-utilization 0.3
+          --kv-cache-memory-bytes 4294967296 --compilation-config '{"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}')
+  start_server bf16 0-3 8201 $MODELS/llama8b-bf16 "${COMMON[@]}"
+  start_server w4a16-vllm 4-7 8202 $MODELS/llama8b-w4a16 "${COMMON[@]}"
+  start_server w4a16-squeezeserve 8-11 8203 $MODELS/llama8b-w4a16 "${COMMON[@]}" --quantization squeezeserve
+  start_gateway 12-13 8201 8202 8203
+  read -r -a up <<< "$(wait_servers "${START_TIMEOUT:-400}" bf16 w4a16-vllm w4a16-squeezeserve)"
+  note "serving: ${up[*]}"
+  for label in "${up[@]}"; do
+    gateway_serves "$label" || continue
+    timeout 150 taskset -c 14-15 python3 tests/benchmarks/bench_serving.py --base-url $GW --model "$label" \
+      --run run2 --label "$label" --vocab 49152 --concurrency 1 16 64 --prompt-tokens 256 --output-tokens 64 \
+      --csv "$OUT/vllm_serving.csv" 2>&1 | tee -a "$SUMMARY"
+    grep -E "Using .* for CompressedTensorsWNA16|squeezeserve plugin" "$LOGS/worker-$label.log" | head -3 | tee -a "$SUMMARY"
+  done
   ;;
-*) echo "unknown stage $STAGE"; exit 2 ;;
+*) note "unknown stage $STAGE"; exit 2 ;;
 esac
-[ -f "$LOGS/probe.log" ] && sort -t' ' -k2,2 -k1,1 "$LOGS/probe.log" | head -40
+[ -f "$LOGS/probe.log" ] && sort -t' ' -k2,2 -k1,1 "$LOGS/probe.log" | head -40 | tee -a "$SUMMARY"
+note "stage $STAGE done"
 exit 0

@@ -23,7 +23,11 @@ import os
 import sys
 import time
 
+from squeezeserve.service.worker.vllm_plugin import compile_cache_root  # no torch, no vLLM at import
+
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+# vLLM's compile cache key ignores our switches: without its own cache, "off" could load "on"'s graph.
+os.environ["VLLM_CACHE_ROOT"] = compile_cache_root()
 
 # Triton kernel names of our ops (kernels/ops/swiglu.py, rmsnorm.py, quant_matmul.py).
 OUR_KERNELS = {
