@@ -36,6 +36,27 @@ WIDE_PATH = "split"  # "split" or "online" (see the module docstring); the bench
 
 
 @triton.jit
+def _write_softmax_row(x_row, y_row, m, d, n_cols, BLOCK: tl.constexpr):
+    """y = exp(x - m) / d over one row, given its max m and sum d = sum exp(x - m)."""
+    cols = tl.arange(0, BLOCK)
+    for start in range(0, n_cols, BLOCK):
+        mask = start + cols < n_cols
+        x = tl.load(x_row + start + cols, mask=mask, other=-float("inf")).to(tl.float32)
+        tl.store(y_row + start + cols, (tl.exp(x - m) / d).to(y_row.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _write_grad_row(dy_row, y_row, dx_row, dot, n_cols, BLOCK: tl.constexpr):
+    """dx = y (dy - dot) over one row, given dot = sum(dy y)."""
+    cols = tl.arange(0, BLOCK)
+    for start in range(0, n_cols, BLOCK):
+        mask = start + cols < n_cols
+        dy = tl.load(dy_row + start + cols, mask=mask, other=0.0).to(tl.float32)
+        y = tl.load(y_row + start + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(dx_row + start + cols, (y * (dy - dot)).to(dx_row.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _softmax_fwd(
     x_ptr,  # [rows, n] input
     y_ptr,  # [rows, n] out: softmax(x)
@@ -73,10 +94,7 @@ def _softmax_fwd(
                 shift = tl.where(m_new == -float("inf"), 0.0, m_new)
                 d = d * tl.exp(m - shift) + tl.sum(tl.exp(x - shift), axis=0)
                 m = m_new
-            for start in range(0, n_cols, BLOCK):
-                mask = start + cols < n_cols
-                x = tl.load(x_row + start + cols, mask=mask, other=-float("inf")).to(tl.float32)
-                tl.store(y_row + start + cols, (tl.exp(x - m) / d).to(y_ptr.dtype.element_ty), mask=mask)
+            _write_softmax_row(x_row, y_row, m, d, n_cols, BLOCK)
 
 
 @triton.jit
@@ -110,14 +128,10 @@ def _softmax_bwd(
                 dy = tl.load(dy_ptr + row * dy_row_stride + start + cols, mask=mask, other=0.0).to(tl.float32)
                 y = tl.load(y_ptr + row * y_row_stride + start + cols, mask=mask, other=0.0).to(tl.float32)
                 dot += tl.sum(dy * y, axis=0)
-            for start in range(0, n_cols, BLOCK):
-                mask = start + cols < n_cols
-                dy = tl.load(dy_ptr + row * dy_row_stride + start + cols, mask=mask, other=0.0).to(tl.float32)
-                y = tl.load(y_ptr + row * y_row_stride + start + cols, mask=mask, other=0.0).to(tl.float32)
-                dx = y * (dy - dot)
-                tl.store(
-                    dx_ptr + row * dx_row_stride + start + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask
-                )
+            _write_grad_row(
+                dy_ptr + row * dy_row_stride, y_ptr + row * y_row_stride, dx_ptr + row * dx_row_stride,
+                dot, n_cols, BLOCK,
+            )  # fmt: skip
 
 
 @triton.jit
@@ -158,10 +172,7 @@ def _softmax_fwd_split(
         m = tl.max(m_all, axis=0)
         d = tl.sum(d_all * tl.exp(m_all - m), axis=0)
         y_row = y_ptr + row * y_row_stride
-        for start in range(0, n_cols, CHUNK):
-            mask = start + cols < n_cols
-            x = tl.load(x_row + start + cols, mask=mask, other=-float("inf")).to(tl.float32)
-            tl.store(y_row + start + cols, (tl.exp(x - m) / d).to(y_ptr.dtype.element_ty), mask=mask)
+        _write_softmax_row(x_row, y_row, m, d, n_cols, CHUNK)
 
 
 @triton.jit
@@ -200,11 +211,7 @@ def _softmax_bwd_split(
             axis=0,
         )
         dx_row = dx_ptr + row * dx_row_stride
-        for start in range(0, n_cols, CHUNK):
-            mask = start + cols < n_cols
-            dy = tl.load(dy_row + start + cols, mask=mask, other=0.0).to(tl.float32)
-            y = tl.load(y_row + start + cols, mask=mask, other=0.0).to(tl.float32)
-            tl.store(dx_row + start + cols, (y * (dy - dot)).to(dx_ptr.dtype.element_ty), mask=mask)
+        _write_grad_row(dy_row, y_row, dx_row, dot, n_cols, CHUNK)
 
 
 def launch_config(n_cols: int) -> tuple[int, bool, int]:
