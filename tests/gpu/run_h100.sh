@@ -24,6 +24,10 @@ STARTED=()
 trap 'for p in "${STARTED[@]}"; do kill -KILL -- "-$p" 2>/dev/null; done
       tar -C /tmp/vllm-logs -czf "$OUT/logs-$STAGE.tar.gz" "$STAGE"; cp "$SUMMARY" "$OUT/summary-$STAGE.txt"' EXIT
 note() { echo "[$(date +%T) +${SECONDS}s] $*" | tee -a "$SUMMARY"; }
+# The device call dies at 600 s: every step's timeout is capped so the stage ends by $BUDGET_S with its
+# files written. cap N: min(N, seconds left); a step with under 20 s left is skipped (a 1 s timeout fails it).
+BUDGET_S=${BUDGET_S:-540}
+cap() { local left=$((BUDGET_S - SECONDS)); [ "$left" -lt 20 ] && left=1; echo $(( $1 < left ? $1 : left )); }
 
 [ -d /tmp/vllm-site/vllm ] || { note "vLLM is not staged in /tmp/vllm-site (../shared/device/README.md)"; exit 3; }
 # squeezeserve on PYTHONPATH as the namespace package pyproject maps, plus the dist-info that declares the
@@ -98,17 +102,17 @@ prep)
   mkdir -p "$DATA" && cp .vllm-bundle/data/calibration.txt .vllm-bundle/data/test.txt "$DATA/" \
     || { note "carry .vllm-bundle/data with this call"; exit 1; }
   if [ ! -f $MODELS/hf/config.json ]; then
-    timeout 200 python3 /tmp/vllm-tools/vllm_smoke.py convert --gguf /tmp/b/smollm2.gguf --out $MODELS/hf \
+    timeout "$(cap 200)" python3 /tmp/vllm-tools/vllm_smoke.py convert --gguf /tmp/b/smollm2.gguf --out $MODELS/hf \
       > "$LOGS/convert.log" 2>&1 || { tail -20 "$LOGS/convert.log"; exit 1; }
   fi
   note "baseline converted"
   # GPTQ on the GPU where compress offers it (--device), else on 12 CPUs; int8/fp8 (RTN) on the rest.
   ON_GPU=(); $SQ compress --help | grep -q -- "--device" && ON_GPU=(--device cuda)
-  ( timeout 420 taskset -c 0-11 $SQ compress --model $MODELS/hf --method int4 --out $MODELS/int4 --overwrite \
+  ( timeout "$(cap 420)" taskset -c 0-11 $SQ compress --model $MODELS/hf --method int4 --out $MODELS/int4 --overwrite \
       --calibration $DATA/calibration.txt --calibration-samples 64 "${ON_GPU[@]}" > "$LOGS/compress-int4.log" 2>&1
     note "int4 (GPTQ g32, ${ON_GPU[*]:-cpu}): exit $?; $(tail -n 1 "$LOGS/compress-int4.log")" ) &
   for method in int8 fp8; do
-    timeout 200 taskset -c 12-15 $SQ compress --model $MODELS/hf --method $method --out $MODELS/$method \
+    timeout "$(cap 200)" taskset -c 12-15 $SQ compress --model $MODELS/hf --method $method --out $MODELS/$method \
       --overwrite > "$LOGS/compress-$method.log" 2>&1
     note "$method: exit $?; $(tail -n 1 "$LOGS/compress-$method.log")"
   done
@@ -120,7 +124,7 @@ ab)
   AB=(--repeats 5)
   for cfg in off on; do
     if [ "$cfg" = off ]; then sw=0; else sw=1; fi
-    SQUEEZESERVE_VLLM_SILU_AND_MUL=$sw SQUEEZESERVE_VLLM_RMS_NORM=$sw timeout 170 python3 tests/gpu/vllm_ab.py \
+    SQUEEZESERVE_VLLM_SILU_AND_MUL=$sw SQUEEZESERVE_VLLM_RMS_NORM=$sw timeout "$(cap 150)" python3 tests/gpu/vllm_ab.py \
       --model $MODELS/hf --label "$cfg" --out "$OUT/ab-$cfg.json" "${AB[@]}" > "$LOGS/ab-$cfg.log" 2>&1 \
       || { note "ab $cfg failed"; tail -30 "$LOGS/ab-$cfg.log"; }
     grep -E '^\{"label|^greedy' "$LOGS/ab-$cfg.log" | tee -a "$SUMMARY"
@@ -130,7 +134,7 @@ ab)
   # The quantization method in the engine: the int4 checkpoint by vLLM's kernels, then by quant_matmul.
   for cfg in int4-vllm int4-squeezeserve; do
     q=(); [ "$cfg" = int4-squeezeserve ] && q=(--quantization squeezeserve)
-    timeout 150 python3 tests/gpu/vllm_ab.py --model $MODELS/int4 "${q[@]}" --label "$cfg" \
+    timeout "$(cap 110)" python3 tests/gpu/vllm_ab.py --model $MODELS/int4 "${q[@]}" --label "$cfg" \
       --out "$OUT/ab-$cfg.json" "${AB[@]}" > "$LOGS/ab-$cfg.log" 2>&1 || { note "ab $cfg failed"; tail -30 "$LOGS/ab-$cfg.log"; }
     grep -E '^\{"label|^greedy' "$LOGS/ab-$cfg.log" | tee -a "$SUMMARY"
   done
@@ -152,23 +156,23 @@ ckpt)
   # GPU (the endpoint gives top-k log-probs only, so KL over HTTP is not measured).
   for c in int8 int4 fp8; do
     [ -f $MODELS/$c/config.json ] || continue
-    timeout 120 taskset -c 14-15 $SQ validate --baseline $MODELS/hf --candidate $MODELS/$c --dataset $DATA/test.txt \
+    timeout "$(cap 120)" taskset -c 14-15 $SQ validate --baseline $MODELS/hf --candidate $MODELS/$c --dataset $DATA/test.txt \
       --max-tokens 16384 --skip-latency --device cuda --dtype float16 --out "$LOGS/kl-$c" > "$LOGS/kl-$c.log" 2>&1
     note "kl $c (local, exit $?): $(grep -E 'kl_mean|top1' "$LOGS/kl-$c/report.md" 2>/dev/null | tr -s ' ' | head -3 | tr '\n' ' ')"
   done
-  read -r -a up <<< "$(wait_servers "${START_TIMEOUT:-360}" "${labels[@]}")"
+  read -r -a up <<< "$(wait_servers "$(cap "${START_TIMEOUT:-360}")" "${labels[@]}")"
   note "serving: ${up[*]}"
   LAT=(--concurrency 1,16,64 --prompt-tokens 256 --output-tokens 128 --warmup-requests 4)
   if [[ " ${up[*]} " == *" baseline "* ]] && gateway_serves baseline; then
     # The serving path itself: vLLM's fp16 baseline vs our fp16 scorer on the same checkpoint.
-    timeout 120 taskset -c 14-15 $SQ validate --baseline $MODELS/hf --candidate "$GW#baseline" --tokenizer $MODELS/hf \
+    timeout "$(cap 120)" taskset -c 14-15 $SQ validate --baseline $MODELS/hf --candidate "$GW#baseline" --tokenizer $MODELS/hf \
       --dataset $DATA/test.txt --max-tokens 16384 --skip-latency --device cuda --dtype float16 \
       --out "$LOGS/served-baseline" > "$LOGS/served-baseline.log" 2>&1
     note "served baseline vs local (exit $?)"
     for c in int8 int4 fp8; do
       [[ " ${up[*]} " == *" $c "* ]] && gateway_serves "$c" || continue
       # Accuracy (PPL, top-1 by token text) and latency of both sides, all through the gateway.
-      timeout 200 taskset -c 14-15 $SQ validate --baseline "$GW#baseline" --candidate "$GW#$c" --tokenizer $MODELS/hf \
+      timeout "$(cap 200)" taskset -c 14-15 $SQ validate --baseline "$GW#baseline" --candidate "$GW#$c" --tokenizer $MODELS/hf \
         --dataset $DATA/test.txt --max-tokens 16384 "${LAT[@]}" --out "$LOGS/validate-$c" > "$LOGS/validate-$c.log" 2>&1
       note "validate $c through the gateway (exit $?)"
     done
@@ -221,11 +225,11 @@ synth)
   start_server w4a16-vllm 4-7 8202 $MODELS/llama8b-w4a16 "${COMMON[@]}"
   start_server w4a16-squeezeserve 8-11 8203 $MODELS/llama8b-w4a16 "${COMMON[@]}" --quantization squeezeserve
   start_gateway 12-13 8201 8202 8203
-  read -r -a up <<< "$(wait_servers "${START_TIMEOUT:-400}" bf16 w4a16-vllm w4a16-squeezeserve)"
+  read -r -a up <<< "$(wait_servers "$(cap "${START_TIMEOUT:-400}")" bf16 w4a16-vllm w4a16-squeezeserve)"
   note "serving: ${up[*]}"
   for label in "${up[@]}"; do
     gateway_serves "$label" || continue
-    timeout 150 taskset -c 14-15 python3 tests/benchmarks/bench_serving.py --base-url $GW --model "$label" \
+    timeout "$(cap 150)" taskset -c 14-15 python3 tests/benchmarks/bench_serving.py --base-url $GW --model "$label" \
       --run run2 --label "$label" --vocab 49152 --concurrency 1 16 64 --prompt-tokens 256 --output-tokens 64 \
       --csv "$OUT/vllm_serving.csv" 2>&1 | tee -a "$SUMMARY"
     grep -E "Using .* for CompressedTensorsWNA16|squeezeserve plugin" "$LOGS/worker-$label.log" | head -3 | tee -a "$SUMMARY"
