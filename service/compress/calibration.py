@@ -96,7 +96,8 @@ def layerwise(
     try:
         for start in range(0, input_ids.shape[0], batch_size):
             try:
-                model(input_ids=input_ids[start : start + batch_size], use_cache=False)
+                batch = input_ids[start : start + batch_size].to(model.device)
+                model(input_ids=batch, use_cache=False)
             except _Stop:
                 pass
     finally:
@@ -124,7 +125,7 @@ def input_grams(
             if seen is x:
                 grams.setdefault(name, gram)
                 return
-        gram = grams.setdefault(name, torch.zeros(module.in_features, module.in_features))
+        gram = grams.setdefault(name, torch.zeros(module.in_features, module.in_features, device=x.device))
         flat = x.reshape(-1, x.shape[-1]).to(torch.float32)
         gram.addmm_(flat.T, flat)
         batch_inputs.append((x, gram))

@@ -34,6 +34,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     symmetry.add_argument(
         "--asymmetric", dest="symmetric", action="store_false", help="int4: per-group zero point (default)"
     )
+    parser.add_argument(
+        "--actorder",
+        action=argparse.BooleanOptionalAction,
+        help="GPTQ: sweep columns by decreasing Hessian diagonal (compressed-tensors actorder 'weight'; "
+        "same checkpoint format, no g_idx; default on)",
+    )
+    parser.add_argument(
+        "--scale-search",
+        action=argparse.BooleanOptionalAction,
+        help="GPTQ: search each group's scale and zero point for the least Hessian-weighted error "
+        "(default on; off: min/max)",
+    )
+    parser.add_argument(
+        "--damp", type=float, default=0.01, help="GPTQ damping, fraction of the mean Hessian diagonal"
+    )
     parser.add_argument("--sparsity", help="prune first: a fraction (0.5) or N:M (2:4)")
     parser.add_argument("--prune-method", default="wanda", help="magnitude or wanda (calibrated; default)")
     parser.add_argument("--calibration", help="UTF-8 text file for GPTQ, Wanda and recovery")
@@ -49,6 +64,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--recover-lr", type=float, default=2e-5, help="recovery learning rate (AdamW)")
     parser.add_argument("--recover-batch-size", type=int, default=4, help="windows per recovery step")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="cpu", help="where to compress: cpu (default) or cuda[:N]")
     parser.add_argument(
         "--threads",
         type=int,
@@ -78,6 +94,9 @@ def run(args: argparse.Namespace) -> int:
             algorithm=args.algorithm,
             group_size=args.group_size,
             symmetric=args.symmetric,
+            actorder=args.actorder,
+            scale_search=args.scale_search,
+            damp=args.damp,
             sparsity=args.sparsity,
             prune_method=args.prune_method,
             calibration=args.calibration,
@@ -88,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
             recover_batch_size=args.recover_batch_size,
             seed=args.seed,
         )
-        result = compress(args.model, args.out, options, overwrite=args.overwrite)
+        result = compress(args.model, args.out, options, overwrite=args.overwrite, device=args.device)
     except (ValueError, FileNotFoundError, FileExistsError, MemoryError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

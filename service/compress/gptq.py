@@ -32,6 +32,7 @@ from squeezeserve.service.compress.quantize import (
     dequantize_codes,
     package,
     quantize_with,
+    search_qparams,
 )
 
 # Columns quantized one at a time between two matmul updates: short runs keep each rank-1 update small.
@@ -90,7 +91,7 @@ def inverse_hessian_factor(gram: torch.Tensor, damp: float) -> tuple[torch.Tenso
     h = gram.to(torch.float32).clone()
     dead = torch.diag(h) == 0
     h[dead, dead] = 1.0
-    h += damp * torch.mean(torch.diag(h)) * torch.eye(h.shape[0])
+    h += damp * torch.mean(torch.diag(h)) * torch.eye(h.shape[0], device=h.device)
     return torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True), dead
 
 
@@ -101,15 +102,37 @@ def gptq_quantize(
     mask: torch.Tensor | None = None,
     damp: float = 0.01,
     block_size: int = 128,
+    actorder: bool = False,
+    search: bool = False,
 ) -> QuantizedWeight:
-    """GPTQ-quantize ``weight`` ``[out, in]`` given its inputs' Gram matrix ``gram`` ``[in, in]``."""
+    """GPTQ-quantize ``weight`` ``[out, in]`` given its inputs' Gram matrix ``gram`` ``[in, in]``.
+
+    ``actorder``: sweep the columns in order of decreasing ``H[j, j]`` (compressed-tensors'
+    ``actorder: weight``: groups stay the natural runs of ``group_size`` columns, so the checkpoint format is
+    unchanged, and their parameters are fixed up front from the weight before any update). ``search``:
+    group parameters from ``search_qparams`` weighted by ``H``'s diagonal instead of min/max."""
     if scheme.kind != "int":
         raise ValueError("GPTQ applies to integer schemes only")
     in_features = weight.shape[1]
     if gram.shape != (in_features, in_features):
         raise ValueError(f"gram must be [{in_features}, {in_features}], got {tuple(gram.shape)}")
     with one_thread():
-        return _gptq(weight, gram, scheme, mask, damp, block_size)
+        return _gptq(weight, gram.to(weight.device), scheme, mask, damp, block_size, actorder, search)
+
+
+def group_qparams(
+    columns: torch.Tensor, scheme: QuantScheme, importance: torch.Tensor | None, search: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Parameters ``[groups, out]`` of ``columns`` ``[groups * width, out]`` (rows are input columns)."""
+    width = columns.shape[0] if scheme.group_size is None else scheme.group_size
+    grouped = columns.t().reshape(columns.shape[1], -1, width)  # [out, groups, width]
+    if search:
+        scale, zero = search_qparams(
+            grouped, scheme, None if importance is None else importance.view(-1, width)
+        )
+    else:
+        scale, zero = compute_qparams(grouped.amin(dim=-1), grouped.amax(dim=-1), scheme)
+    return scale.t(), None if zero is None else zero.t()
 
 
 def _gptq(
@@ -119,26 +142,35 @@ def _gptq(
     mask: torch.Tensor | None,
     damp: float,
     block_size: int,
+    actorder: bool,
+    search: bool,
 ) -> QuantizedWeight:
     out, in_features = weight.shape
-    u, dead = inverse_hessian_factor(gram, damp)
+    device = weight.device
     wt = weight.detach().to(torch.float32).t().contiguous()  # [in, out]: column j of W is row j
-    wt[dead] = 0.0
+    wt[torch.diag(gram) == 0] = 0.0
     keep = None if mask is None else mask.t()
-
     width = scheme.group_width(in_features)
+    importance = torch.diag(gram).to(torch.float32)
+    # Static parameters (per channel, or every group under actorder) come from the weight as given;
+    # otherwise each group's come from the updated weight when the sweep reaches it.
+    static = actorder or scheme.group_size is None
+    scales = torch.empty(scheme.groups_for(in_features), out, device=device)
+    zeros = None if scheme.symmetric else torch.empty_like(scales)
+    if static:
+        scales, zeros = group_qparams(wt, scheme, importance, search)
+    order = torch.arange(in_features, device=device)
+    if actorder:
+        order = torch.argsort(importance, descending=True, stable=True)
+        wt, gram = wt[order], gram[order][:, order]
+        keep = None if keep is None else keep[order]
+    group_of = (order // width).tolist()
+    u, _ = inverse_hessian_factor(gram, damp)
+
     run = math.gcd(width, SWEEP)  # a run never straddles a group start
     block_size = max(width, block_size // width * width) if scheme.group_size is not None else block_size
     block_size = max(run, block_size // run * run)
-    codes = torch.empty(in_features, out)
-    scales = torch.empty(scheme.groups_for(in_features), out)
-    zeros = None if scheme.symmetric else torch.empty_like(scales)
-    if scheme.group_size is None:
-        scale, zero = compute_qparams(wt.amin(dim=0), wt.amax(dim=0), scheme)
-        scales[0] = scale
-        if zeros is not None:
-            zeros[0] = zero
-
+    codes = torch.empty(in_features, out, device=device)
     for b0 in range(0, in_features, block_size):
         b1 = min(b0 + block_size, in_features)
         block = wt[b0:b1]  # a view: updates land in wt
@@ -146,18 +178,19 @@ def _gptq(
         for r0 in range(0, b1 - b0, run):
             r1 = min(r0 + run, b1 - b0)
             first = b0 + r0
-            g = first // width
-            if scheme.group_size is not None and first % width == 0:
+            if not static and first % width == 0:
                 # Every earlier column's error has reached this group by now: its range is final.
-                group = wt[first : first + width]
-                scale, zero = compute_qparams(group.amin(dim=0), group.amax(dim=0), scheme)
-                scales[g] = scale
-                if zeros is not None:
-                    zeros[g] = zero
-            s = scales[g]
-            z = None if zeros is None else zeros[g]
+                g = first // width
+                group = slice(first, first + width)
+                scale, zero = group_qparams(wt[group], scheme, importance[group], search)
+                scales[g] = scale[0]
+                if zeros is not None and zero is not None:
+                    zeros[g] = zero[0]
             u_run = u[first : b0 + r1, first : b0 + r1]
             for i in range(r1 - r0):
+                g = group_of[first + i]
+                s = scales[g]
+                z = None if zeros is None else zeros[g]
                 column = block[r0 + i]
                 q = quantize_with(column, s, z, scheme)
                 if keep is not None:
@@ -168,4 +201,6 @@ def _gptq(
                 block[r0 + i + 1 : r1].addr_(u_run[i, i + 1 :], error, alpha=-1.0)
             block[r1:].addmm_(u[first : b0 + r1, b0 + r1 : b1].t(), errors[r0:r1], alpha=-1.0)
         wt[b1:].addmm_(u[b0:b1, b1:].t(), errors, alpha=-1.0)
+    if actorder:
+        codes = torch.empty_like(codes).index_copy_(0, order, codes)
     return package(codes.t(), scales.t(), None if zeros is None else zeros.t(), scheme)

@@ -10,6 +10,7 @@ from squeezeserve.service.compress.prune import PRUNE_METHODS, Sparsity, parse_s
 METHODS = ("int8", "int4", "fp8", "prune")
 ALGORITHMS = ("gptq", "rtn")
 DEFAULT_GROUP_SIZE = 32
+DEFAULT_DAMP = 0.01
 
 
 @dataclass(frozen=True)
@@ -18,6 +19,9 @@ class CompressOptions:
     algorithm: str  # gptq | rtn (fp8 and prune: rtn, meaning "no calibration for quantization")
     group_size: int | None  # int4 only
     symmetric: bool
+    actorder: bool  # GPTQ: sweep columns by decreasing Hessian diagonal (compressed-tensors "weight")
+    scale_search: bool  # GPTQ: group scale/zero point searched (Hessian-diagonal-weighted), not min/max
+    damp: float  # GPTQ: damping, as a fraction of the mean Hessian diagonal
     sparsity: Sparsity | None
     prune_method: str
     calibration: str | None
@@ -47,6 +51,9 @@ def build_options(
     algorithm: str | None = None,
     group_size: int | None = None,
     symmetric: bool | None = None,
+    actorder: bool | None = None,
+    scale_search: bool | None = None,
+    damp: float = DEFAULT_DAMP,
     sparsity: str | None = None,
     prune_method: str = "wanda",
     calibration: str | None = None,
@@ -76,6 +83,13 @@ def build_options(
         raise ValueError(f"--algorithm applies to int8/int4, not {method}")
     if algorithm is None:
         algorithm = "gptq" if method == "int4" else "rtn"
+    gptq = algorithm == "gptq"
+    if not gptq and (actorder or scale_search or damp != DEFAULT_DAMP):
+        raise ValueError("--actorder, --scale-search and --damp apply to GPTQ (--algorithm gptq) only")
+    if gptq and not 0 < damp < 1:
+        raise ValueError(f"--damp is a fraction of the mean Hessian diagonal: 0 < damp < 1, got {damp}")
+    actorder = gptq if actorder is None else actorder
+    scale_search = gptq if scale_search is None else scale_search
     if group_size is not None and method != "int4":
         raise ValueError(f"--group-size applies to int4 only ({method} is per-channel)")
     if method == "int4":
@@ -97,6 +111,9 @@ def build_options(
         algorithm=algorithm,
         group_size=group_size,
         symmetric=symmetric,
+        actorder=actorder,
+        scale_search=scale_search,
+        damp=damp,
         sparsity=parsed,
         prune_method=prune_method,
         calibration=calibration,

@@ -173,7 +173,15 @@ def quantize(
                     mask = torch.cat(
                         [masks.get(n, torch.ones_like(linears[n].weight, dtype=torch.bool)) for n in names]
                     )
-                stacked = gptq_quantize(weight, grams[names[0]], scheme, mask=mask)
+                stacked = gptq_quantize(
+                    weight,
+                    grams[names[0]],
+                    scheme,
+                    mask=mask,
+                    damp=options.damp,
+                    actorder=options.actorder,
+                    search=options.scale_search,
+                )
                 start = 0
                 for n in names:
                     rows = linears[n].out_features
@@ -238,9 +246,14 @@ def versions() -> dict[str, str]:
 
 
 def compress(
-    model: str, out: str | Path, options: CompressOptions, overwrite: bool = False
+    model: str,
+    out: str | Path,
+    options: CompressOptions,
+    overwrite: bool = False,
+    device: str = "cpu",
 ) -> CompressResult:
-    """Compress ``model`` (dir or hub id) into the checkpoint directory ``out``; see the module docstring."""
+    """Compress ``model`` (dir or hub id) into the checkpoint directory ``out``; see the module docstring.
+    ``device``: where the model, calibration and GPTQ run (``cuda``: the same algorithms, in seconds)."""
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -266,6 +279,7 @@ def compress(
     # Work in float32: GPTQ's Cholesky factorisations and the fine-tune need it.
     lm = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32, low_cpu_mem_usage=True).eval()
     lm.requires_grad_(False)
+    lm.to(device)
     save_dtype = _checkpoint_dtype(source_config)
     scheme = scheme_for(options, scale_dtype=save_dtype)
 
@@ -327,7 +341,7 @@ def _checkpoint_tensors(
             tensors.update(compressed_tensors_for(name, quantized[name]))
         else:
             tensors[key] = tensor.detach().to(dtype).contiguous() if tensor.is_floating_point() else tensor
-    return tensors
+    return {key: tensor.cpu() for key, tensor in tensors.items()}
 
 
 def _layer_reports(lm: nn.Module, errors: dict[str, float]) -> list[LayerReport]:

@@ -13,8 +13,11 @@ loads these checkpoints with), so what we write dequantizes there exactly as it 
     dequantize     W' = (q - z) * s
 
 ``s`` is rounded to the checkpoint's dtype (float16) *before* ``q`` is computed, because that rounded
-value is what every loader multiplies by. FP8 (E4M3) is symmetric per channel: ``s = absmax / 448``,
-``q = fp8(W / s)``.
+value is what every loader multiplies by. ``search_qparams`` replaces min/max by the best of a grid of
+scales ``r * s`` (and, asymmetric, the zero points next to min/max's) under an importance-weighted squared
+error: with a weight dequantized from GGUF Q4_1 (``d * k + m``, float ``m``) min/max's zero point leaves the
+whole group off its lattice by up to half a step, and a slightly different scale often fits it better.
+FP8 (E4M3) is symmetric per channel: ``s = absmax / 448``, ``q = fp8(W / s)``.
 """
 
 from __future__ import annotations
@@ -101,6 +104,45 @@ def compute_qparams(
     if scheme.kind == "int" and not scheme.symmetric:
         zero = torch.clamp(torch.round(scheme.qmin - group_min / scale), scheme.qmin, scheme.qmax)
     return scale, zero
+
+
+# Scale ratios tried by search_qparams: measured on the bundled model's weights, 0.85-1.10 in 26 steps
+# removed 29% of min/max's squared error; 101 ratios over 0.7-1.2 and zero points +-2 only 31%.
+SEARCH_RATIOS = tuple(round(0.85 + 0.01 * i, 2) for i in range(26))
+SEARCH_ZERO_SHIFTS = (-1, 0, 1)
+
+
+def search_qparams(
+    grouped: torch.Tensor, scheme: QuantScheme, importance: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Scale and zero point per group of ``grouped`` ``[out, groups, width]`` minimising
+    ``sum_i importance_i (w_i - W'_i)^2`` over ``SEARCH_RATIOS`` x ``SEARCH_ZERO_SHIFTS`` (``importance``
+    ``[groups, width]``, e.g. the Hessian diagonal; None: plain squared error). Min/max's own parameters are
+    a candidate (ratio 1, shift 0), so the result is never worse than ``compute_qparams``'s."""
+    if scheme.kind != "int":
+        raise ValueError("the scale search applies to integer schemes only")
+    group_min = grouped.amin(dim=-1).clamp(max=0.0)
+    group_max = grouped.amax(dim=-1).clamp(min=0.0)
+    base, _ = compute_qparams(group_min, group_max, scheme)
+    weights = None if importance is None else importance.to(grouped.dtype)
+    best_error = torch.full_like(base, float("inf"))
+    best_scale, best_zero = base.clone(), None if scheme.symmetric else torch.zeros_like(base)
+    tiny = torch.finfo(scheme.scale_dtype).tiny
+    for ratio in SEARCH_RATIOS:
+        scale = (base * ratio).clamp(min=tiny).to(scheme.scale_dtype).to(torch.float32)
+        natural = None if scheme.symmetric else torch.round(scheme.qmin - group_min / scale)
+        for shift in (0,) if scheme.symmetric else SEARCH_ZERO_SHIFTS:
+            zero = None if natural is None else (natural + shift).clamp(scheme.qmin, scheme.qmax)
+            zero_b = None if zero is None else zero.unsqueeze(-1)
+            codes = quantize_with(grouped, scale.unsqueeze(-1), zero_b, scheme)
+            diff = (dequantize_codes(codes, scale.unsqueeze(-1), zero_b) - grouped).square_()
+            error = (diff if weights is None else diff.mul_(weights)).sum(dim=-1)
+            better = error < best_error
+            best_error = torch.where(better, error, best_error)
+            best_scale = torch.where(better, scale, best_scale)
+            if zero is not None:
+                best_zero = torch.where(better, zero, best_zero)
+    return best_scale, best_zero
 
 
 def quantize_with(

@@ -40,7 +40,7 @@ def recover(
     try:
         for _ in tqdm(range(options.recover_steps), desc="recovery fine-tune", unit="step"):
             rows = torch.randint(0, input_ids.shape[0], (options.recover_batch_size,), generator=generator)
-            batch = input_ids[rows]
+            batch = input_ids[rows].to(model.device)
             hidden = model.model(input_ids=batch, use_cache=False).last_hidden_state
             loss = fused_linear_cross_entropy(
                 hidden[:, :-1].reshape(-1, hidden.shape[-1]),
