@@ -41,8 +41,12 @@ def scheme_format(scheme: QuantScheme) -> str:
     return FLOAT_QUANTIZED if scheme.kind == "float" else PACK_QUANTIZED
 
 
-def quantization_config(scheme: QuantScheme) -> dict[str, Any]:
-    """The ``quantization_config`` block of config.json, built with compressed-tensors' own schema."""
+def quantization_config(scheme: QuantScheme, actorder: bool = False) -> dict[str, Any]:
+    """The ``quantization_config`` block of config.json, built with compressed-tensors' own schema.
+
+    ``actorder``: GPTQ swept the columns in activation order with static groups, recorded as
+    compressed-tensors' ``actorder: "weight"`` (group strategy only; the tensors are the same as without it,
+    no ``g_idx``: vLLM 0.26's CompressedTensorsWNA16 adds a g_idx parameter only for ``"group"``)."""
     from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
 
     weights = QuantizationArgs(
@@ -52,6 +56,7 @@ def quantization_config(scheme: QuantScheme) -> dict[str, Any]:
         strategy="channel" if scheme.group_size is None else "group",
         group_size=scheme.group_size,
         observer="minmax",
+        actorder="weight" if actorder and scheme.group_size is not None else None,
     )
     inputs = None
     if scheme.kind == "float":
@@ -112,6 +117,8 @@ def read_quantization(config: dict[str, Any]) -> CheckpointQuant:
     strategy = weights.get("strategy")
     if strategy not in ("channel", "group"):
         raise ValueError(f"unsupported weight strategy {strategy!r}: expected channel or group")
+    if weights.get("actorder") in ("group", "dynamic"):
+        raise ValueError("actorder 'group' checkpoints need a g_idx permutation, which we do not read")
     kind = weights.get("type", "int")
     scheme = QuantScheme(
         kind=kind,

@@ -290,12 +290,13 @@ def compress(
         assert calibration is not None
         recover(lm, masks, calibration.input_ids, options)
     quantized, errors = quantize(lm, scheme, options, masks, calibration) if scheme is not None else ({}, {})
+    config = None if scheme is None else quantization_config(scheme, actorder=options.actorder)
 
     with atomic_directory(out) as tmp:
         tensors = _checkpoint_tensors(lm, quantized, save_dtype)
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         copy_side_files(source, tmp)
-        write_config(source, tmp, quantization_config(scheme) if scheme is not None else None)
+        write_config(source, tmp, config)
         layers = _layer_reports(lm, errors)
         record = {
             "method": options.method,
@@ -309,7 +310,7 @@ def compress(
                 "samples": int(calibration.input_ids.shape[0]),
                 "seq_len": int(calibration.input_ids.shape[1]),
             },
-            "quantization": None if scheme is None else {"format": quantization_config(scheme)["format"]},
+            "quantization": None if config is None else {"format": config["format"]},
             "versions": versions(),
             "size_bytes": {"before": checkpoint_bytes(source), "after": 0},
             "sparsity": _overall_sparsity(layers),
