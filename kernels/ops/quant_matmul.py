@@ -4,19 +4,34 @@ The layout is defined once, in ``kernels/quant_layout.py``: ``qweight`` int32 [N
 along K (P = 32 // bits, lowest bits first, offset-binary), ``scales`` [N, ceil(K / G)], optional
 ``zeros`` int32 [ceil(N / P), ceil(K / G)] packed along N.
 
-Each program owns a [BLOCK_M, BLOCK_N] output tile and walks K in BLOCK_K steps: it loads the packed
-words of the tile once ([BLOCK_K / P, BLOCK_N] int32), unpacks them with shifts, dequantizes
-w = (q - zero) * scale in fp32 (exact: a <=8-bit integer times a 16-bit float), rounds to the activation
-dtype like compressed-tensors does, and accumulates tl.dot in fp32.
+Decode and batched decode (M <= SKINNY_MAX_M) run :func:`_skinny_kernel`, built for streaming the packed
+weight with as little arithmetic per weight as possible:
 
-Two launch paths, both autotuned on (N, K):
-- decode (M <= 16): BLOCK_M = 16 and split-K: SPLIT_K programs share an output tile, each takes a slice of
-  K, and they atomically add fp32 partials into a zeroed buffer. With few rows the work is streaming the
-  packed weight, so the grid must be wide enough to keep every SM loading.
-- prefill: classic tiles, no split.
+- Swapped operands: each program computes ``acc[BLOCK_N, BLOCK_M] = W_tile @ x_tile.T``, so the weight,
+  the big operand, is the MMA's A operand in its stored K-major order, and the few activation rows are B.
+- No unpacking reshape: the packed words are read as int16 (4 int4 / 2 int8 values each, value k of a row
+  at int16 ``k // V``, position ``k % V``). Position ``i`` of every int16 in a tile is one [BLOCK_N, T]
+  operand whose columns are k = 4t + i; it meets the activations gathered at the same k (a strided load of
+  the few x rows). V dots of depth T = BLOCK_K / V replace one dot of depth BLOCK_K.
+- No conversion instructions (int-to-float runs at 1/8 of the FMA rate and would bound the kernel): a value
+  q is turned into the float ``BIAS + q`` by OR-ing it into the mantissa of ``BIAS`` (0x4300 = 128.0 in
+  bf16, 0x6400 = 1024.0 in fp16; exact since q < 2**7 resp. 2**10), then bitcast.
+- Scale and zero point after the dot: a tile is one quantization group, so
+  ``sum_k (q - z) s x = s * (sum_k (BIAS + q) x - (BIAS + z) * sum_k x)``; the correction is per (row, group).
+  Groups narrower than a tile's minimum depth (int4 with G < 64, or G not a multiple of V) take the
+  PRESCALE form instead: w = (q - z) * s per weight, converted, then the dot (correct, slower).
+- Split-K across programs when N alone gives too few programs to fill the GPU (fp32 atomics into a zeroed
+  buffer).
+
+Prefill (M > SKINNY_MAX_M) is compute-bound: :func:`_dequantize_kernel` expands W to the activation dtype
+once (bit-exact, as compressed-tensors dequantizes) and cuBLAS does the matmul. The transient weight
+costs N x K x 2 bytes; at 4096 rows it is read 4096 times, so the expansion (a memory-bound pass) is a
+small part of the time.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -26,16 +41,20 @@ from torch.library import triton_op, wrap_triton
 from squeezeserve.kernels import quant_layout, reference
 from squeezeserve.kernels.registry import interpreting, use_reference
 
-DECODE_MAX_M = 16
+SKINNY_MAX_M = 64
+GEMV_MAX_M = 4  # rows up to which the FMA kernel beats the tensor-core one
+# bf16: 0x4300 is 128.0 with a 7-bit mantissa (integers 128..255 exact); fp16: 0x6400 is 1024.0 with a
+# 10-bit mantissa (1024..2047 exact).
+_MAGIC = {torch.bfloat16: (0x4300, 128.0, 7), torch.float16: (0x6400, 1024.0, 10)}
 
 
 @triton.jit
-def _quant_matmul_kernel(
+def _skinny_kernel(
     x_ptr,  # [M, K] activations (fp16/bf16)
-    qw_ptr,  # [N, ceil(K / PACK)] int32 packed weight
-    scale_ptr,  # [N, ceil(K / GROUP)] scales
-    zero_ptr,  # [ceil(N / PACK), ceil(K / GROUP)] int32 packed zero points (read only when HAS_ZERO)
-    y_ptr,  # [M, N] out: output dtype, or fp32 partial sums when SPLIT_K > 1
+    qw_ptr,  # [N, ceil(K / V)] int16 view of the packed int32 weight
+    scale_ptr,  # [N, ceil(K / GROUP)]
+    zero_ptr,  # [ceil(N / (32 // BITS)), ceil(K / GROUP)] int32 packed zero points (only when HAS_ZERO)
+    y_ptr,  # [M, N]: fp32 partial sums (ATOMIC) or the output dtype
     M,
     N,
     K,
@@ -44,122 +63,217 @@ def _quant_matmul_kernel(
     scale_row_stride,
     zero_row_stride,
     y_row_stride,
-    m_bucket,  # next_pow2(M), only an autotune key
-    BITS: tl.constexpr,  # 4 or 8
-    GROUP: tl.constexpr,  # group size (constexpr: it decides how scales are broadcast over a tile)
+    tiles_per_split,
+    BITS: tl.constexpr,
+    GROUP: tl.constexpr,
     HAS_ZERO: tl.constexpr,
+    MAGIC: tl.constexpr,  # bit pattern of BIAS in the activation dtype; 0 = convert (PRESCALE only)
+    BIAS: tl.constexpr,
+    PRESCALE: tl.constexpr,  # dequantize each weight before the dot (groups narrower than a tile)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr,
-    ATOMIC: tl.constexpr,  # accumulate into y with atomic adds (split-K)
-    DOT_FP32: tl.constexpr,  # upcast both dot operands (Triton's interpreter gets bf16 tl.dot wrong)
+    ATOMIC: tl.constexpr,
+    DOT_FP32: tl.constexpr,  # upcast the dot operands (Triton's interpreter gets bf16 tl.dot wrong)
 ):
-    """y[m, n] = sum_k x[m, k] W[n, k],  W[n, k] = (q[n, k] - zero[n, k // GROUP]) * scale[n, k // GROUP]."""
-    PACK: tl.constexpr = 32 // BITS
+    """y[m, n] = sum_k x[m, k] (q[n, k] - z[n, g]) s[n, g],  g = k // GROUP."""
+    V: tl.constexpr = 16 // BITS  # values per int16
+    T: tl.constexpr = BLOCK_K // V  # int16 per row of a tile
     MASK: tl.constexpr = (1 << BITS) - 1
     OFFSET: tl.constexpr = 1 << (BITS - 1)
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    PACK: tl.constexpr = 32 // BITS
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_m = offs_m < M
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_t = tl.arange(0, T)
     mask_n = offs_n < N
-    offs_w = tl.arange(0, BLOCK_K // PACK)  # packed word index within the tile
-    shifts = tl.arange(0, PACK) * BITS
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    k_per_split = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
-    k_begin = pid_k * k_per_split
-    k_end = tl.minimum(k_begin + k_per_split, K)
-    for k0 in range(k_begin, k_end, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        mask_k = offs_k < k_end
-        a = tl.load(
-            x_ptr + offs_m[:, None].to(tl.int64) * x_row_stride + offs_k[None, :],
-            mask=mask_m[:, None] & mask_k[None, :],
-            other=0.0,
-        )
-        words_k = k0 // PACK + offs_w
-        words = tl.load(
-            qw_ptr + offs_n[None, :].to(tl.int64) * qw_row_stride + words_k[:, None],
-            mask=mask_n[None, :] & (words_k[:, None] * PACK < k_end),
-            other=0,
-        )  # [BLOCK_K / PACK, BLOCK_N]
-        q = (words[:, None, :] >> shifts[None, :, None]) & MASK  # [BLOCK_K / PACK, PACK, BLOCK_N]
-        q = tl.reshape(q, [BLOCK_K, BLOCK_N])
-        if GROUP % BLOCK_K == 0:
-            # The whole tile is in one group: one scale (and zero) per column.
-            g = k0 // GROUP
+    mask_m = offs_m < M
+    n_words = tl.cdiv(K, V)
+    qw_rows = qw_ptr + offs_n[:, None].to(tl.int64) * qw_row_stride
+    x_cols = x_ptr + offs_m[None, :].to(tl.int64) * x_row_stride
+    dtype = x_ptr.dtype.element_ty
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    tile_begin = pid_k * tiles_per_split
+    tile_end = tl.minimum(tile_begin + tiles_per_split, tl.cdiv(K, BLOCK_K))
+    for tile in range(tile_begin, tile_end):
+        k0 = tile * BLOCK_K
+        words = k0 // V + offs_t
+        h = tl.load(qw_rows + words[None, :], mask=mask_n[:, None] & (words < n_words)[None, :], other=0)
+        part = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        xsum = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for i in tl.static_range(V):
+            k = k0 + offs_t * V + i
+            xi = tl.load(x_cols + k[:, None], mask=(k < K)[:, None] & mask_m[None, :], other=0.0)  # [T, BM]
+            q = (h >> (i * BITS)) & MASK
+            if PRESCALE:
+                g = k // GROUP
+                s = tl.load(scale_ptr + offs_n[:, None].to(tl.int64) * scale_row_stride + g[None, :],
+                            mask=mask_n[:, None] & (k < K)[None, :], other=0.0).to(tl.float32)  # fmt: skip
+                if HAS_ZERO:
+                    zw = tl.load(zero_ptr + (offs_n // PACK)[:, None] * zero_row_stride + g[None, :],
+                                 mask=mask_n[:, None] & (k < K)[None, :], other=0)  # fmt: skip
+                    z = (zw >> ((offs_n % PACK) * BITS)[:, None]) & MASK
+                else:
+                    z = OFFSET
+                w = ((q - z).to(tl.float32) * s).to(dtype)
+            else:
+                w = (q | MAGIC).to(tl.int16).to(dtype, bitcast=True)  # BIAS + q, exactly
+                xsum += tl.sum(xi.to(tl.float32), axis=0)
+            if DOT_FP32:
+                part = tl.dot(w.to(tl.float32), xi.to(tl.float32), part, input_precision="ieee")
+            else:
+                part = tl.dot(w, xi, part)
+        if PRESCALE:
+            acc += part
+        else:
+            g = k0 // GROUP  # the whole tile is in this group
             s = tl.load(scale_ptr + offs_n.to(tl.int64) * scale_row_stride + g, mask=mask_n, other=0.0)
-            s = s.to(tl.float32)[None, :]
             if HAS_ZERO:
                 zw = tl.load(zero_ptr + (offs_n // PACK) * zero_row_stride + g, mask=mask_n, other=0)
-                z = ((zw >> ((offs_n % PACK) * BITS)) & MASK)[None, :]
-        else:
-            # Several groups (or a group that straddles tiles): gather the scale of every k.
-            g = offs_k // GROUP
-            s = tl.load(
-                scale_ptr + offs_n[None, :].to(tl.int64) * scale_row_stride + g[:, None],
-                mask=mask_n[None, :] & mask_k[:, None],
-                other=0.0,
-            ).to(tl.float32)
-            if HAS_ZERO:
-                zw = tl.load(
-                    zero_ptr + (offs_n // PACK)[None, :] * zero_row_stride + g[:, None],
-                    mask=mask_n[None, :] & mask_k[:, None],
-                    other=0,
-                )
-                z = (zw >> ((offs_n % PACK) * BITS)[None, :]) & MASK
-        if HAS_ZERO:
-            w = (q - z).to(tl.float32) * s
-        else:
-            w = (q - OFFSET).to(tl.float32) * s
-        w = tl.where(mask_k[:, None], w, 0.0).to(x_ptr.dtype.element_ty)
-        if DOT_FP32:
-            # Exact: the operands are bf16 values, their products fit fp32.
-            acc = tl.dot(a.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a, w, acc)
-    y_ptrs = y_ptr + offs_m[:, None].to(tl.int64) * y_row_stride + offs_n[None, :]
-    y_mask = mask_m[:, None] & mask_n[None, :]
+                z = ((zw >> ((offs_n % PACK) * BITS)) & MASK).to(tl.float32)
+            else:
+                z = tl.full([BLOCK_N], OFFSET, tl.float32)
+            acc += s.to(tl.float32)[:, None] * (part - (BIAS + z)[:, None] * xsum[None, :])
+    y_ptrs = y_ptr + offs_m[None, :].to(tl.int64) * y_row_stride + offs_n[:, None]
+    y_mask = mask_n[:, None] & mask_m[None, :]
     if ATOMIC:
         tl.atomic_add(y_ptrs, acc, mask=y_mask, sem="relaxed")
     else:
         tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=y_mask)
 
 
-def _config(bm: int, bn: int, bk: int, split: int, warps: int, stages: int) -> triton.Config:
-    return triton.Config(
-        {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split}, num_warps=warps, num_stages=stages
-    )
+@triton.jit
+def _gemv_kernel(
+    x_ptr,  # [M, K] activations
+    qw_ptr,  # [N, ceil(K / V)] int16 view of the packed int32 weight
+    scale_ptr,  # [N, ceil(K / GROUP)]
+    zero_ptr,  # [ceil(N / (32 // BITS)), ceil(K / GROUP)] int32 packed zero points (only when HAS_ZERO)
+    y_ptr,  # [M, N]: fp32 partial sums (ATOMIC) or the output dtype
+    M,
+    N,
+    K,
+    x_row_stride,
+    qw_row_stride,
+    scale_row_stride,
+    zero_row_stride,
+    y_row_stride,
+    tiles_per_split,
+    BITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    HAS_ZERO: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    ATOMIC: tl.constexpr,
+):
+    """The skinny product on the FMA units, for a few rows: no tensor-core round trips, all in registers.
+
+    A value q becomes the fp32 ``q`` with one OR (into the mantissa of 2**23) and one subtract; products
+    accumulate per (row, output, word) in fp32 and the group's scale and zero point are applied per tile
+    (``sum (q - z) s x = s (sum q x - z sum x)``); the word axis is summed once at the end.
+    """
+    V: tl.constexpr = 16 // BITS
+    T: tl.constexpr = BLOCK_K // V
+    MASK: tl.constexpr = (1 << BITS) - 1
+    OFFSET: tl.constexpr = 1 << (BITS - 1)
+    PACK: tl.constexpr = 32 // BITS
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_t = tl.arange(0, T)
+    mask_n = offs_n < N
+    mask_m = offs_m < M
+    n_words = tl.cdiv(K, V)
+    qw_rows = qw_ptr + offs_n[:, None].to(tl.int64) * qw_row_stride
+    x_rows = x_ptr + offs_m[:, None].to(tl.int64) * x_row_stride
+    acc = tl.zeros([BLOCK_N, BLOCK_M, T], dtype=tl.float32)
+    tile_begin = pid_k * tiles_per_split
+    tile_end = tl.minimum(tile_begin + tiles_per_split, tl.cdiv(K, BLOCK_K))
+    for tile in range(tile_begin, tile_end):
+        k0 = tile * BLOCK_K
+        words = k0 // V + offs_t
+        h = tl.load(qw_rows + words[None, :], mask=mask_n[:, None] & (words < n_words)[None, :], other=0)
+        h = h.to(tl.int32)
+        part = tl.zeros([BLOCK_N, BLOCK_M, T], dtype=tl.float32)
+        xsum = tl.zeros([BLOCK_M, T], dtype=tl.float32)
+        for i in tl.static_range(V):
+            k = k0 + offs_t * V + i
+            xi = tl.load(x_rows + k[None, :], mask=mask_m[:, None] & (k < K)[None, :], other=0.0)
+            xi = xi.to(tl.float32)  # [BLOCK_M, T]
+            q = (((h >> (i * BITS)) & MASK) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+            part += q[:, None, :] * xi[None, :, :]
+            xsum += xi
+        if GROUP % BLOCK_K == 0:  # one group for the whole tile: per-row scalars
+            g = k0 // GROUP
+            s = tl.load(scale_ptr + offs_n.to(tl.int64) * scale_row_stride + g, mask=mask_n, other=0.0)
+            s = s.to(tl.float32)[:, None]
+            if HAS_ZERO:
+                zw = tl.load(zero_ptr + (offs_n // PACK) * zero_row_stride + g, mask=mask_n, other=0)
+                z = ((zw >> ((offs_n % PACK) * BITS)) & MASK).to(tl.float32)[:, None]
+            else:
+                z = tl.full([BLOCK_N, 1], OFFSET, tl.float32)
+        else:  # several groups in the tile: the group of each word
+            g = (k0 + offs_t * V) // GROUP
+            gmask = mask_n[:, None] & (words < n_words)[None, :]
+            s = tl.load(scale_ptr + offs_n[:, None].to(tl.int64) * scale_row_stride + g[None, :],
+                        mask=gmask, other=0.0).to(tl.float32)  # fmt: skip
+            if HAS_ZERO:
+                zw = tl.load(zero_ptr + (offs_n // PACK)[:, None] * zero_row_stride + g[None, :],
+                             mask=gmask, other=0)  # fmt: skip
+                z = ((zw >> ((offs_n % PACK) * BITS)[:, None]) & MASK).to(tl.float32)
+            else:
+                z = tl.full([BLOCK_N, T], OFFSET, tl.float32)
+        acc += (part - z[:, None, :] * xsum[None, :, :]) * s[:, None, :]
+    out = tl.sum(acc, axis=2)  # [BLOCK_N, BLOCK_M]
+    y_ptrs = y_ptr + offs_m[None, :].to(tl.int64) * y_row_stride + offs_n[:, None]
+    y_mask = mask_n[:, None] & mask_m[None, :]
+    if ATOMIC:
+        tl.atomic_add(y_ptrs, out, mask=y_mask, sem="relaxed")
+    else:
+        tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=y_mask)
 
 
-# (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, warps, stages). Under the interpreter one config: autotuning would
-# only multiply the test time.
-_DECODE_CONFIGS = [
-    _config(16, bn, bk, split, 4, stages)
-    for bn, bk, split, stages in [
-        (32, 128, 1, 4), (32, 256, 1, 3), (64, 128, 1, 4), (64, 256, 1, 3),
-        (32, 128, 2, 4), (64, 128, 2, 4), (64, 256, 2, 3), (128, 128, 2, 3),
-        (32, 256, 4, 3), (64, 128, 4, 4), (128, 128, 4, 3), (64, 128, 8, 4),
-    ]
-]  # fmt: skip
-_PREFILL_CONFIGS = [
-    _config(bm, bn, bk, 1, warps, stages)
-    for bm, bn, bk, warps, stages in [
-        (64, 128, 64, 4, 4), (128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 128, 128, 8, 3),
-        (64, 64, 128, 4, 4),
-    ]
-]  # fmt: skip
-if interpreting():
-    _DECODE_CONFIGS, _PREFILL_CONFIGS = _DECODE_CONFIGS[:1], _PREFILL_CONFIGS[:1]
-_DECODE_KEY = ["N", "K"]  # every M <= 16 runs the same BLOCK_M = 16 tiles
-_KEY = ["m_bucket", "N", "K"]
-_decode_kernel = triton.autotune(_DECODE_CONFIGS, key=_DECODE_KEY, reset_to_zero=["y_ptr"])(
-    _quant_matmul_kernel
-)
-_prefill_kernel = triton.autotune(_PREFILL_CONFIGS, key=_KEY)(_quant_matmul_kernel)
+@triton.jit
+def _dequantize_kernel(
+    qw_ptr,  # [N, ceil(K / PACK)] int32
+    scale_ptr,
+    zero_ptr,
+    w_ptr,  # [N, K] out, activation dtype
+    N,
+    K,
+    qw_row_stride,
+    scale_row_stride,
+    zero_row_stride,
+    w_row_stride,
+    BITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    HAS_ZERO: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """W[n, k] = ((q - z) * s) in fp32, rounded once to the output dtype (compressed-tensors' formula)."""
+    PACK: tl.constexpr = 32 // BITS
+    MASK: tl.constexpr = (1 << BITS) - 1
+    OFFSET: tl.constexpr = 1 << (BITS - 1)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask = (offs_n < N)[:, None] & (offs_k < K)[None, :]
+    rows = offs_n[:, None].to(tl.int64)
+    word = tl.load(qw_ptr + rows * qw_row_stride + (offs_k // PACK)[None, :], mask=mask, other=0)
+    q = (word >> ((offs_k % PACK) * BITS)[None, :]) & MASK
+    g = offs_k // GROUP
+    s = tl.load(scale_ptr + rows * scale_row_stride + g[None, :], mask=mask, other=0.0).to(tl.float32)
+    if HAS_ZERO:
+        zw = tl.load(zero_ptr + (offs_n // PACK)[:, None] * zero_row_stride + g[None, :], mask=mask, other=0)
+        z = (zw >> ((offs_n % PACK) * BITS)[:, None]) & MASK
+    else:
+        z = OFFSET
+    w = (q - z).to(tl.float32) * s
+    tl.store(w_ptr + rows * w_row_stride + offs_k[None, :], w.to(w_ptr.dtype.element_ty), mask=mask)
 
 
 def check_inputs(
@@ -198,6 +312,39 @@ def check_inputs(
         )
 
 
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _tile_k(group_size: int, k_in: int, bits: int) -> tuple[int, bool]:
+    """(BLOCK_K, prescale) for the tensor-core kernel: the widest tile of at most 256 inside one group,
+    else a PRESCALE tile. A dot needs depth >= 16, so a tile holds at least 16 int16 words: 64 int4 / 32
+    int8 values."""
+    per16 = 16 // bits
+    min_k = 16 * per16
+    span = min(group_size, triton.next_power_of_2(k_in))  # a group wider than K behaves like K
+    for block_k in (256, 128, 64, 32):
+        if min_k <= block_k <= span and group_size % block_k == 0:
+            return block_k, False
+    return max(min_k, 64), True
+
+
+def tuning(kernel: str, m: int, n_out: int, k_in: int, block_k: int, device: torch.device) -> dict:
+    """BLOCK_N, split-K, warps and stages for the decode kernels (from the H100 sweep in
+    tests/benchmarks/bench_quant_matmul.py --sweep): enough programs to keep every SM streaming."""
+    tiles = triton.cdiv(k_in, block_k)
+    if interpreting():  # small tiles; split-K whenever there are two tiles, so the tests cover both paths
+        return {"BLOCK_N": 16, "split": min(2, tiles), "num_warps": 4, "num_stages": 1}
+    block_n = 64 if kernel == "gemv" else (256 if n_out >= 4096 else 64)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    programs = triton.cdiv(n_out, block_n)
+    # ~4 programs per SM in flight, each with at least 2 tiles to pipeline.
+    split = max(1, min(triton.cdiv(4 * _sm_count(index), programs), tiles // 2))
+    warps = 8 if kernel == "mma" and m > 32 else 4
+    return {"BLOCK_N": block_n, "split": split, "num_warps": warps, "num_stages": 3}
+
+
 def _quant_matmul(
     x: torch.Tensor,
     qweight: torch.Tensor,
@@ -217,21 +364,66 @@ def _quant_matmul(
     m = x2.shape[0]
     qweight, scales = qweight.contiguous(), scales.contiguous()
     zero_arg = zeros.contiguous() if zeros is not None else qweight
-    decode = m <= DECODE_MAX_M
-    y = torch.zeros((m, n_out), dtype=torch.float32 if decode else x.dtype, device=x.device)
+    if m > SKINNY_MAX_M:
+        weight = dequantize(qweight, scales, zeros, k_in, group_size, bits, x.dtype)
+        return (x2 @ weight.t()).reshape(*x.shape[:-1], n_out)
+    per16 = 16 // bits
+    gemv = m <= GEMV_MAX_M and group_size % per16 == 0
+    if gemv:
+        kernel, block_m, prescale = _gemv_kernel, triton.next_power_of_2(m), False
+        block_k = 256 if group_size % 256 == 0 else 128
+        cfg = tuning("gemv", m, n_out, k_in, block_k, x.device)
+    else:
+        kernel, block_m = _skinny_kernel, (16 if m <= 16 else (32 if m <= 32 else 64))
+        block_k, prescale = _tile_k(group_size, k_in, bits)
+        cfg = tuning("mma", m, n_out, k_in, block_k, x.device)
+    magic, bias, mantissa = _MAGIC[x.dtype]
+    if bits >= mantissa:  # int8 values do not fit bf16's 7-bit mantissa: convert instead
+        prescale = True
+    tiles = triton.cdiv(k_in, block_k)
+    tiles_per_split = triton.cdiv(tiles, cfg["split"])
+    split = triton.cdiv(tiles, tiles_per_split)
+    atomic = split > 1
+    y = (torch.zeros if atomic else torch.empty)((m, n_out), dtype=torch.float32 if atomic else x.dtype,
+                                                  device=x.device)  # fmt: skip
     if m:
-        kernel = _decode_kernel if decode else _prefill_kernel
-
-        def grid(meta):
-            return (triton.cdiv(m, meta["BLOCK_M"]), triton.cdiv(n_out, meta["BLOCK_N"]), meta["SPLIT_K"])
-
-        wrap_triton(kernel)[grid](
-            x2, qweight, scales, zero_arg, y, m, n_out, k_in,
-            x2.stride(0), qweight.stride(0), scales.stride(0), zero_arg.stride(0), y.stride(0),
-            triton.next_power_of_2(m), BITS=bits, GROUP=group_size, HAS_ZERO=zeros is not None, ATOMIC=decode,
-            DOT_FP32=interpreting() and x.dtype == torch.bfloat16,
+        grid = (triton.cdiv(n_out, cfg["BLOCK_N"]), triton.cdiv(m, block_m), split)
+        args = (
+            x2, qweight.view(torch.int16), scales, zero_arg, y, m, n_out, k_in,
+            x2.stride(0), qweight.stride(0) * 2, scales.stride(0), zero_arg.stride(0), y.stride(0),
+            tiles_per_split,
         )  # fmt: skip
+        meta = {"BITS": bits, "GROUP": group_size, "HAS_ZERO": zeros is not None, "BLOCK_M": block_m,
+                "BLOCK_N": cfg["BLOCK_N"], "BLOCK_K": block_k, "ATOMIC": atomic,
+                "num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}  # fmt: skip
+        if not gemv:
+            meta |= {"MAGIC": 0 if prescale else magic, "BIAS": bias, "PRESCALE": prescale,
+                     "DOT_FP32": interpreting() and x.dtype == torch.bfloat16}  # fmt: skip
+        wrap_triton(kernel)[grid](*args, **meta)
     return y.to(x.dtype).reshape(*x.shape[:-1], n_out)
+
+
+def dequantize(
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor | None,
+    k_in: int,
+    group_size: int,
+    bits: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """The dense [N, K] weight in ``dtype``, expanded by :func:`_dequantize_kernel` (bit-exact)."""
+    n_out = qweight.shape[0]
+    weight = torch.empty((n_out, k_in), dtype=dtype, device=qweight.device)
+    zero_arg = zeros if zeros is not None else qweight
+    block_n, block_k = (16, 64) if interpreting() else (32, 256)
+    grid = (triton.cdiv(n_out, block_n), triton.cdiv(k_in, block_k))
+    wrap_triton(_dequantize_kernel)[grid](
+        qweight, scales, zero_arg, weight, n_out, k_in,
+        qweight.stride(0), scales.stride(0), zero_arg.stride(0), weight.stride(0),
+        BITS=bits, GROUP=group_size, HAS_ZERO=zeros is not None, BLOCK_N=block_n, BLOCK_K=block_k,
+    )  # fmt: skip
+    return weight
 
 
 quant_matmul = triton_op("squeezeserve::quant_matmul", _quant_matmul, mutates_args=())

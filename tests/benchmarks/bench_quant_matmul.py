@@ -1,8 +1,19 @@
-"""Weight-only int4/int8 quant_matmul vs bf16 torch.matmul at decode (M <= 16) and prefill shapes.
-Decode timings replay CUDA graphs (one launch each, as vLLM serves them)."""
+"""Weight-only int4/int8 quant_matmul vs bf16 torch.matmul at decode (M <= 64) and prefill shapes.
+
+Decode timings replay CUDA graphs (one launch each, as vLLM serves them). Weights are cold: every timed
+call reads a different copy, with enough copies that they exceed the 50 MB L2 (a decode step reads each
+layer's weights once; timing one copy over and over would serve a 4096 x 4096 int4 weight from L2).
+
+    python tests/benchmarks/bench_quant_matmul.py            # rows for results/kernels.csv
+    python tests/benchmarks/bench_quant_matmul.py --sweep    # tile / split-K sweep of the skinny kernel
+    python tests/benchmarks/bench_quant_matmul.py --marlin   # also vLLM's Marlin W4A16 (vLLM staged)
+"""
 
 from __future__ import annotations
 
+import argparse
+import itertools
+import math
 import sys
 from pathlib import Path
 
@@ -10,44 +21,160 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import Recorder, peaks  # noqa: E402
+from triton.testing import do_bench_cudagraph  # noqa: E402
 
 import squeezeserve.kernels as K  # noqa: E402
 from squeezeserve.kernels import quant_layout  # noqa: E402
+from squeezeserve.kernels.ops import quant_matmul as qm  # noqa: E402
 
 DTYPE = torch.bfloat16
 KN = [(4096, 4096), (4096, 14336), (14336, 4096), (14336, 14336)]
+COLD_BYTES = 256 * 2**20  # working set per timed function: 5x the H100's L2
 
 
-def run(rec, bits=4, group=128, ms_=(1, 2, 4, 8, 16, 4096), kn=KN):
+def _copies(nbytes: int) -> int:
+    return max(1, min(64, math.ceil(COLD_BYTES / nbytes)))
+
+
+def _cycle(fns):
+    """One callable that runs the next of ``fns`` on every call (captured in order into a CUDA graph)."""
+    it = itertools.cycle(fns)
+    return lambda: next(it)()
+
+
+def _packed(n, k, bits, group):
+    weight = torch.randn(n, k, device="cuda", dtype=DTYPE) / 64
+    t = quant_layout.pack_weight(weight, bits, group)
+    return t["weight_packed"], t["weight_scale"]
+
+
+def run(rec, bits=4, group=128, ms_=(1, 2, 4, 8, 16, 32, 64, 4096), kn=KN, marlin=None):
+    tag = f"int{bits}-g{group}"
     for k, n in kn:
-        weight = torch.randn(n, k, device="cuda", dtype=DTYPE) / 64
-        t = quant_layout.pack_weight(weight, bits, group)
-        qw, sc = t["weight_packed"], t["weight_scale"]
-        dense = quant_layout.dequantize(qw, sc, None, (n, k), group, bits)
+        qw, sc = _packed(n, k, bits, group)
+        w_bytes = qw.numel() * 4 + sc.numel() * 2
+        packs = [(qw, sc)] + [(qw.clone(), sc.clone()) for _ in range(_copies(w_bytes) - 1)]
+        dense = quant_layout.dequantize(qw, sc, None, (n, k), group, bits).to(DTYPE)
+        denses = [dense] + [dense.clone() for _ in range(_copies(dense.numel() * 2) - 1)]
         for m in ms_:
             x = torch.randn(m, k, device="cuda", dtype=DTYPE)
-            graph = m <= 16
-            ours = lambda x=x, qw=qw, sc=sc: K.quant_matmul(x, qw, sc, None, group, bits)  # noqa: E731
-            ref = lambda x=x, dense=dense: x @ dense.t()  # noqa: E731
-            ours()
-            err = ((ours().float() - ref().float()).norm() / ref().float().norm()).item()
+            graph = m <= 64
+            ours = _cycle([lambda p=p, x=x: K.quant_matmul(x, p[0], p[1], None, group, bits) for p in packs])
+            ref = _cycle([lambda d=d, x=x: x @ d.t() for d in denses])
+            y, y_ref = K.quant_matmul(x, qw, sc, None, group, bits).float(), (x @ dense.t()).float()
+            err = ((y - y_ref).norm() / y_ref.norm()).item()
             assert err < 1e-2, f"quant_matmul mismatch {err} at {(m, n, k)}"
             shape = (m, n, k)
-            w_bytes = n * k * bits // 8 + sc.numel() * 2
-            tag = f"int{bits}-g{group}"
-            t_ours = rec.time(f"squeezeserve-{tag}", "fwd", shape, DTYPE, ours,
-                              nbytes=w_bytes + 2 * m * (k + n), graph=graph)  # fmt: skip
-            t_ref = rec.time(
-                "torch-bf16", "fwd", shape, DTYPE, ref, nbytes=n * k * 2 + 2 * m * (k + n), graph=graph
-            )
+            io = 2 * m * (k + n)
+            ours_name = f"squeezeserve-{tag}"
+            t_ours = rec.time(ours_name, "fwd", shape, DTYPE, ours, nbytes=w_bytes + io, graph=graph)
+            t_ref = rec.time("torch-bf16", "fwd", shape, DTYPE, ref, nbytes=n * k * 2 + io, graph=graph)
             if t_ours and t_ref:
                 rec.add(f"squeezeserve-{tag}", "fwd", shape, DTYPE, "speedup_vs_bf16", [t_ref / t_ours], "x")
+            if marlin is not None and bits == 4 and graph:
+                t_m = marlin(rec, m, n, k, group, x, dense, shape, w_bytes + io)
+                if t_m and t_ref:
+                    rec.add(f"vllm-marlin-{tag}", "fwd", shape, DTYPE, "speedup_vs_bf16", [t_ref / t_m], "x")
+
+
+def sweep(kn=KN[:3], group=128, bits=4):
+    """Time both decode kernels under every tile / split-K / warps / stages setting; print the best per
+    shape (it chose ``quant_matmul.tuning`` and ``GEMV_MAX_M``)."""
+    original, original_max = qm.tuning, qm.GEMV_MAX_M
+    grids = {
+        "gemv": itertools.product((32, 64, 128), (4, 8), (2, 4), (2, 4, 8, 16)),
+        "mma": itertools.product((64, 128, 256), (4, 8), (3, 5), (4, 8, 16)),
+    }
+    grids = {name: list(grid) for name, grid in grids.items()}
+    for k, n in kn:
+        qw, sc = _packed(n, k, bits, group)
+        packs = [(qw, sc)] + [(qw.clone(), sc.clone()) for _ in range(_copies(qw.numel() * 4) - 1)]
+        for kernel, ms_ in (("gemv", (1, 2, 4, 8)), ("mma", (8, 16, 64))):
+            qm.GEMV_MAX_M = 64 if kernel == "gemv" else 0
+            for m in ms_:
+                x = torch.randn(m, k, device="cuda", dtype=DTYPE)
+                results = []
+                for bn, warps, stages, split in grids[kernel]:
+                    cfg = {"BLOCK_N": bn, "split": split, "num_warps": warps, "num_stages": stages}
+                    qm.tuning = lambda *a, cfg=cfg: cfg
+                    fn = _cycle(
+                        [lambda p=p, x=x: K.quant_matmul(x, p[0], p[1], None, group, bits) for p in packs]
+                    )
+                    try:
+                        t = do_bench_cudagraph(fn, rep=20)
+                    except Exception as exc:  # out of shared memory / registers for the largest tiles
+                        print(f"# {kernel} {cfg}: {type(exc).__name__}", file=sys.stderr)
+                        continue
+                    finally:
+                        qm.tuning = original
+                    results.append((t, bn, warps, stages, split))
+                results.sort()
+                print(f"sweep {kernel} m={m} n={n} k={k} g={group}: " + "; ".join(
+                    f"{t * 1e3:.1f}us bn{bn} w{w} s{st} split{sp}" for t, bn, w, st, sp in results[:4])
+                    + f" | default {original(kernel, m, n, k, 128, x.device)}", flush=True)  # fmt: skip
+    qm.GEMV_MAX_M = original_max
+
+
+def dump(out: Path, group=128, bits=4):
+    """Write the Triton IR and PTX of the decode kernels at 4096 x 4096 (what the compiler made of them)."""
+    out.mkdir(parents=True, exist_ok=True)
+    k = n = 4096
+    qw, sc = _packed(n, k, bits, group)
+    for m in (1, 16):
+        x = torch.randn(m, k, device="cuda", dtype=DTYPE)
+        K.quant_matmul(x, qw, sc, None, group, bits)
+    for name in ("_gemv_kernel", "_skinny_kernel"):
+        kernel = getattr(qm, name)
+        for device_cache in kernel.device_caches.values():
+            for i, compiled in enumerate(device_cache[0].values()):
+                for ir in ("ttgir", "ptx"):
+                    (out / f"{name}-{i}.{ir}").write_text(str(compiled.asm.get(ir, "")))
+
+
+def marlin_timer():
+    """A timer for vLLM's Marlin W4A16 GEMM on the same (re-quantized) weights, or None without vLLM."""
+    try:
+        from vllm.model_executor.layers.quantization.utils import marlin_utils as mu
+        from vllm.model_executor.layers.quantization.utils.marlin_utils_test import marlin_quantize
+        from vllm.scalar_type import scalar_types
+    except Exception as exc:
+        print(f"# marlin unavailable: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return None
+    wtype = scalar_types.uint4b8
+
+    def timer(rec, m, n, k, group, x, dense, shape, nbytes):
+        _, q_w, s, g_idx, sort_idx, _ = marlin_quantize(dense.t().contiguous(), wtype, group, False)
+        zp, ws = mu.marlin_make_empty_g_idx(x.device), mu.marlin_make_workspace_new(x.device)
+        copies = [(q_w, s)] + [(q_w.clone(), s.clone()) for _ in range(_copies(q_w.numel() * 4) - 1)]
+        fn = _cycle([
+            lambda c=c: mu.apply_gptq_marlin_linear(x, c[0], c[1], zp, g_idx, sort_idx, ws, wtype, n, k, True)
+            for c in copies
+        ])  # fmt: skip
+        return rec.time(f"vllm-marlin-int4-g{group}", "fwd", shape, DTYPE, fn, nbytes=nbytes, graph=True)
+
+    return timer
 
 
 if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--marlin", action="store_true")
+    parser.add_argument("--dump", type=Path, help="write the decode kernels' Triton IR and PTX here")
+    args = parser.parse_args()
     peaks()
+    if args.dump:
+        try:
+            dump(args.dump)
+        except Exception as exc:  # Triton's cache layout differs between versions; the dump is a diagnostic
+            print(f"# dump failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+    if args.sweep:
+        sweep()
+    if args.dump or args.sweep:
+        sys.exit(0)
     recorder = Recorder("quant_matmul")
-    run(recorder)
-    run(recorder, bits=8, group=128, ms_=(1, 16), kn=[(4096, 14336)])
+    marlin = marlin_timer() if args.marlin else None
+    run(recorder, marlin=marlin)
     run(recorder, bits=4, group=64, ms_=(1, 16), kn=[(4096, 14336)])
+    run(recorder, bits=4, group=32, ms_=(1, 16), kn=[(4096, 14336)])
+    run(recorder, bits=8, group=128, ms_=(1, 16), kn=[(4096, 14336)])
     recorder.write()

@@ -5,10 +5,15 @@ from squeezeserve.kernels import QuantLinear
 from squeezeserve.kernels import functional as K
 from squeezeserve.kernels import quant_layout as ql
 
-# (M, N, K, group): decode rows (M <= 16, split-K path) and prefill rows; K = 576 and 1536 are the
-# bundled model's widths, with groups that divide K but not 128, a group that does not divide K, and a
-# group (48) that is no power of two, so groups straddle the kernel's K tiles.
-SHAPES = [(1, 72, 576, 64), (5, 40, 576, 32), (33, 24, 1536, 64), (3, 16, 200, 128), (2, 24, 576, 48)]
+# (M, N, K, group): decode and batched-decode rows (the skinny kernel: one tile per group with the
+# scale applied after the dot, or per-weight dequantization for groups narrower than a tile) and prefill
+# rows (M > 64: dequantize, then matmul). K = 576 and 1536 are the bundled model's widths, with groups
+# that divide K but not 128, a group that does not divide K (a partial last tile), a group narrower than
+# the int4 tile (32) and one that is no power of two (48), so groups straddle the kernel's K tiles.
+SHAPES = [
+    (1, 72, 576, 64), (5, 40, 576, 32), (33, 24, 1536, 64), (3, 16, 200, 128), (2, 24, 576, 48),
+    (70, 24, 576, 64),
+]  # fmt: skip
 
 
 def _dense_reference(x, tensors, shape, group, bits):
