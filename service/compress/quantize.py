@@ -130,12 +130,17 @@ def search_qparams(
     tiny = torch.finfo(scheme.scale_dtype).tiny
     for ratio in SEARCH_RATIOS:
         scale = (base * ratio).clamp(min=tiny).to(scheme.scale_dtype).to(torch.float32)
+        steps = torch.round(grouped / scale.unsqueeze(-1))  # shared by every zero point: only the clamp moves
         natural = None if scheme.symmetric else torch.round(scheme.qmin - group_min / scale)
         for shift in (0,) if scheme.symmetric else SEARCH_ZERO_SHIFTS:
             zero = None if natural is None else (natural + shift).clamp(scheme.qmin, scheme.qmax)
-            zero_b = None if zero is None else zero.unsqueeze(-1)
-            codes = quantize_with(grouped, scale.unsqueeze(-1), zero_b, scheme)
-            diff = (dequantize_codes(codes, scale.unsqueeze(-1), zero_b) - grouped).square_()
+            # (clamp(q + z, qmin, qmax) - z) * s == clamp(q, qmin - z, qmax - z) * s
+            low, high = (
+                (scheme.qmin, scheme.qmax) if zero is None else (scheme.qmin - zero, scheme.qmax - zero)
+            )
+            low = low if isinstance(low, int) else low.unsqueeze(-1)
+            high = high if isinstance(high, int) else high.unsqueeze(-1)
+            diff = steps.clamp(low, high).mul_(scale.unsqueeze(-1)).sub_(grouped).square_()
             error = (diff if weights is None else diff.mul_(weights)).sum(dim=-1)
             better = error < best_error
             best_error = torch.where(better, error, best_error)
