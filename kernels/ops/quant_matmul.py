@@ -21,8 +21,8 @@ cores (:func:`_skinny_kernel`):
   ``sum_k (q - z) s x = s * (sum_k (BIAS + q) x - (BIAS + z) * sum_k x)``; the correction is per (row, group).
   Groups narrower than a tile's minimum depth (int4 with G < 64, or G not a multiple of V) take the
   PRESCALE form instead: w = (q - z) * s per weight, converted, then the dot (correct, slower).
-- Split-K across programs when N alone gives too few programs to fill the GPU, in the same launch: the
-  last program of an output tile sums the fp32 partials (:func:`_write_tile`).
+- Split-K across programs when N alone gives too few programs to fill the GPU (fp32 atomics into a zeroed
+  buffer).
 
 Prefill (M > SKINNY_MAX_M) is compute-bound: :func:`_dequantize_kernel` expands W to the activation dtype
 once (bit-exact, as compressed-tensors dequantizes) and cuBLAS does the matmul. The transient weight
@@ -43,37 +43,10 @@ from squeezeserve.kernels import quant_layout, reference
 from squeezeserve.kernels.registry import interpreting, use_reference
 
 SKINNY_MAX_M = 64
-GEMV_MAX_M = 1  # rows up to which the FMA kernel beats the tensor-core one (H200 sweep)
+GEMV_MAX_M = 1  # rows up to which the FMA kernel beats the tensor-core one (sweep: 2 rows already lose)
 # bf16: 0x4300 is 128.0 with a 7-bit mantissa (integers 128..255 exact); fp16: 0x6400 is 1024.0 with a
 # 10-bit mantissa (1024..2047 exact).
 _MAGIC = {torch.bfloat16: (0x4300, 128.0, 7), torch.float16: (0x6400, 1024.0, 10)}
-
-
-@triton.jit
-def _write_tile(
-    acc, y_ptr, part_ptr, count_ptr, offs_n, offs_m, M, N, y_row_stride, n_splits, SPLIT: tl.constexpr
-):
-    """Write ``acc`` [BLOCK_N, BLOCK_M] (output columns x rows) to y; with split-K, through the partials.
-
-    Split-K in one launch: every program stores its fp32 partial tile, counts itself in, and the last of a
-    tile's programs to arrive sums the partials in split order (deterministic, no zeroed output buffer and
-    no separate cast kernel) and writes the output.
-    """
-    y_mask = (offs_n < N)[:, None] & (offs_m < M)[None, :]
-    y_ptrs = y_ptr + offs_m[None, :].to(tl.int64) * y_row_stride + offs_n[:, None]
-    if SPLIT:
-        parts = part_ptr + offs_m[None, :].to(tl.int64) * N + offs_n[:, None]  # partials [split, M, N]
-        slab = M.to(tl.int64) * N
-        tl.store(parts + tl.program_id(2) * slab, acc, mask=y_mask)
-        tl.debug_barrier()  # every thread's partial is stored before the (releasing) count below
-        tile_id = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
-        if tl.atomic_add(count_ptr + tile_id, 1, sem="acq_rel") == n_splits - 1:
-            total = tl.zeros_like(acc)
-            for split in range(n_splits):
-                total += tl.load(parts + split * slab, mask=y_mask, other=0.0, cache_modifier=".cg")
-            tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=y_mask)
-    else:
-        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=y_mask)
 
 
 @triton.jit
@@ -82,9 +55,7 @@ def _skinny_kernel(
     qw_ptr,  # [N, ceil(K / V)] int16 view of the packed int32 weight
     scale_ptr,  # [N, ceil(K / GROUP)]
     zero_ptr,  # [ceil(N / (32 // BITS)), ceil(K / GROUP)] int32 packed zero points (only when HAS_ZERO)
-    y_ptr,  # [M, N] out
-    part_ptr,  # [split, M, N] fp32 partial sums (only when SPLIT)
-    count_ptr,  # [tiles] int32 zeros: arrivals per output tile (only when SPLIT)
+    y_ptr,  # [M, N]: fp32 partial sums (ATOMIC) or the output dtype
     M,
     N,
     K,
@@ -94,7 +65,6 @@ def _skinny_kernel(
     zero_row_stride,
     y_row_stride,
     tiles_per_split,
-    n_splits,
     BITS: tl.constexpr,
     GROUP: tl.constexpr,
     HAS_ZERO: tl.constexpr,
@@ -104,7 +74,7 @@ def _skinny_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    SPLIT: tl.constexpr,
+    ATOMIC: tl.constexpr,
     DOT_FP32: tl.constexpr,  # upcast the dot operands (Triton's interpreter gets bf16 tl.dot wrong)
 ):
     """y[m, n] = sum_k x[m, k] (q[n, k] - z[n, g]) s[n, g],  g = k // GROUP."""
@@ -128,19 +98,10 @@ def _skinny_kernel(
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     tile_begin = pid_k * tiles_per_split
     tile_end = tl.minimum(tile_begin + tiles_per_split, tl.cdiv(K, BLOCK_K))
-    # The next tile's words are loaded while this one is computed (Triton's pipeliner leaves these loads
-    # alone: they feed integer arithmetic, not a dot directly).
-    first = tile_begin * T + offs_t
-    word_end = tl.minimum(n_words, tile_end * T)  # this split's words
-    h_next = tl.load(qw_rows + first[None, :], mask=mask_n[:, None] & (first < word_end)[None, :], other=0)
     for tile in range(tile_begin, tile_end):
         k0 = tile * BLOCK_K
-        h = h_next
-        words = tile * T + offs_t
-        words_next = words + T
-        h_next = tl.load(
-            qw_rows + words_next[None, :], mask=mask_n[:, None] & (words_next < word_end)[None, :], other=0
-        )
+        words = k0 // V + offs_t
+        h = tl.load(qw_rows + words[None, :], mask=mask_n[:, None] & (words < n_words)[None, :], other=0)
         part = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         xsum = tl.zeros([BLOCK_M], dtype=tl.float32)
         for i in tl.static_range(V):
@@ -176,7 +137,12 @@ def _skinny_kernel(
             else:
                 z = tl.full([BLOCK_N], OFFSET, tl.float32)
             acc += s.to(tl.float32)[:, None] * (part - (BIAS + z)[:, None] * xsum[None, :])
-    _write_tile(acc, y_ptr, part_ptr, count_ptr, offs_n, offs_m, M, N, y_row_stride, n_splits, SPLIT)
+    y_ptrs = y_ptr + offs_m[None, :].to(tl.int64) * y_row_stride + offs_n[:, None]
+    y_mask = mask_n[:, None] & mask_m[None, :]
+    if ATOMIC:
+        tl.atomic_add(y_ptrs, acc, mask=y_mask, sem="relaxed")
+    else:
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=y_mask)
 
 
 @triton.jit
@@ -185,9 +151,7 @@ def _gemv_kernel(
     qw_ptr,  # [N, ceil(K / V)] int16 view of the packed int32 weight
     scale_ptr,  # [N, ceil(K / GROUP)]
     zero_ptr,  # [ceil(N / (32 // BITS)), ceil(K / GROUP)] int32 packed zero points (only when HAS_ZERO)
-    y_ptr,  # [M, N] out
-    part_ptr,  # [split, M, N] fp32 partial sums (only when SPLIT)
-    count_ptr,  # [tiles] int32 zeros: arrivals per output tile (only when SPLIT)
+    y_ptr,  # [M, N]: fp32 partial sums (ATOMIC) or the output dtype
     M,
     N,
     K,
@@ -197,14 +161,13 @@ def _gemv_kernel(
     zero_row_stride,
     y_row_stride,
     tiles_per_split,
-    n_splits,
     BITS: tl.constexpr,
     GROUP: tl.constexpr,
     HAS_ZERO: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    SPLIT: tl.constexpr,
+    ATOMIC: tl.constexpr,
 ):
     """The skinny product on the FMA units, for a few rows: no tensor-core round trips, all in registers.
 
@@ -231,19 +194,10 @@ def _gemv_kernel(
     acc = tl.zeros([BLOCK_N, BLOCK_M, T], dtype=tl.float32)
     tile_begin = pid_k * tiles_per_split
     tile_end = tl.minimum(tile_begin + tiles_per_split, tl.cdiv(K, BLOCK_K))
-    # The next tile's words are loaded while this one is computed (Triton's pipeliner leaves these loads
-    # alone: they feed integer arithmetic, not a dot directly).
-    first = tile_begin * T + offs_t
-    word_end = tl.minimum(n_words, tile_end * T)  # this split's words
-    h_next = tl.load(qw_rows + first[None, :], mask=mask_n[:, None] & (first < word_end)[None, :], other=0)
     for tile in range(tile_begin, tile_end):
         k0 = tile * BLOCK_K
-        h = h_next
-        words = tile * T + offs_t
-        words_next = words + T
-        h_next = tl.load(
-            qw_rows + words_next[None, :], mask=mask_n[:, None] & (words_next < word_end)[None, :], other=0
-        )
+        words = k0 // V + offs_t
+        h = tl.load(qw_rows + words[None, :], mask=mask_n[:, None] & (words < n_words)[None, :], other=0)
         h = h.to(tl.int32)
         part = tl.zeros([BLOCK_N, BLOCK_M, T], dtype=tl.float32)
         xsum = tl.zeros([BLOCK_M, T], dtype=tl.float32)
@@ -276,7 +230,12 @@ def _gemv_kernel(
                 z = tl.full([BLOCK_N, T], OFFSET, tl.float32)
         acc += (part - z[:, None, :] * xsum[None, :, :]) * s[:, None, :]
     out = tl.sum(acc, axis=2)  # [BLOCK_N, BLOCK_M]
-    _write_tile(out, y_ptr, part_ptr, count_ptr, offs_n, offs_m, M, N, y_row_stride, n_splits, SPLIT)
+    y_ptrs = y_ptr + offs_m[None, :].to(tl.int64) * y_row_stride + offs_n[:, None]
+    y_mask = mask_n[:, None] & mask_m[None, :]
+    if ATOMIC:
+        tl.atomic_add(y_ptrs, out, mask=y_mask, sem="relaxed")
+    else:
+        tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=y_mask)
 
 
 @triton.jit
@@ -378,10 +337,12 @@ def tuning(kernel: str, m: int, n_out: int, k_in: int, block_k: int, device: tor
     tiles = triton.cdiv(k_in, block_k)
     if interpreting():  # small tiles; split-K whenever there are two tiles, so the tests cover both paths
         return {"BLOCK_N": 16, "split": min(2, tiles), "num_warps": 4, "num_stages": 1}
+    # From the sweeps (H100 and H200, 4096 / 14336 shapes, group 128): the FMA kernel wants 128-wide tiles,
+    # the tensor-core kernel 256-wide ones; both want as many splits as keep >= 2 tiles per program (16 at
+    # K = 4096), fewer at 64 rows where the atomics of the partial tiles start to cost.
     block_n = 128 if kernel == "gemv" else (256 if n_out >= 4096 else 64)
     index = device.index if device.index is not None else torch.cuda.current_device()
     programs = triton.cdiv(n_out, block_n)
-    # ~6 programs per SM, each with at least 2 tiles (the prefetch needs a next tile), at most 16 splits.
     split = max(1, min(triton.cdiv(6 * _sm_count(index), programs), tiles // 2, 16))
     if kernel == "mma" and m > 32:
         return {"BLOCK_N": block_n, "split": max(1, split // 2), "num_warps": 8, "num_stages": 3}
@@ -426,27 +387,24 @@ def _quant_matmul(
     tiles = triton.cdiv(k_in, block_k)
     tiles_per_split = triton.cdiv(tiles, cfg["split"])
     split = triton.cdiv(tiles, tiles_per_split)
-    y = torch.empty((m, n_out), dtype=x.dtype, device=x.device)
+    atomic = split > 1
+    y = (torch.zeros if atomic else torch.empty)((m, n_out), dtype=torch.float32 if atomic else x.dtype,
+                                                  device=x.device)  # fmt: skip
     if m:
         grid = (triton.cdiv(n_out, cfg["BLOCK_N"]), triton.cdiv(m, block_m), split)
-        if split > 1:
-            partials = torch.empty((split, m, n_out), dtype=torch.float32, device=x.device)
-            arrivals = torch.zeros(grid[0] * grid[1], dtype=torch.int32, device=x.device)
-        else:
-            partials, arrivals = y, y  # not read
         args = (
-            x2, qweight.view(torch.int16), scales, zero_arg, y, partials, arrivals, m, n_out, k_in,
+            x2, qweight.view(torch.int16), scales, zero_arg, y, m, n_out, k_in,
             x2.stride(0), qweight.stride(0) * 2, scales.stride(0), zero_arg.stride(0), y.stride(0),
-            tiles_per_split, split,
+            tiles_per_split,
         )  # fmt: skip
         meta = {"BITS": bits, "GROUP": group_size, "HAS_ZERO": zeros is not None, "BLOCK_M": block_m,
-                "BLOCK_N": cfg["BLOCK_N"], "BLOCK_K": block_k, "SPLIT": split > 1,
+                "BLOCK_N": cfg["BLOCK_N"], "BLOCK_K": block_k, "ATOMIC": atomic,
                 "num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}  # fmt: skip
         if not gemv:
             meta |= {"MAGIC": 0 if prescale else magic, "BIAS": bias, "PRESCALE": prescale,
                      "DOT_FP32": interpreting() and x.dtype == torch.bfloat16}  # fmt: skip
         wrap_triton(kernel)[grid](*args, **meta)
-    return y.reshape(*x.shape[:-1], n_out)
+    return y.to(x.dtype).reshape(*x.shape[:-1], n_out)
 
 
 def dequantize(
