@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import torch
-from compressed_tensors.quantization import QuantizationArgs
+from compressed_tensors.quantization import ActivationOrdering, QuantizationArgs
 from openai import OpenAI
 from safetensors.torch import load_file
 
@@ -29,8 +29,9 @@ from squeezeserve.service.validate.data import Window, sliding_windows, tokenize
 
 pytestmark = pytest.mark.slow
 
-# 16 windows of 128 tokens: 2048 tokens, more than the widest input (1536), so no Hessian is rank-deficient.
-CALIBRATION = {"calibration_samples": 16, "calibration_seq_len": 128}
+# 16 windows of 256 tokens: 4096, more than twice the widest input (1536), so no Hessian is rank-deficient.
+# Measured on this test's slice, GPTQ int4: 1.059x with 16 x 256, 1.103x with 16 x 128 (too few for 1.10x).
+CALIBRATION = {"calibration_samples": 16, "calibration_seq_len": 256}
 # Perplexity slice: the first 1024 tokens of the test file, windows of 256 scoring 192 new tokens each.
 EVAL_TOKENS, EVAL_WINDOW, EVAL_STRIDE = 1024, 256, 192
 # vLLM's CompressedTensorsWNA16: symmetric bit widths (uint<b>b<bias>) and those with zero points.
@@ -132,6 +133,8 @@ def vllm_scheme(config: dict) -> str:
     ):
         assert weights.num_bits in (WNA16_BITS if weights.symmetric else WNA16_ZP_BITS)
         assert weights.strategy == "channel" or weights.group_size
+        # "group" would make vLLM expect a weight_g_idx tensor; "weight" (or none) leaves the layout as is.
+        assert weights.actorder in (None, ActivationOrdering.WEIGHT)
         return f"WNA16 w{weights.num_bits}"
     if fmt == "float-quantized" and inputs is not None:
         floating = weights.type == "float" and inputs.type == "float"
@@ -148,6 +151,9 @@ def test_quantization_config_selects_the_vllm_scheme(outputs: Outputs, name: str
     config = quant_config(outputs[name])
     assert vllm_scheme(config) == scheme
     assert "lm_head" in config["ignore"]
+    # GPTQ sweeps in activation order by default; RTN (int8 here) has no sweep to order.
+    actorder = config["config_groups"]["group_0"]["weights"]["actorder"]
+    assert actorder == ("weight" if name == "int4-gptq" else None)
 
 
 def test_int4_tensors_are_packed_with_scales_and_zero_points(outputs: Outputs) -> None:
@@ -224,18 +230,17 @@ def test_int8_perplexity_within_one_percent(accuracy: dict[str, SimpleNamespace]
     assert accuracy["int8"].ratio <= 1.01
 
 
-def test_int4_gptq_is_closer_to_the_baseline_than_rtn(accuracy: dict[str, SimpleNamespace]) -> None:
-    """GPTQ and RTN at the default group size. The issue asks for perplexity <= 1.10x the baseline and below
-    RTN's; on this baseline neither holds reliably. It was dequantized from GGUF Q4_1 (per 32 weights a
-    scale and a *float* minimum), and vLLM's int4 zero points are integers, so every group moves by up to
-    half a step whatever the algorithm. Measured (2048-token slice, GPTQ on 32 x 512 calibration tokens):
-    GPTQ 1.166x, RTN 1.171x, KL 0.170 vs 0.269, top-1 agreement 0.791 vs 0.725; on this test's 1k-token
-    slice the perplexity order flips with the calibration draw. KL and top-1 agreement are what GPTQ
-    reliably improves, so they are asserted; the perplexity bound is the measured level plus margin."""
+def test_int4_gptq_meets_the_issue_bound_and_beats_rtn(accuracy: dict[str, SimpleNamespace]) -> None:
+    """GPTQ and RTN at the default group size (32), the issue's bounds: perplexity <= 1.10x the baseline and
+    below RTN's. The baseline was dequantized from GGUF Q4_1 (per 32 weights a scale and a *float* minimum)
+    and vLLM's int4 zero points are integers, so min/max parameters leave every group up to half a step off
+    its lattice; GPTQ's searched scales and actorder are what bring it under 1.10x. Measured on this slice
+    (16 x 256 calibration tokens): GPTQ 1.059x, KL 0.082, top-1 0.845; RTN 1.157x, KL 0.252, top-1 0.747."""
     gptq, rtn = accuracy["int4-gptq"], accuracy["int4-rtn"]
-    assert gptq.top1 > rtn.top1
+    assert gptq.ratio <= 1.10
+    assert gptq.ratio < rtn.ratio
     assert gptq.kl < rtn.kl
-    assert gptq.ratio <= 1.25
+    assert gptq.top1 > rtn.top1
 
 
 @pytest.fixture(scope="module")
