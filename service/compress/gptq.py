@@ -11,10 +11,13 @@ is the optimal update of the remaining columns. The updates are applied lazily, 
 implementation: within a run of ``SWEEP`` columns one rank-1 update per column touches only that run;
 the run's errors ``E`` then reach the rest of its block in one matmul (``U[run, rest]^T E``), and each
 block's errors reach the rest of the matrix in one more. Work is done on ``W^T``, so a column is a
-contiguous row. Group scales and zero points are taken from the *updated* weights when a group starts
-(min/max, as in RTN). With a pruning ``mask`` the pruned entries are forced to 0 (exactly representable)
-and their error is spread like any other rounding error (SparseGPT's compensation, mask fixed in
-advance); kept entries never round to 0, so the sparsity pattern survives quantization exactly.
+contiguous row. Group scales and zero points are fixed up front from the weight as given under ``actorder``
+(columns swept by decreasing ``H[j, j]``, groups still the natural runs of columns) and otherwise taken
+from the *updated* weights when the sweep reaches a group; either by min/max (as in RTN) or by
+``search_qparams`` weighted by ``diag(H)``. With a pruning ``mask`` the pruned entries are forced to 0
+(exactly representable) and their error is spread like any other rounding error (SparseGPT's compensation,
+mask fixed in advance); kept entries never round to 0, so the sparsity pattern survives quantization
+exactly.
 """
 
 from __future__ import annotations
