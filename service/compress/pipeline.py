@@ -89,6 +89,18 @@ def check_memory(source: Path, options: CompressOptions) -> None:
         )
 
 
+def check_device(device: str) -> None:
+    """Refuse a device string torch does not know, or a GPU this machine does not have."""
+    try:
+        parsed = torch.device(device)
+    except RuntimeError as exc:
+        raise ValueError(f"unknown --device {device!r}: give cpu, cuda or cuda:N") from exc
+    if parsed.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: no CUDA device is available here (torch {torch.__version__})")
+    if parsed.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device {device}: compression runs on cpu or cuda")
+
+
 def _available_memory() -> int | None:
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
@@ -265,6 +277,7 @@ def compress(
     if out.resolve() == source.resolve():
         raise ValueError("--out must differ from --model: the source checkpoint is never overwritten")
     check_memory(source, options)
+    check_device(device)
     torch.manual_seed(options.seed)
 
     tokenizer = AutoTokenizer.from_pretrained(source)

@@ -279,6 +279,7 @@ def test_int4_checkpoint_answers_through_the_gateway(gateway_over_int4: str) -> 
         (["--method", "int3"], "unknown method"),
         (["--method", "fp8", "--sparsity", "2:4"], "fp8 does not combine"),
         (["--method", "int4", "--algorithm", "rtn", "--group-size", "100"], "does not divide"),
+        (["--method", "int8", "--device", "gpu0"], "unknown --device"),
     ],
 )
 def test_bad_input_exits_nonzero_and_writes_nothing(
