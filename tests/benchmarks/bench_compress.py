@@ -25,6 +25,7 @@ import json
 import math
 import platform
 import time
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -159,31 +160,50 @@ def main() -> None:
     if evaluator is not None and args.check_against_compare:
         evaluator.check_against_compare(baseline)
     stamp = {"versions": json.dumps(versions(), sort_keys=True), "date": datetime.date.today().isoformat()}
+    failed = []
     for name in args.runs:
-        out = Path(args.work) / name
-        options = options_for(name, args)
-        seconds = None
-        if not (args.reuse and (out / "config.json").is_file()):
-            start = time.perf_counter()
-            compress(str(baseline), out, build_options(**options), overwrite=True, device=compress_device)
-            if compress_device.startswith("cuda"):
-                torch.cuda.synchronize()
-            seconds = round(time.perf_counter() - start, 1)
-        row = {
-            "run": name,
-            "options": json.dumps(options, sort_keys=True),
-            "size_bytes": checkpoint_bytes(out),
-            "baseline_size_bytes": checkpoint_bytes(baseline),
-            "compress_seconds": seconds,
-            "compress_host": platform.node(),
-            "compress_threads": torch.get_num_threads(),
-            "compress_device": device_name(compress_device),
-            "weights_sha256": tensors_sha256(out),
-        }
-        if evaluator is not None:
-            row |= evaluator.evaluate(out)
-        append_row(Path(args.csv), row | stamp)
-        print(f"{name}: {json.dumps(row)}", flush=True)  # noqa: T201
+        try:
+            run(name, args, baseline, compress_device, evaluator, stamp)
+        except Exception:  # one broken run must not cost the rows of the others (one device call for all)
+            traceback.print_exc()
+            failed.append(name)
+    if failed:
+        raise SystemExit(f"failed runs: {', '.join(failed)}")
+
+
+def run(
+    name: str,
+    args: argparse.Namespace,
+    baseline: Path,
+    compress_device: str,
+    evaluator: Evaluator | None,
+    stamp: dict[str, str],
+) -> None:
+    """Compress (unless reusing), evaluate, append the row."""
+    out = Path(args.work) / name
+    options = options_for(name, args)
+    seconds = None
+    if not (args.reuse and (out / "config.json").is_file()):
+        start = time.perf_counter()
+        compress(str(baseline), out, build_options(**options), overwrite=True, device=compress_device)
+        if compress_device.startswith("cuda"):
+            torch.cuda.synchronize()
+        seconds = round(time.perf_counter() - start, 1)
+    row = {
+        "run": name,
+        "options": json.dumps(options, sort_keys=True),
+        "size_bytes": checkpoint_bytes(out),
+        "baseline_size_bytes": checkpoint_bytes(baseline),
+        "compress_seconds": seconds,
+        "compress_host": platform.node(),
+        "compress_threads": torch.get_num_threads(),
+        "compress_device": device_name(compress_device),
+        "weights_sha256": tensors_sha256(out),
+    }
+    if evaluator is not None:
+        row |= evaluator.evaluate(out)
+    append_row(Path(args.csv), row | stamp)
+    print(f"{name}: {json.dumps(row)}", flush=True)  # noqa: T201
 
 
 def device_name(device: str) -> str:
