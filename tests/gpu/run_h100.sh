@@ -178,7 +178,7 @@ ckpt)
     done
   fi
   python3 - "$LOGS" "$OUT/vllm_run1.csv" "$DEVICE" "$VERSIONS" <<'EOF' | tee -a "$SUMMARY"
-import csv, json, sys
+import csv, json, sys, time
 from pathlib import Path
 logs, out, device, versions = Path(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
 def metrics(name):
@@ -204,7 +204,7 @@ for ckpt in ("baseline", "int8", "int4", "fp8"):
                        ln_ppl_ratio_served=served.get("ln_ppl_ratio"), top1_served=served.get("top1_agreement"),
                        kl_mean_local=local.get("kl_mean"), kl_p99_local=local.get("kl_p99"),
                        top1_local=local.get("top1_agreement"), ppl_local=local.get("ppl_candidate"))
-        rows.append({**row, "device": device, "versions": versions})
+        rows.append({**row, "device": device, "versions": versions, "date": time.strftime("%Y-%m-%d", time.gmtime())})
 fields = list(dict.fromkeys(k for r in rows for k in r))
 with open(out, "w", newline="") as f:
     writer = csv.DictWriter(f, fieldnames=fields)

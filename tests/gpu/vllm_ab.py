@@ -6,7 +6,8 @@ graphs (vLLM's default), engine in this process (``VLLM_ENABLE_V1_MULTIPROCESSIN
 calls of our replacements. Writes a JSON record:
 
     {"label", "features", "greedy": [[token ids] per prompt], "throughput_tok_s", "kernels": {name: n},
-     "ours_launched": {op: n}, "call_counts": {...}, "pid", "versions"}
+     "ours_launched": {op: n}, "ours_launched_by_kernel": {kernel: n}, "call_counts": {...}, "pid",
+     "versions"}
 
     SQUEEZESERVE_VLLM_RMS_NORM=0 SQUEEZESERVE_VLLM_SILU_AND_MUL=0 python3 tests/gpu/vllm_ab.py \
         --model /tmp/model/hf --label off --out off.json
@@ -29,11 +30,13 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 # vLLM's compile cache key ignores our switches: without its own cache, "off" could load "on"'s graph.
 os.environ["VLLM_CACHE_ROOT"] = compile_cache_root()
 
-# Triton kernel names of our ops (kernels/ops/swiglu.py, rmsnorm.py, quant_matmul.py).
+# Triton kernel names of our ops (kernels/ops/swiglu.py, rmsnorm.py, quant_matmul.py), matched exactly:
+# quant_matmul launches one of three kernels by row count (FMA for one row, tensor cores up to 64 rows,
+# dequantize + cuBLAS above), so which of them ran shows which path the engine took.
 OUR_KERNELS = {
-    "silu_and_mul": "_swiglu_fwd",
-    "rms_norm": "_rmsnorm_fwd",
-    "quant_matmul": "_quant_matmul_kernel",
+    "silu_and_mul": ("_swiglu_fwd",),
+    "rms_norm": ("_rmsnorm_fwd",),
+    "quant_matmul": ("_gemv_kernel", "_skinny_kernel", "_dequantize_kernel"),
 }
 PROMPTS = [
     "The capital of France is",
@@ -89,7 +92,8 @@ def run(args: argparse.Namespace) -> dict:
         if event.device_type == torch.autograd.DeviceType.CUDA:
             kernels[event.name] += 1
             kernel_us[event.name] += event.time_range.elapsed_us()
-    ours = {op: sum(n for k, n in kernels.items() if name in k) for op, name in OUR_KERNELS.items()}
+    ours = {op: sum(kernels[name] for name in names) for op, names in OUR_KERNELS.items()}
+    ours_by_kernel = {name: kernels[name] for names in OUR_KERNELS.values() for name in names}
     return {
         "label": args.label,
         "model": args.model,
@@ -103,6 +107,7 @@ def run(args: argparse.Namespace) -> dict:
         "throughput_tok_s": sorted(rates)[len(rates) // 2],
         "throughput_runs": rates,
         "ours_launched": ours,
+        "ours_launched_by_kernel": ours_by_kernel,
         "call_counts": vllm_ops.call_counts(),
         "top_kernels": dict(kernels.most_common(25)),
         "top_kernel_us": {k: round(v, 1) for k, v in kernel_us.most_common(25)},
@@ -117,7 +122,7 @@ def run(args: argparse.Namespace) -> dict:
 CSV_FIELDS = [
     "run", "label", "reference", "model", "quantization", "throughput_tok_s", "throughput_runs",
     "ratio_vs_reference", "greedy_identical", "greedy_prompts", "first_divergence", "ours_launched",
-    "device", "versions",
+    "device", "versions", "date",
 ]  # fmt: skip
 
 
@@ -154,6 +159,7 @@ def compare(paths: list[str], csv_path: str | None = None) -> int:
             "first_divergence": " ".join("-" if d is None else str(d) for d in diverge),
             "ours_launched": " ".join(f"{k}={v}" for k, v in rec["ours_launched"].items()),
             "device": versions["gpu"], "versions": f"vllm {versions['vllm']}; torch {versions['torch']}",
+            "date": time.strftime("%Y-%m-%d", time.gmtime()),
         })  # fmt: skip
     if csv_path:
         new = not os.path.exists(csv_path)
@@ -190,7 +196,8 @@ def main() -> int:
     record = run(args)
     with open(args.out, "w") as f:
         json.dump(record, f, indent=1)
-    print(json.dumps({k: record[k] for k in ("label", "throughput_tok_s", "ours_launched", "call_counts")}))
+    keys = ("label", "throughput_tok_s", "ours_launched", "ours_launched_by_kernel", "call_counts")
+    print(json.dumps({k: record[k] for k in keys}))
     print("greedy[0]:", repr(record["texts"][0]))
     return 0
 
