@@ -158,7 +158,11 @@ def quant_linear(
     """y = x @ dequantize(W).T (+ bias), W in compressed-tensors' pack-quantized layout."""
     _note("quant_matmul", x)
     group = scheme.group_size_for(x.shape[-1])
-    y = functional.quant_matmul(x, weight_packed, weight_scale, weight_zero_point, group, scheme.bits)
+    # The opaque op: vLLM compiles one graph for all batch sizes, and a traced-through quant_matmul would
+    # keep the kernel choice of the size it was traced at.
+    y = torch.ops.squeezeserve.quant_matmul_opaque(
+        x, weight_packed, weight_scale, weight_zero_point, group, scheme.bits
+    )
     return y + bias if bias is not None else y
 
 

@@ -439,6 +439,29 @@ def _(x, qweight, scales, zeros, group_size, bits):
     return x.new_empty((*x.shape[:-1], qweight.shape[0]))
 
 
+@torch.library.custom_op("squeezeserve::quant_matmul_opaque", mutates_args=())
+def quant_matmul_opaque(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor | None,
+    group_size: int,
+    bits: int,
+) -> torch.Tensor:
+    """``quant_matmul`` as an opaque op: torch.compile does not trace into it, so the row-count dispatch
+    (FMA / tensor-core / dequantize + cuBLAS) runs on every call. For engines that compile one graph for a
+    range of token counts (vLLM): traced through, the dispatch would be fixed at the trace's size (vLLM
+    traces at its largest batch, which took the prefill path for every decode step). No autograd: serving.
+    """
+    return _quant_matmul(x, qweight, scales, zeros, group_size, bits)
+
+
+@quant_matmul_opaque.register_fake
+def _(x, qweight, scales, zeros, group_size, bits):
+    check_inputs(x, qweight, scales, zeros, group_size, bits)
+    return x.new_empty((*x.shape[:-1], qweight.shape[0]))
+
+
 def _setup(ctx, inputs, output):
     x, qweight, scales, zeros, group_size, bits = inputs
     ctx.save_for_backward(qweight, scales, zeros)

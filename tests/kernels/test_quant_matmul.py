@@ -91,3 +91,28 @@ def test_quant_matmul_opcheck(device, check):
     x = torch.randn(3, 64, device=device, dtype=torch.float16, requires_grad=True)
     args = (x, tensors["weight_packed"], tensors["weight_scale"], tensors["weight_zero_point"], 32, 4)
     check.opcheck(torch.ops.squeezeserve.quant_matmul.default, args)
+
+
+def test_quant_matmul_opaque_is_one_node_under_compile(device, check):
+    """vLLM compiles one graph for every batch size: the opaque op must stay a single call in the graph
+    (its row-count dispatch then runs per call) and compute what quant_matmul computes."""
+    tensors = {k: t.to(device) for k, t in ql.pack_weight(torch.randn(24, 64).half(), 4, 32, False).items()}
+    args = (tensors["weight_packed"], tensors["weight_scale"], tensors["weight_zero_point"], 32, 4)
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    compiled = torch.compile(lambda x: torch.ops.squeezeserve.quant_matmul_opaque(x, *args), backend=backend,
+                             dynamic=True)  # fmt: skip
+    for rows in (1, 70):
+        x = torch.randn(rows, 64, device=device, dtype=torch.float16)
+        torch.testing.assert_close(compiled(x), K.quant_matmul(x, *args), atol=0, rtol=0)
+    targets = [node.target for gm in graphs for node in gm.graph.nodes if node.op == "call_function"]
+    opaque = torch.ops.squeezeserve.quant_matmul_opaque
+    # One call per graph (dynamo compiles a second graph for the size-1 specialisation).
+    assert len(targets) == len(graphs) and all(t in (opaque, opaque.default) for t in targets), targets
+    check.opcheck(
+        torch.ops.squeezeserve.quant_matmul_opaque.default, (torch.randn(3, 64, device=device).half(), *args)
+    )
