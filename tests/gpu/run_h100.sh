@@ -122,24 +122,25 @@ prep)
 ab)
   # Run 3, alone on the machine. One configuration per process (the plugin reads its switches at load).
   AB=(--repeats 5)
-  for cfg in off on; do
+  # AB_OPS=0 skips the ops on/off pair; AB_QUANT names the quantization configs (both by default).
+  for cfg in $([ "${AB_OPS:-1}" = 1 ] && echo off on); do
     if [ "$cfg" = off ]; then sw=0; else sw=1; fi
     SQUEEZESERVE_VLLM_SILU_AND_MUL=$sw SQUEEZESERVE_VLLM_RMS_NORM=$sw timeout "$(cap 150)" python3 tests/gpu/vllm_ab.py \
       --model $MODELS/hf --label "$cfg" --out "$OUT/ab-$cfg.json" "${AB[@]}" > "$LOGS/ab-$cfg.log" 2>&1 \
       || { note "ab $cfg failed"; tail -30 "$LOGS/ab-$cfg.log"; }
     grep -E '^\{"label|^greedy' "$LOGS/ab-$cfg.log" | tee -a "$SUMMARY"
   done
-  python3 tests/gpu/vllm_ab.py --compare "$OUT/ab-off.json" "$OUT/ab-on.json" --csv "$OUT/vllm_ops_ab.csv" \
-    | tee -a "$SUMMARY"
+  [ "${AB_OPS:-1}" = 1 ] && python3 tests/gpu/vllm_ab.py --compare "$OUT/ab-off.json" "$OUT/ab-on.json" \
+    --csv "$OUT/vllm_ops_ab.csv" | tee -a "$SUMMARY"
   # The quantization method in the engine: the int4 checkpoint by vLLM's kernels, then by quant_matmul.
-  for cfg in int4-vllm int4-squeezeserve; do
+  for cfg in ${AB_QUANT:-int4-vllm int4-squeezeserve}; do
     q=(); [ "$cfg" = int4-squeezeserve ] && q=(--quantization squeezeserve)
     timeout "$(cap 110)" python3 tests/gpu/vllm_ab.py --model $MODELS/int4 "${q[@]}" --label "$cfg" \
       --out "$OUT/ab-$cfg.json" "${AB[@]}" > "$LOGS/ab-$cfg.log" 2>&1 || { note "ab $cfg failed"; tail -30 "$LOGS/ab-$cfg.log"; }
     grep -E '^\{"label|^greedy' "$LOGS/ab-$cfg.log" | tee -a "$SUMMARY"
   done
-  python3 tests/gpu/vllm_ab.py --compare "$OUT/ab-int4-vllm.json" "$OUT/ab-int4-squeezeserve.json" \
-    --csv "$OUT/vllm_ops_ab.csv" | tee -a "$SUMMARY"
+  [ -f "$OUT/ab-int4-vllm.json" ] && [ -f "$OUT/ab-int4-squeezeserve.json" ] && python3 tests/gpu/vllm_ab.py \
+    --compare "$OUT/ab-int4-vllm.json" "$OUT/ab-int4-squeezeserve.json" --csv "$OUT/vllm_ops_ab.csv" | tee -a "$SUMMARY"
   ;;
 ckpt)
   # Run 1. Four servers (compiled + CUDA graphs, our ops on), 3 CPUs each; gateway and clients on 12-15.
