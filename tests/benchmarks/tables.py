@@ -1,0 +1,53 @@
+"""Markdown tables of ``results/kernels.csv`` for tests/benchmarks/README.md (p50 values).
+
+python tests/benchmarks/tables.py > /tmp/tables.md
+"""
+
+from __future__ import annotations
+
+import csv
+from collections import defaultdict
+from pathlib import Path
+
+CSV = Path(__file__).parent / "results" / "kernels.csv"
+PROVIDERS = ("torch", "torch.compile", "liger")
+
+
+def main() -> None:
+    rows = list(csv.DictReader(CSV.open()))
+    p50: dict[tuple, str] = {}
+    pct: dict[tuple, str] = {}
+    order: dict[tuple, None] = {}
+    for r in rows:
+        key = (r["op"], r["mode"], r["shape"])
+        p50[(*key, r["provider"], r["metric"])] = r["p50"]
+        if r["pct_of_peak"]:
+            pct[(*key, r["provider"])] = r["pct_of_peak"]
+        if r["op"] != "quant_matmul" and r["provider"] == "squeezeserve":
+            order[key] = None
+    print("| op | mode | shape | ours ms | ours % | torch ms | torch.compile ms | liger ms |")
+    print("|---|---|---|---|---|---|---|---|")
+    for op, mode, shape in order:
+        cells = [p50.get((op, mode, shape, p, "time"), "-") for p in PROVIDERS]
+        ours = p50.get((op, mode, shape, "squeezeserve", "time"), "-")
+        print(f"| {op} | {mode} | {shape} | {ours} | {pct.get((op, mode, shape, 'squeezeserve'), '-')} | "
+              + " | ".join(cells) + " |")  # fmt: skip
+    print()
+    print("| M x N x K | kernel | ours ms | bf16 matmul ms | ours speedup | Marlin ms | Marlin speedup |")
+    print("|---|---|---|---|---|---|---|")
+    quant = defaultdict(dict)
+    for r in rows:
+        if r["op"] == "quant_matmul":
+            quant[r["shape"]][(r["provider"], r["metric"])] = r["p50"]
+    for shape, cells in quant.items():
+        for provider in sorted({p for p, _ in cells if p.startswith("squeezeserve")}):
+            tag = provider.removeprefix("squeezeserve-")
+            marlin = f"vllm-marlin-{tag}"
+            keys = [(provider, "time"), ("torch-bf16", "time"), (provider, "speedup_vs_bf16")]
+            keys += [(marlin, "time"), (marlin, "speedup_vs_bf16")]
+            values = [cells.get(key, "-") for key in keys]
+            print(f"| {shape} | {tag} | " + " | ".join(values) + " |")
+
+
+if __name__ == "__main__":
+    main()
