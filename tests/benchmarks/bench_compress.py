@@ -44,7 +44,6 @@ RESULTS = Path(__file__).parent / "results" / "compress.csv"
 WIKITEXT = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "wikitext-2"
 CALIBRATED = "calibrated"  # placeholder in RUNS, replaced by the calibration options of the command line
 
-# name -> build_options keyword arguments; the README table's runs first, then the group-size study.
 # name -> build_options keyword arguments; the README table's runs first, then the int4 studies (what
 # actorder and the scale search each add; group size; symmetric), then recovery.
 RUNS: dict[str, dict[str, Any]] = {
