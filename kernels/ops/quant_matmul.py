@@ -50,6 +50,24 @@ _MAGIC = {torch.bfloat16: (0x4300, 128.0, 7), torch.float16: (0x6400, 1024.0, 10
 
 
 @triton.jit
+def _group_params(scale_ptr, zero_ptr, rows, g, mask, scale_row_stride, zero_row_stride, BITS: tl.constexpr,
+                  HAS_ZERO: tl.constexpr):  # fmt: skip
+    """(scale, zero point) in fp32 of output rows ``rows`` in groups ``g`` (broadcast against each other).
+
+    Zero points are packed along N (``32 // BITS`` rows per int32); without them the zero point is the
+    offset-binary midpoint ``2**(BITS-1)``.
+    """
+    PACK: tl.constexpr = 32 // BITS
+    s = tl.load(scale_ptr + rows.to(tl.int64) * scale_row_stride + g, mask=mask, other=0.0).to(tl.float32)
+    if HAS_ZERO:
+        zw = tl.load(zero_ptr + (rows // PACK) * zero_row_stride + g, mask=mask, other=0)
+        z = ((zw >> ((rows % PACK) * BITS)) & ((1 << BITS) - 1)).to(tl.float32)
+    else:
+        z = tl.zeros_like(s) + (1 << (BITS - 1))
+    return s, z
+
+
+@triton.jit
 def _skinny_kernel(
     x_ptr,  # [M, K] activations (fp16/bf16)
     qw_ptr,  # [N, ceil(K / V)] int16 view of the packed int32 weight
@@ -81,8 +99,6 @@ def _skinny_kernel(
     V: tl.constexpr = 16 // BITS  # values per int16
     T: tl.constexpr = BLOCK_K // V  # int16 per row of a tile
     MASK: tl.constexpr = (1 << BITS) - 1
-    OFFSET: tl.constexpr = 1 << (BITS - 1)
-    PACK: tl.constexpr = 32 // BITS
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -109,16 +125,10 @@ def _skinny_kernel(
             xi = tl.load(x_cols + k[:, None], mask=(k < K)[:, None] & mask_m[None, :], other=0.0)  # [T, BM]
             q = (h >> (i * BITS)) & MASK
             if PRESCALE:
-                g = k // GROUP
-                s = tl.load(scale_ptr + offs_n[:, None].to(tl.int64) * scale_row_stride + g[None, :],
-                            mask=mask_n[:, None] & (k < K)[None, :], other=0.0).to(tl.float32)  # fmt: skip
-                if HAS_ZERO:
-                    zw = tl.load(zero_ptr + (offs_n // PACK)[:, None] * zero_row_stride + g[None, :],
-                                 mask=mask_n[:, None] & (k < K)[None, :], other=0)  # fmt: skip
-                    z = (zw >> ((offs_n % PACK) * BITS)[:, None]) & MASK
-                else:
-                    z = OFFSET
-                w = ((q - z).to(tl.float32) * s).to(dtype)
+                s, z = _group_params(scale_ptr, zero_ptr, offs_n[:, None], (k // GROUP)[None, :],
+                                     mask_n[:, None] & (k < K)[None, :], scale_row_stride, zero_row_stride,
+                                     BITS, HAS_ZERO)  # fmt: skip
+                w = ((q.to(tl.float32) - z) * s).to(dtype)
             else:
                 w = (q | MAGIC).to(tl.int16).to(dtype, bitcast=True)  # BIAS + q, exactly
                 xsum += tl.sum(xi.to(tl.float32), axis=0)
@@ -129,14 +139,10 @@ def _skinny_kernel(
         if PRESCALE:
             acc += part
         else:
-            g = k0 // GROUP  # the whole tile is in this group
-            s = tl.load(scale_ptr + offs_n.to(tl.int64) * scale_row_stride + g, mask=mask_n, other=0.0)
-            if HAS_ZERO:
-                zw = tl.load(zero_ptr + (offs_n // PACK) * zero_row_stride + g, mask=mask_n, other=0)
-                z = ((zw >> ((offs_n % PACK) * BITS)) & MASK).to(tl.float32)
-            else:
-                z = tl.full([BLOCK_N], OFFSET, tl.float32)
-            acc += s.to(tl.float32)[:, None] * (part - (BIAS + z)[:, None] * xsum[None, :])
+            # The whole tile is in one group.
+            s, z = _group_params(scale_ptr, zero_ptr, offs_n, k0 // GROUP, mask_n, scale_row_stride,
+                                 zero_row_stride, BITS, HAS_ZERO)  # fmt: skip
+            acc += s[:, None] * (part - (BIAS + z)[:, None] * xsum[None, :])
     y_ptrs = y_ptr + offs_m[None, :].to(tl.int64) * y_row_stride + offs_n[:, None]
     y_mask = mask_n[:, None] & mask_m[None, :]
     if ATOMIC:
@@ -178,8 +184,6 @@ def _gemv_kernel(
     V: tl.constexpr = 16 // BITS
     T: tl.constexpr = BLOCK_K // V
     MASK: tl.constexpr = (1 << BITS) - 1
-    OFFSET: tl.constexpr = 1 << (BITS - 1)
-    PACK: tl.constexpr = 32 // BITS
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -209,25 +213,13 @@ def _gemv_kernel(
             part += q[:, None, :] * xi[None, :, :]
             xsum += xi
         if GROUP % BLOCK_K == 0:  # one group for the whole tile: per-row scalars
-            g = k0 // GROUP
-            s = tl.load(scale_ptr + offs_n.to(tl.int64) * scale_row_stride + g, mask=mask_n, other=0.0)
-            s = s.to(tl.float32)[:, None]
-            if HAS_ZERO:
-                zw = tl.load(zero_ptr + (offs_n // PACK) * zero_row_stride + g, mask=mask_n, other=0)
-                z = ((zw >> ((offs_n % PACK) * BITS)) & MASK).to(tl.float32)[:, None]
-            else:
-                z = tl.full([BLOCK_N, 1], OFFSET, tl.float32)
+            s, z = _group_params(scale_ptr, zero_ptr, offs_n[:, None], k0 // GROUP, mask_n[:, None],
+                                 scale_row_stride, zero_row_stride, BITS, HAS_ZERO)  # fmt: skip
         else:  # several groups in the tile: the group of each word
-            g = (k0 + offs_t * V) // GROUP
-            gmask = mask_n[:, None] & (words < n_words)[None, :]
-            s = tl.load(scale_ptr + offs_n[:, None].to(tl.int64) * scale_row_stride + g[None, :],
-                        mask=gmask, other=0.0).to(tl.float32)  # fmt: skip
-            if HAS_ZERO:
-                zw = tl.load(zero_ptr + (offs_n // PACK)[:, None] * zero_row_stride + g[None, :],
-                             mask=gmask, other=0)  # fmt: skip
-                z = ((zw >> ((offs_n % PACK) * BITS)[:, None]) & MASK).to(tl.float32)
-            else:
-                z = tl.full([BLOCK_N, T], OFFSET, tl.float32)
+            word_groups = ((k0 + offs_t * V) // GROUP)[None, :]
+            word_mask = mask_n[:, None] & (words < n_words)[None, :]
+            s, z = _group_params(scale_ptr, zero_ptr, offs_n[:, None], word_groups, word_mask,
+                                 scale_row_stride, zero_row_stride, BITS, HAS_ZERO)  # fmt: skip
         acc += (part - z[:, None, :] * xsum[None, :, :]) * s[:, None, :]
     out = tl.sum(acc, axis=2)  # [BLOCK_N, BLOCK_M]
     y_ptrs = y_ptr + offs_m[None, :].to(tl.int64) * y_row_stride + offs_n[:, None]
@@ -259,21 +251,15 @@ def _dequantize_kernel(
     """W[n, k] = ((q - z) * s) in fp32, rounded once to the output dtype (compressed-tensors' formula)."""
     PACK: tl.constexpr = 32 // BITS
     MASK: tl.constexpr = (1 << BITS) - 1
-    OFFSET: tl.constexpr = 1 << (BITS - 1)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     mask = (offs_n < N)[:, None] & (offs_k < K)[None, :]
     rows = offs_n[:, None].to(tl.int64)
     word = tl.load(qw_ptr + rows * qw_row_stride + (offs_k // PACK)[None, :], mask=mask, other=0)
     q = (word >> ((offs_k % PACK) * BITS)[None, :]) & MASK
-    g = offs_k // GROUP
-    s = tl.load(scale_ptr + rows * scale_row_stride + g[None, :], mask=mask, other=0.0).to(tl.float32)
-    if HAS_ZERO:
-        zw = tl.load(zero_ptr + (offs_n // PACK)[:, None] * zero_row_stride + g[None, :], mask=mask, other=0)
-        z = (zw >> ((offs_n % PACK) * BITS)[:, None]) & MASK
-    else:
-        z = OFFSET
-    w = (q - z).to(tl.float32) * s
+    s, z = _group_params(scale_ptr, zero_ptr, offs_n[:, None], (offs_k // GROUP)[None, :], mask,
+                         scale_row_stride, zero_row_stride, BITS, HAS_ZERO)  # fmt: skip
+    w = (q.to(tl.float32) - z) * s
     tl.store(w_ptr + rows * w_row_stride + offs_k[None, :], w.to(w_ptr.dtype.element_ty), mask=mask)
 
 
