@@ -68,6 +68,17 @@ def _group_params(scale_ptr, zero_ptr, rows, g, mask, scale_row_stride, zero_row
 
 
 @triton.jit
+def _write_tile(acc, y_ptr, offs_n, offs_m, mask_n, mask_m, y_row_stride, ATOMIC: tl.constexpr):
+    """y[m, n] = acc[n, m]: stored in y's dtype, or added in fp32 when split-K programs share the tile."""
+    y_ptrs = y_ptr + offs_m[None, :].to(tl.int64) * y_row_stride + offs_n[:, None]
+    y_mask = mask_n[:, None] & mask_m[None, :]
+    if ATOMIC:
+        tl.atomic_add(y_ptrs, acc, mask=y_mask, sem="relaxed")
+    else:
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=y_mask)
+
+
+@triton.jit
 def _skinny_kernel(
     x_ptr,  # [M, K] activations (fp16/bf16)
     qw_ptr,  # [N, ceil(K / V)] int16 view of the packed int32 weight
@@ -143,12 +154,7 @@ def _skinny_kernel(
             s, z = _group_params(scale_ptr, zero_ptr, offs_n, k0 // GROUP, mask_n, scale_row_stride,
                                  zero_row_stride, BITS, HAS_ZERO)  # fmt: skip
             acc += s[:, None] * (part - (BIAS + z)[:, None] * xsum[None, :])
-    y_ptrs = y_ptr + offs_m[None, :].to(tl.int64) * y_row_stride + offs_n[:, None]
-    y_mask = mask_n[:, None] & mask_m[None, :]
-    if ATOMIC:
-        tl.atomic_add(y_ptrs, acc, mask=y_mask, sem="relaxed")
-    else:
-        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=y_mask)
+    _write_tile(acc, y_ptr, offs_n, offs_m, mask_n, mask_m, y_row_stride, ATOMIC)
 
 
 @triton.jit
@@ -221,13 +227,7 @@ def _gemv_kernel(
             s, z = _group_params(scale_ptr, zero_ptr, offs_n[:, None], word_groups, word_mask,
                                  scale_row_stride, zero_row_stride, BITS, HAS_ZERO)  # fmt: skip
         acc += (part - z[:, None, :] * xsum[None, :, :]) * s[:, None, :]
-    out = tl.sum(acc, axis=2)  # [BLOCK_N, BLOCK_M]
-    y_ptrs = y_ptr + offs_m[None, :].to(tl.int64) * y_row_stride + offs_n[:, None]
-    y_mask = mask_n[:, None] & mask_m[None, :]
-    if ATOMIC:
-        tl.atomic_add(y_ptrs, out, mask=y_mask, sem="relaxed")
-    else:
-        tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=y_mask)
+    _write_tile(tl.sum(acc, axis=2), y_ptr, offs_n, offs_m, mask_n, mask_m, y_row_stride, ATOMIC)
 
 
 @triton.jit
