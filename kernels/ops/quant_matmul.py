@@ -68,6 +68,27 @@ def _group_params(scale_ptr, zero_ptr, rows, g, mask, scale_row_stride, zero_row
 
 
 @triton.jit
+def _tile_params(scale_ptr, zero_ptr, offs_n, mask_n, tile, K, scale_row_stride, zero_row_stride,
+                 BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, BLOCK_K: tl.constexpr,
+                 GPT: tl.constexpr):  # fmt: skip
+    """(scale, zero point) [BLOCK_N, GPT] of the GPT groups that K tile ``tile`` spans (groups aligned to
+    tiles: GPT = BLOCK_K / GROUP, or 1 when a group holds whole tiles)."""
+    groups = (tile * BLOCK_K) // GROUP + tl.arange(0, GPT)
+    mask = mask_n[:, None] & (groups < tl.cdiv(K, GROUP))[None, :]
+    return _group_params(scale_ptr, zero_ptr, offs_n[:, None], groups[None, :], mask, scale_row_stride,
+                         zero_row_stride, BITS, HAS_ZERO)  # fmt: skip
+
+
+@triton.jit
+def _per_word(v, BLOCK_N: tl.constexpr, GPT: tl.constexpr, W: tl.constexpr):
+    """[BLOCK_N, GPT] per-group values -> [BLOCK_N, W] per word (a tile's W words in GPT equal runs)."""
+    if GPT == 1:
+        return v
+    else:
+        return tl.reshape(tl.broadcast_to(v[:, :, None], [BLOCK_N, GPT, W // GPT]), [BLOCK_N, W])
+
+
+@triton.jit
 def _write_tile(acc, y_ptr, offs_n, offs_m, mask_n, mask_m, y_row_stride, ATOMIC: tl.constexpr):
     """y[m, n] = acc[n, m]: stored in y's dtype, or added in fp32 when split-K programs share the tile."""
     y_ptrs = y_ptr + offs_m[None, :].to(tl.int64) * y_row_stride + offs_n[:, None]
@@ -76,6 +97,26 @@ def _write_tile(acc, y_ptr, offs_n, offs_m, mask_n, mask_m, y_row_stride, ATOMIC
         tl.atomic_add(y_ptrs, acc, mask=y_mask, sem="relaxed")
     else:
         tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=y_mask)
+
+
+@triton.jit
+def _deinterleave(x, R: tl.constexpr, T: tl.constexpr, V: tl.constexpr):
+    """Split x [R, V * T] by position within a word: piece i [R, T] holds columns V t + i (V = 2 or 4;
+    for V = 2 the pieces are returned twice). Register shuffles only: the tile is loaded contiguously."""
+    if V == 4:
+        even, odd = tl.split(tl.reshape(x, [R, T, 2, 2]))  # column V t + 2 a + b -> [t, a, b]
+        x0, x2 = tl.split(even)
+        x1, x3 = tl.split(odd)
+        return x0, x1, x2, x3
+    else:
+        x0, x1 = tl.split(tl.reshape(x, [R, T, 2]))
+        return x0, x1, x0, x1
+
+
+@triton.jit
+def _magic(h, i: tl.constexpr, BITS: tl.constexpr, MAGIC: tl.constexpr, dtype: tl.constexpr):
+    """Value i of every int16 in h as the float ``BIAS + q`` (OR-ed into BIAS's mantissa, no conversion)."""
+    return (((h >> (i * BITS)) & ((1 << BITS) - 1)) | MAGIC).to(tl.int16).to(dtype, bitcast=True)
 
 
 @triton.jit
@@ -97,13 +138,15 @@ def _skinny_kernel(
     BITS: tl.constexpr,
     GROUP: tl.constexpr,
     HAS_ZERO: tl.constexpr,
-    MAGIC: tl.constexpr,  # bit pattern of BIAS in the activation dtype; 0 = convert (PRESCALE only)
+    MAGIC: tl.constexpr,  # bit pattern of BIAS in the activation dtype; 0: convert q (BIAS 0)
     BIAS: tl.constexpr,
-    PRESCALE: tl.constexpr,  # dequantize each weight before the dot (groups narrower than a tile)
+    PRESCALE: tl.constexpr,  # dequantize each weight before the dot (groups narrower than a dot)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     ATOMIC: tl.constexpr,
+    EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no mask along K, so the weight loads vectorize
+    GPT: tl.constexpr,  # groups per K tile when groups align to tiles (1 for groups of whole tiles), else 0
     DOT_FP32: tl.constexpr,  # upcast the dot operands (Triton's interpreter gets bf16 tl.dot wrong)
 ):
     """y[m, n] = sum_k x[m, k] (q[n, k] - z[n, g]) s[n, g],  g = k // GROUP."""
@@ -116,44 +159,59 @@ def _skinny_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_t = tl.arange(0, T)
+    offs_k = tl.arange(0, BLOCK_K)
     mask_n = offs_n < N
     mask_m = offs_m < M
     n_words = tl.cdiv(K, V)
     qw_rows = qw_ptr + offs_n[:, None].to(tl.int64) * qw_row_stride
-    x_cols = x_ptr + offs_m[None, :].to(tl.int64) * x_row_stride
+    x_rows = x_ptr + offs_m[:, None].to(tl.int64) * x_row_stride
     dtype = x_ptr.dtype.element_ty
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     tile_begin = pid_k * tiles_per_split
     tile_end = tl.minimum(tile_begin + tiles_per_split, tl.cdiv(K, BLOCK_K))
+    if GPT > 0:  # the next tile's scales are loaded one iteration ahead (too small for the pipeliner)
+        s_next, z_next = _tile_params(scale_ptr, zero_ptr, offs_n, mask_n, tile_begin, K, scale_row_stride,
+                                      zero_row_stride, BITS, GROUP, HAS_ZERO, BLOCK_K, GPT)  # fmt: skip
     for tile in range(tile_begin, tile_end):
         k0 = tile * BLOCK_K
         words = k0 // V + offs_t
-        h = tl.load(qw_rows + words[None, :], mask=mask_n[:, None] & (words < n_words)[None, :], other=0)
+        ks = k0 + offs_k
+        if GPT > 0:
+            s, z = _per_word(s_next, BLOCK_N, GPT, T), _per_word(z_next, BLOCK_N, GPT, T)  # [BN, 1 or T]
+            following = tl.minimum(tile + 1, tile_end - 1)
+            s_next, z_next = _tile_params(scale_ptr, zero_ptr, offs_n, mask_n, following, K, scale_row_stride,
+                                          zero_row_stride, BITS, GROUP, HAS_ZERO, BLOCK_K, GPT)  # fmt: skip
+        if EVEN_K:
+            h = tl.load(qw_rows + words[None, :], mask=mask_n[:, None], other=0)
+            xt = tl.load(x_rows + ks[None, :], mask=mask_m[:, None], other=0.0)
+        else:
+            h = tl.load(qw_rows + words[None, :], mask=mask_n[:, None] & (words < n_words)[None, :], other=0)
+            xt = tl.load(x_rows + ks[None, :], mask=mask_m[:, None] & (ks < K)[None, :], other=0.0)
+        xs = _deinterleave(xt, BLOCK_M, T, V)  # xs[i][:, t] = x[:, k0 + V t + i]
         part = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-        xsum = tl.zeros([BLOCK_M], dtype=tl.float32)
         for i in tl.static_range(V):
-            k = k0 + offs_t * V + i
-            xi = tl.load(x_cols + k[:, None], mask=(k < K)[:, None] & mask_m[None, :], other=0.0)  # [T, BM]
-            q = (h >> (i * BITS)) & MASK
+            xi = tl.trans(xs[i])  # [T, BLOCK_M]
+            if MAGIC != 0:
+                w = _magic(h, i, BITS, MAGIC, dtype)  # BIAS + q, exactly
+            else:  # q through the fp32 magic 2**23 (exact), then one conversion
+                q = (h.to(tl.int32) >> (i * BITS)) & MASK
+                w = ((q | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0).to(dtype)
             if PRESCALE:
-                s, z = _group_params(scale_ptr, zero_ptr, offs_n[:, None], (k // GROUP)[None, :],
-                                     mask_n[:, None] & (k < K)[None, :], scale_row_stride, zero_row_stride,
-                                     BITS, HAS_ZERO)  # fmt: skip
-                w = ((q.to(tl.float32) - z) * s).to(dtype)
-            else:
-                w = (q | MAGIC).to(tl.int16).to(dtype, bitcast=True)  # BIAS + q, exactly
-                xsum += tl.sum(xi.to(tl.float32), axis=0)
+                if GPT == 0:  # groups not aligned to tiles: the group of each value
+                    k = k0 + offs_t * V + i
+                    s, z = _group_params(scale_ptr, zero_ptr, offs_n[:, None], (k // GROUP)[None, :],
+                                         mask_n[:, None] & (k < K)[None, :], scale_row_stride,
+                                         zero_row_stride, BITS, HAS_ZERO)  # fmt: skip
+                w = ((w.to(tl.float32) - (BIAS + z)) * s).to(dtype)
             if DOT_FP32:
                 part = tl.dot(w.to(tl.float32), xi.to(tl.float32), part, input_precision="ieee")
             else:
                 part = tl.dot(w, xi, part)
         if PRESCALE:
             acc += part
-        else:
-            # The whole tile is in one group.
-            s, z = _group_params(scale_ptr, zero_ptr, offs_n, k0 // GROUP, mask_n, scale_row_stride,
-                                 zero_row_stride, BITS, HAS_ZERO)  # fmt: skip
-            acc += s[:, None] * (part - (BIAS + z)[:, None] * xsum[None, :])
+        else:  # the whole tile is in one group: s, z are [BLOCK_N, 1]
+            xsum = tl.sum(xt.to(tl.float32), axis=1)
+            acc += s * (part - (BIAS + z) * xsum[None, :])
     _write_tile(acc, y_ptr, offs_n, offs_m, mask_n, mask_m, y_row_stride, ATOMIC)
 
 
@@ -180,6 +238,8 @@ def _gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     ATOMIC: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    STAGES: tl.constexpr,  # software-pipeline depth of the weight loads (1: none)
 ):
     """The skinny product on the FMA units, for a few rows: no tensor-core round trips, all in registers.
 
@@ -196,6 +256,7 @@ def _gemv_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_t = tl.arange(0, T)
+    offs_k = tl.arange(0, BLOCK_K)
     mask_n = offs_n < N
     mask_m = offs_m < M
     n_words = tl.cdiv(K, V)
@@ -204,20 +265,26 @@ def _gemv_kernel(
     acc = tl.zeros([BLOCK_N, BLOCK_M, T], dtype=tl.float32)
     tile_begin = pid_k * tiles_per_split
     tile_end = tl.minimum(tile_begin + tiles_per_split, tl.cdiv(K, BLOCK_K))
-    for tile in range(tile_begin, tile_end):
+    for tile in tl.range(tile_begin, tile_end, num_stages=STAGES):
         k0 = tile * BLOCK_K
         words = k0 // V + offs_t
-        h = tl.load(qw_rows + words[None, :], mask=mask_n[:, None] & (words < n_words)[None, :], other=0)
+        if EVEN_K:
+            h = tl.load(qw_rows + words[None, :], mask=mask_n[:, None], other=0)
+        else:
+            h = tl.load(qw_rows + words[None, :], mask=mask_n[:, None] & (words < n_words)[None, :], other=0)
         h = h.to(tl.int32)
+        ks = k0 + offs_k
+        if EVEN_K:
+            xt = tl.load(x_rows + ks[None, :], mask=mask_m[:, None], other=0.0)
+        else:
+            xt = tl.load(x_rows + ks[None, :], mask=mask_m[:, None] & (ks < K)[None, :], other=0.0)
+        xs = _deinterleave(xt.to(tl.float32), BLOCK_M, T, V)  # xs[i][:, t] = x[:, k0 + V t + i]
         part = tl.zeros([BLOCK_N, BLOCK_M, T], dtype=tl.float32)
         xsum = tl.zeros([BLOCK_M, T], dtype=tl.float32)
         for i in tl.static_range(V):
-            k = k0 + offs_t * V + i
-            xi = tl.load(x_rows + k[None, :], mask=mask_m[:, None] & (k < K)[None, :], other=0.0)
-            xi = xi.to(tl.float32)  # [BLOCK_M, T]
             q = (((h >> (i * BITS)) & MASK) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-            part += q[:, None, :] * xi[None, :, :]
-            xsum += xi
+            part += q[:, None, :] * xs[i][None, :, :]
+            xsum += xs[i]
         if GROUP % BLOCK_K == 0:  # one group for the whole tile: per-row scalars
             s, z = _group_params(scale_ptr, zero_ptr, offs_n[:, None], k0 // GROUP, mask_n[:, None],
                                  scale_row_stride, zero_row_stride, BITS, HAS_ZERO)  # fmt: skip
@@ -227,6 +294,104 @@ def _gemv_kernel(
             s, z = _group_params(scale_ptr, zero_ptr, offs_n[:, None], word_groups, word_mask,
                                  scale_row_stride, zero_row_stride, BITS, HAS_ZERO)  # fmt: skip
         acc += (part - z[:, None, :] * xsum[None, :, :]) * s[:, None, :]
+    _write_tile(tl.sum(acc, axis=2), y_ptr, offs_n, offs_m, mask_n, mask_m, y_row_stride, ATOMIC)
+
+
+@triton.jit
+def _deinterleave8(x, R: tl.constexpr, W: tl.constexpr):
+    """Split x [R, 8 W] by position within an int32 word: piece j [R, W] holds columns 8 t + j."""
+    even, odd = tl.split(tl.reshape(x, [R, W, 2, 2, 2]))  # column 8 t + 4 c + 2 a + b -> [t, c, a, b]
+    e0, e1 = tl.split(even)
+    o0, o1 = tl.split(odd)
+    x0, x4 = tl.split(e0)
+    x2, x6 = tl.split(e1)
+    x1, x5 = tl.split(o0)
+    x3, x7 = tl.split(o1)
+    return x0, x1, x2, x3, x4, x5, x6, x7
+
+
+@triton.jit
+def _gemv_int4_kernel(
+    x_ptr,  # [M, K] activations
+    qw_ptr,  # [N, ceil(K / 8)] packed int32 weight
+    scale_ptr,  # [N, ceil(K / GROUP)]
+    zero_ptr,  # [ceil(N / 8), ceil(K / GROUP)] int32 packed zero points (only when HAS_ZERO)
+    y_ptr,  # [M, N]: fp32 partial sums (ATOMIC) or the output dtype
+    M,
+    N,
+    K,
+    x_row_stride,
+    qw_row_stride,
+    scale_row_stride,
+    zero_row_stride,
+    y_row_stride,
+    tiles_per_split,
+    GROUP: tl.constexpr,  # a multiple of 8: a word's values share a group
+    GPT: tl.constexpr,  # groups per K tile when groups align to tiles (1 for groups of whole tiles), else 0
+    HAS_ZERO: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    ATOMIC: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    STAGES: tl.constexpr,  # software-pipeline depth of the weight loads (1: none)
+):
+    """int4 on the FMA units, two values per integer instruction.
+
+    Shifting a word by 4 i and masking with 0x000F000F leaves values i and i + 4 in the low bits of its
+    two halves; OR-ing 0x43004300 makes each half the bf16 ``128 + q``, and each half becomes an fp32
+    operand with one shift or mask (bf16 is the top half of fp32). Products ``(128 + q) x`` accumulate
+    per (row, output, word) in fp32; per tile, ``sum (q - z) s x = s (sum (128 + q) x - (128 + z) sum x)``.
+    """
+    W: tl.constexpr = BLOCK_K // 8  # words per row of a tile
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_w = tl.arange(0, W)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_n = offs_n < N
+    mask_m = offs_m < M
+    n_words = tl.cdiv(K, 8)
+    qw_rows = qw_ptr + offs_n[:, None].to(tl.int64) * qw_row_stride
+    x_rows = x_ptr + offs_m[:, None].to(tl.int64) * x_row_stride
+    acc = tl.zeros([BLOCK_N, BLOCK_M, W], dtype=tl.float32)
+    tile_begin = pid_k * tiles_per_split
+    tile_end = tl.minimum(tile_begin + tiles_per_split, tl.cdiv(K, BLOCK_K))
+    if GPT > 0:  # the next tile's scales are loaded one iteration ahead (too small for the pipeliner)
+        s_next, z_next = _tile_params(scale_ptr, zero_ptr, offs_n, mask_n, tile_begin, K, scale_row_stride,
+                                      zero_row_stride, 4, GROUP, HAS_ZERO, BLOCK_K, GPT)  # fmt: skip
+    for tile in tl.range(tile_begin, tile_end, num_stages=STAGES):
+        k0 = tile * BLOCK_K
+        words = k0 // 8 + offs_w
+        ks = k0 + offs_k
+        if GPT > 0:
+            s, z = _per_word(s_next, BLOCK_N, GPT, W), _per_word(z_next, BLOCK_N, GPT, W)
+            following = tl.minimum(tile + 1, tile_end - 1)
+            s_next, z_next = _tile_params(scale_ptr, zero_ptr, offs_n, mask_n, following, K, scale_row_stride,
+                                          zero_row_stride, 4, GROUP, HAS_ZERO, BLOCK_K, GPT)  # fmt: skip
+        else:  # groups not aligned to tiles: the group of each word
+            word_groups = ((k0 + offs_w * 8) // GROUP)[None, :]
+            word_mask = mask_n[:, None] & (words < n_words)[None, :]
+            s, z = _group_params(scale_ptr, zero_ptr, offs_n[:, None], word_groups, word_mask,
+                                 scale_row_stride, zero_row_stride, 4, HAS_ZERO)  # fmt: skip
+        if EVEN_K:
+            h = tl.load(qw_rows + words[None, :], mask=mask_n[:, None], other=0)
+            xt = tl.load(x_rows + ks[None, :], mask=mask_m[:, None], other=0.0)
+        else:
+            h = tl.load(qw_rows + words[None, :], mask=mask_n[:, None] & (words < n_words)[None, :], other=0)
+            xt = tl.load(x_rows + ks[None, :], mask=mask_m[:, None] & (ks < K)[None, :], other=0.0)
+        xs = _deinterleave8(xt.to(tl.float32), BLOCK_M, W)  # xs[j][:, t] = x[:, k0 + 8 t + j]
+        part = tl.zeros([BLOCK_N, BLOCK_M, W], dtype=tl.float32)
+        for i in tl.static_range(4):
+            pair = ((h >> (4 * i)) & 0x000F000F) | 0x43004300
+            lo = (pair << 16).to(tl.float32, bitcast=True)  # 128 + value i
+            hi = (pair & -65536).to(tl.float32, bitcast=True)  # 128 + value i + 4
+            part += lo[:, None, :] * xs[i][None, :, :]
+            part += hi[:, None, :] * xs[i + 4][None, :, :]
+        xsum = xs[0] + xs[1] + xs[2] + xs[3] + xs[4] + xs[5] + xs[6] + xs[7]
+        acc += (part - (128.0 + z)[:, None, :] * xsum[None, :, :]) * s[:, None, :]
     _write_tile(tl.sum(acc, axis=2), y_ptr, offs_n, offs_m, mask_n, mask_m, y_row_stride, ATOMIC)
 
 
@@ -306,33 +471,40 @@ def _sm_count(device_index: int) -> int:
 
 def _tile_k(group_size: int, k_in: int, bits: int) -> tuple[int, bool]:
     """(BLOCK_K, prescale) for the tensor-core kernel: the widest tile of at most 256 inside one group,
-    else a PRESCALE tile. A dot needs depth >= 16, so a tile holds at least 16 int16 words: 64 int4 / 32
-    int8 values."""
+    else a PRESCALE tile of 256 (or K, if narrower). A dot needs depth >= 16, so a tile holds at least 16
+    int16 words: 64 int4 / 32 int8 values."""
     per16 = 16 // bits
     min_k = 16 * per16
     span = min(group_size, triton.next_power_of_2(k_in))  # a group wider than K behaves like K
     for block_k in (256, 128, 64, 32):
         if min_k <= block_k <= span and group_size % block_k == 0:
             return block_k, False
-    return max(min_k, 64), True
+    return max(min_k, min(256, triton.next_power_of_2(k_in))), True
+
+
+def _groups_per_tile(group_size: int, block_k: int, per_word: int) -> int:
+    """GPT of the kernels: 1 when a group holds whole K tiles, BLOCK_K / G when whole groups tile a K
+    tile (and a group holds whole words), 0 when groups straddle tiles (scales gathered per value)."""
+    if group_size % block_k == 0:
+        return 1
+    if block_k % group_size == 0 and group_size % per_word == 0:
+        return block_k // group_size
+    return 0
 
 
 def tuning(kernel: str, m: int, n_out: int, k_in: int, block_k: int, device: torch.device) -> dict:
-    """BLOCK_N, split-K, warps and stages for the decode kernels (from the H100 sweep in
-    tests/benchmarks/bench_quant_matmul.py --sweep): enough programs to keep every SM streaming."""
+    """BLOCK_N, split-K, warps and stages for the decode kernels, from the H100 sweep
+    (tests/benchmarks/bench_quant_matmul.py --sweep, 4096 / 14336 shapes, 1-64 rows): 128-wide tiles,
+    4 warps, 3 stages and 8 K splits were within a few percent of each shape's best; 16 splits when the
+    N tiles alone fill few SMs and K is long (4096 x 14336: 16 splits, 24.5 vs 25.5 us at 16 rows)."""
     tiles = triton.cdiv(k_in, block_k)
     if interpreting():  # small tiles; split-K whenever there are two tiles, so the tests cover both paths
         return {"BLOCK_N": 16, "split": min(2, tiles), "num_warps": 4, "num_stages": 1}
-    # From the sweeps (H100 and H200, 4096 / 14336 shapes, group 128): the FMA kernel wants 128-wide tiles,
-    # the tensor-core kernel 256-wide ones; both want as many splits as keep >= 2 tiles per program (16 at
-    # K = 4096), fewer at 64 rows where the atomics of the partial tiles start to cost.
-    block_n = 128 if kernel == "gemv" else (256 if n_out >= 4096 else 64)
     index = device.index if device.index is not None else torch.cuda.current_device()
-    programs = triton.cdiv(n_out, block_n)
-    split = max(1, min(triton.cdiv(6 * _sm_count(index), programs), tiles // 2, 16))
-    if kernel == "mma" and m > 32:
-        return {"BLOCK_N": block_n, "split": max(1, split // 2), "num_warps": 8, "num_stages": 3}
-    return {"BLOCK_N": block_n, "split": split, "num_warps": 4, "num_stages": 3}
+    block_n = 128
+    few_tiles = triton.cdiv(n_out, block_n) * 8 < 2 * _sm_count(index)
+    split = 16 if few_tiles and tiles >= 64 else 8
+    return {"BLOCK_N": block_n, "split": max(1, min(split, tiles)), "num_warps": 4, "num_stages": 3}
 
 
 def _quant_matmul(
@@ -359,8 +531,10 @@ def _quant_matmul(
         return (x2 @ weight.t()).reshape(*x.shape[:-1], n_out)
     per16 = 16 // bits
     gemv = m <= GEMV_MAX_M and group_size % per16 == 0
+    pairs = gemv and bits == 4 and group_size % 8 == 0  # the int4 FMA kernel reads whole int32 words
     if gemv:
-        kernel, block_m, prescale = _gemv_kernel, triton.next_power_of_2(m), False
+        kernel = _gemv_int4_kernel if pairs else _gemv_kernel
+        block_m, prescale = triton.next_power_of_2(m), False
         block_k = 256 if group_size % 256 == 0 else 128
         cfg = tuning("gemv", m, n_out, k_in, block_k, x.device)
     else:
@@ -368,8 +542,8 @@ def _quant_matmul(
         block_k, prescale = _tile_k(group_size, k_in, bits)
         cfg = tuning("mma", m, n_out, k_in, block_k, x.device)
     magic, bias, mantissa = _MAGIC[x.dtype]
-    if bits >= mantissa:  # int8 values do not fit bf16's 7-bit mantissa: convert instead
-        prescale = True
+    if bits >= mantissa:  # int8 values do not fit bf16's 7-bit mantissa: converted instead (BIAS 0)
+        magic, bias = 0, 0.0
     tiles = triton.cdiv(k_in, block_k)
     tiles_per_split = triton.cdiv(tiles, cfg["split"])
     split = triton.cdiv(tiles, tiles_per_split)
@@ -378,16 +552,27 @@ def _quant_matmul(
                                                   device=x.device)  # fmt: skip
     if m:
         grid = (triton.cdiv(n_out, cfg["BLOCK_N"]), triton.cdiv(m, block_m), split)
+        words, word_stride = (
+            (qweight, qweight.stride(0)) if pairs else (qweight.view(torch.int16), qweight.stride(0) * 2)
+        )
         args = (
-            x2, qweight.view(torch.int16), scales, zero_arg, y, m, n_out, k_in,
-            x2.stride(0), qweight.stride(0) * 2, scales.stride(0), zero_arg.stride(0), y.stride(0),
+            x2, words, scales, zero_arg, y, m, n_out, k_in,
+            x2.stride(0), word_stride, scales.stride(0), zero_arg.stride(0), y.stride(0),
             tiles_per_split,
         )  # fmt: skip
-        meta = {"BITS": bits, "GROUP": group_size, "HAS_ZERO": zeros is not None, "BLOCK_M": block_m,
+        meta = {"GROUP": group_size, "HAS_ZERO": zeros is not None, "BLOCK_M": block_m,
                 "BLOCK_N": cfg["BLOCK_N"], "BLOCK_K": block_k, "ATOMIC": atomic,
-                "num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}  # fmt: skip
-        if not gemv:
-            meta |= {"MAGIC": 0 if prescale else magic, "BIAS": bias, "PRESCALE": prescale,
+                "EVEN_K": k_in % block_k == 0, "num_warps": cfg["num_warps"],
+                "num_stages": cfg["num_stages"]}  # fmt: skip
+        if not pairs:
+            meta["BITS"] = bits
+        if gemv:
+            meta["STAGES"] = cfg["num_stages"]
+            if pairs:
+                meta["GPT"] = _groups_per_tile(group_size, block_k, 8)
+        else:
+            meta |= {"MAGIC": magic, "BIAS": bias, "PRESCALE": prescale,
+                     "GPT": _groups_per_tile(group_size, block_k, per16),
                      "DOT_FP32": interpreting() and x.dtype == torch.bfloat16}  # fmt: skip
         wrap_triton(kernel)[grid](*args, **meta)
     return y.to(x.dtype).reshape(*x.shape[:-1], n_out)

@@ -7,6 +7,7 @@ layer's weights once; timing one copy over and over would serve a 4096 x 4096 in
     python tests/benchmarks/bench_quant_matmul.py            # rows for results/kernels.csv
     python tests/benchmarks/bench_quant_matmul.py --sweep    # tile / split-K sweep of the skinny kernel
     python tests/benchmarks/bench_quant_matmul.py --marlin   # also vLLM's Marlin W4A16 (vLLM staged)
+    ncu -k regex:_gemv --launch-skip 2 -c 1 python tests/benchmarks/bench_quant_matmul.py --profile
 """
 
 from __future__ import annotations
@@ -77,24 +78,21 @@ def run(rec, bits=4, group=128, ms_=(1, 2, 4, 8, 16, 32, 64, 4096), kn=KN, marli
                     rec.add(f"vllm-marlin-{tag}", "fwd", shape, DTYPE, "speedup_vs_bf16", [t_ref / t_m], "x")
 
 
-def sweep(kn=KN[:3], group=128, bits=4):
-    """Time both decode kernels under every tile / split-K / warps / stages setting; print the best per
-    shape (it chose ``quant_matmul.tuning`` and ``GEMV_MAX_M``)."""
-    original, original_max = qm.tuning, qm.GEMV_MAX_M
-    grids = {
-        "gemv": itertools.product((32, 64, 128), (4, 8), (2, 4), (2, 4, 8, 16)),
-        "mma": itertools.product((64, 128, 256), (4, 8), (3, 5), (4, 8, 16)),
-    }
-    grids = {name: list(grid) for name, grid in grids.items()}
+def sweep(kn=KN[:3], group=128, bits=4, ms=None):
+    """Time the decode kernels under every tile / split-K / warps / stages setting; print the best
+    per shape (it chose ``quant_matmul.tuning`` and ``GEMV_MAX_M``)."""
+    saved = {name: getattr(qm, name) for name in ("tuning", "GEMV_MAX_M")}
+    grid = list(itertools.product((64, 128), (4, 8), (3, 4), (4, 8, 16)))
+    ms = ms or {"gemv": (1, 2), "mma": (4, 16, 64)}
     for k, n in kn:
         qw, sc = _packed(n, k, bits, group)
         packs = [(qw, sc)] + [(qw.clone(), sc.clone()) for _ in range(_copies(qw.numel() * 4) - 1)]
-        for kernel, ms_ in (("gemv", (1, 2, 4, 8)), ("mma", (8, 16, 64))):
+        for kernel in ("gemv", "mma"):
             qm.GEMV_MAX_M = 64 if kernel == "gemv" else 0
-            for m in ms_:
+            for m in ms[kernel]:
                 x = torch.randn(m, k, device="cuda", dtype=DTYPE)
                 results = []
-                for bn, warps, stages, split in grids[kernel]:
+                for bn, warps, stages, split in grid:
                     cfg = {"BLOCK_N": bn, "split": split, "num_warps": warps, "num_stages": stages}
                     qm.tuning = lambda *a, cfg=cfg: cfg
                     fn = _cycle(
@@ -106,13 +104,26 @@ def sweep(kn=KN[:3], group=128, bits=4):
                         print(f"# {kernel} {cfg}: {type(exc).__name__}", file=sys.stderr)
                         continue
                     finally:
-                        qm.tuning = original
+                        qm.tuning = saved["tuning"]
                     results.append((t, bn, warps, stages, split))
                 results.sort()
+                default = saved["tuning"](kernel, m, n, k, 128, x.device)
+                t_default = next((r[0] for r in results if r[1:] == (default["BLOCK_N"], default["num_warps"],
+                                  default["num_stages"], default["split"])), float("nan"))  # fmt: skip
                 print(f"sweep {kernel} m={m} n={n} k={k} g={group}: " + "; ".join(
-                    f"{t * 1e3:.1f}us bn{bn} w{w} s{st} split{sp}" for t, bn, w, st, sp in results[:4])
-                    + f" | default {original(kernel, m, n, k, 128, x.device)}", flush=True)  # fmt: skip
-    qm.GEMV_MAX_M = original_max
+                    f"{t * 1e3:.1f}us bn{bn} w{w} s{st} split{sp}" for t, bn, w, st, sp in results[:5])
+                    + f" | default {default} {t_default * 1e3:.1f}us", flush=True)  # fmt: skip
+    qm.GEMV_MAX_M = saved["GEMV_MAX_M"]
+
+
+def profile(n=14336, k=14336, group=128, bits=4):
+    """Plain (not graph) calls of the decode kernels at 1 and 16 rows, for Nsight Compute to profile."""
+    qw, sc = _packed(n, k, bits, group)
+    for m in (1, 16):
+        x = torch.randn(m, k, device="cuda", dtype=DTYPE)
+        for _ in range(5):
+            K.quant_matmul(x, qw, sc, None, group, bits)
+    torch.cuda.synchronize()
 
 
 def dump(out: Path, group=128, bits=4):
@@ -160,6 +171,8 @@ if __name__ == "__main__":
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--marlin", action="store_true")
     parser.add_argument("--dump", type=Path, help="write the decode kernels' Triton IR and PTX here")
+    parser.add_argument("--profile", action="store_true", help="a few plain calls for ncu, nothing timed")
+    parser.add_argument("--shapes", help="sweep only these K:N pairs, e.g. 4096:14336,14336:4096")
     args = parser.parse_args()
     peaks()
     if args.dump:
@@ -167,8 +180,12 @@ if __name__ == "__main__":
             dump(args.dump)
         except Exception as exc:  # Triton's cache layout differs between versions; the dump is a diagnostic
             print(f"# dump failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+    if args.profile:
+        profile()
+        sys.exit(0)
     if args.sweep:
-        sweep()
+        kn = [tuple(map(int, p.split(":"))) for p in args.shapes.split(",")] if args.shapes else KN[:3]
+        sweep(kn)
     if args.dump or args.sweep:
         sys.exit(0)
     recorder = Recorder("quant_matmul")

@@ -9,10 +9,11 @@ from squeezeserve.kernels import quant_layout as ql
 # scale applied after the dot, or per-weight dequantization for groups narrower than a tile) and prefill
 # rows (M > 64: dequantize, then matmul). K = 576 and 1536 are the bundled model's widths, with groups
 # that divide K but not 128, a group that does not divide K (a partial last tile), a group narrower than
-# the int4 tile (32) and one that is no power of two (48), so groups straddle the kernel's K tiles.
+# the int4 tile (32) and one that is no power of two (48), so groups straddle the kernel's K tiles;
+# K = 512 with group 128 is the unmasked case (K a multiple of the tile: vectorized loads, no K mask).
 SHAPES = [
     (1, 72, 576, 64), (5, 40, 576, 32), (33, 24, 1536, 64), (3, 16, 200, 128), (2, 24, 576, 48),
-    (70, 24, 576, 64),
+    (70, 24, 576, 64), (1, 40, 512, 128),
 ]  # fmt: skip
 
 
