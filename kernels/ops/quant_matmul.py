@@ -471,15 +471,18 @@ def _sm_count(device_index: int) -> int:
 
 def _tile_k(group_size: int, k_in: int, bits: int) -> tuple[int, bool]:
     """(BLOCK_K, prescale) for the tensor-core kernel: the widest tile of at most 256 inside one group,
-    else a PRESCALE tile of 256 (or K, if narrower). A dot needs depth >= 16, so a tile holds at least 16
-    int16 words: 64 int4 / 32 int8 values."""
+    else a PRESCALE tile: 256 (or K, if narrower) when whole groups tile it, else 64. A dot needs depth
+    >= 16, so a tile holds at least 16 int16 words: 64 int4 / 32 int8 values."""
     per16 = 16 // bits
     min_k = 16 * per16
     span = min(group_size, triton.next_power_of_2(k_in))  # a group wider than K behaves like K
     for block_k in (256, 128, 64, 32):
         if min_k <= block_k <= span and group_size % block_k == 0:
             return block_k, False
-    return max(min_k, min(256, triton.next_power_of_2(k_in))), True
+    block_k = max(min_k, min(256, triton.next_power_of_2(k_in)))
+    if block_k % group_size or group_size % per16:  # groups straddle tiles: per-value scale gathers
+        block_k = max(min_k, 64)  # (a 256-deep tile of gathers would not fit in shared memory)
+    return block_k, True
 
 
 def _groups_per_tile(group_size: int, block_k: int, per_word: int) -> int:

@@ -231,7 +231,7 @@ synth)
   for label in "${up[@]}"; do
     gateway_serves "$label" || continue
     timeout "$(cap 150)" taskset -c 14-15 python3 tests/benchmarks/bench_serving.py --base-url $GW --model "$label" \
-      --run run2 --label "$label" --vocab 49152 --concurrency 1 16 64 --prompt-tokens 256 --output-tokens 64 \
+      --run "${RUN:-run2}" --label "$label" --vocab 49152 --concurrency 1 16 64 --prompt-tokens 256 --output-tokens 64 \
       --csv "$OUT/vllm_serving.csv" 2>&1 | tee -a "$SUMMARY"
     grep -E "Using .* for CompressedTensorsWNA16|squeezeserve plugin" "$LOGS/worker-$label.log" | head -3 | tee -a "$SUMMARY"
   done

@@ -31,12 +31,12 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ["VLLM_CACHE_ROOT"] = compile_cache_root()
 
 # Triton kernel names of our ops (kernels/ops/swiglu.py, rmsnorm.py, quant_matmul.py), matched exactly:
-# quant_matmul launches one of three kernels by row count (FMA for one row, tensor cores up to 64 rows,
-# dequantize + cuBLAS above), so which of them ran shows which path the engine took.
+# quant_matmul launches one of its kernels by row count (FMA for one row -- the int4 one on word pairs --,
+# tensor cores up to 64 rows, dequantize + cuBLAS above), so which of them ran shows the engine's path.
 OUR_KERNELS = {
     "silu_and_mul": ("_swiglu_fwd",),
     "rms_norm": ("_rmsnorm_fwd",),
-    "quant_matmul": ("_gemv_kernel", "_skinny_kernel", "_dequantize_kernel"),
+    "quant_matmul": ("_gemv_int4_kernel", "_gemv_kernel", "_skinny_kernel", "_dequantize_kernel"),
 }
 PROMPTS = [
     "The capital of France is",
