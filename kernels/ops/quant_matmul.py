@@ -5,22 +5,29 @@ along K (P = 32 // bits, lowest bits first, offset-binary), ``scales`` [N, ceil(
 ``zeros`` int32 [ceil(N / P), ceil(K / G)] packed along N.
 
 Decode and batched decode (M <= SKINNY_MAX_M) stream the packed weight with as little arithmetic per
-weight as possible: one row (M <= GEMV_MAX_M) on the FMA units (:func:`_gemv_kernel`), more rows on tensor
-cores (:func:`_skinny_kernel`):
+weight as possible: one row (M <= GEMV_MAX_M) on the FMA units (:func:`_gemv_int4_kernel` for int4,
+:func:`_gemv_kernel` for int8), more rows on tensor cores (:func:`_skinny_kernel`):
 
+- Wide, pipelined loads: when K is a multiple of the tile (``EVEN_K``) no K mask is applied, so the weight
+  tile loads are 16-byte vectors that Triton turns into multi-stage ``cp.async`` pipelines (with a mask of
+  unknown alignment they were one int16 per instruction and not pipelined). The activation tile is loaded
+  contiguously and split by position within a word in registers (:func:`_deinterleave`).
 - Swapped operands: each program computes ``acc[BLOCK_N, BLOCK_M] = W_tile @ x_tile.T``, so the weight,
   the big operand, is the MMA's A operand in its stored K-major order, and the few activation rows are B.
 - No unpacking reshape: the packed words are read as int16 (4 int4 / 2 int8 values each, value k of a row
   at int16 ``k // V``, position ``k % V``). Position ``i`` of every int16 in a tile is one [BLOCK_N, T]
-  operand whose columns are k = 4t + i; it meets the activations gathered at the same k (a strided load of
-  the few x rows). V dots of depth T = BLOCK_K / V replace one dot of depth BLOCK_K.
+  operand whose columns are k = 4t + i; it meets the activations at the same k. V dots of depth
+  T = BLOCK_K / V replace one dot of depth BLOCK_K.
 - No conversion instructions (int-to-float runs at 1/8 of the FMA rate and would bound the kernel): a value
   q is turned into the float ``BIAS + q`` by OR-ing it into the mantissa of ``BIAS`` (0x4300 = 128.0 in
-  bf16, 0x6400 = 1024.0 in fp16; exact since q < 2**7 resp. 2**10), then bitcast.
+  bf16, 0x6400 = 1024.0 in fp16; exact since q < 2**7 resp. 2**10), then bitcast. The int4 FMA kernel does
+  two values per instruction (``0x43004300`` over an int32 word). int8 with bf16 activations (q up to 255
+  does not fit) goes through the fp32 magic 2**23 and one conversion.
 - Scale and zero point after the dot: a tile is one quantization group, so
   ``sum_k (q - z) s x = s * (sum_k (BIAS + q) x - (BIAS + z) * sum_k x)``; the correction is per (row, group).
-  Groups narrower than a tile's minimum depth (int4 with G < 64, or G not a multiple of V) take the
-  PRESCALE form instead: w = (q - z) * s per weight, converted, then the dot (correct, slower).
+  Groups narrower than a dot's minimum depth (int4 with G < 64, or G not a multiple of V) take the PRESCALE
+  form instead: w = (q - z) * s per weight, then the dot. Scales are loaded one tile ahead, as one
+  [BLOCK_N, groups per tile] block when groups tile the K tile (:func:`_tile_params`).
 - Split-K across programs when N alone gives too few programs to fill the GPU (fp32 atomics into a zeroed
   buffer).
 

@@ -134,7 +134,7 @@ def dump(out: Path, group=128, bits=4):
     for m in (1, 16):
         x = torch.randn(m, k, device="cuda", dtype=DTYPE)
         K.quant_matmul(x, qw, sc, None, group, bits)
-    for name in ("_gemv_kernel", "_skinny_kernel"):
+    for name in ("_gemv_int4_kernel", "_skinny_kernel"):
         kernel = getattr(qm, name)
         for device_cache in kernel.device_caches.values():
             for i, compiled in enumerate(device_cache[0].values()):
