@@ -21,7 +21,7 @@ import triton.language as tl
 from torch.library import triton_op
 
 from squeezeserve.kernels import reference
-from squeezeserve.kernels.ops.launch import traceable
+from squeezeserve.kernels.ops.launch import next_power_of_2, traceable
 from squeezeserve.kernels.registry import use_reference
 
 # Columns per block of the online loop: large enough to keep loads wide, small enough not to spill.
@@ -116,7 +116,7 @@ def launch_cross_entropy(
         return loss
     n_rows, n_cols = logits.shape
     loss = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
-    block = min(triton.next_power_of_2(n_cols), MAX_BLOCK)
+    block = min(next_power_of_2(n_cols), MAX_BLOCK)
     if n_rows:
         traceable(_cross_entropy_fwd)[(n_rows,)](
             logits, logits.stride(0), target, loss, n_valid, n_cols, ignore_index, label_smoothing,

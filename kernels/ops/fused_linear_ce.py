@@ -19,16 +19,16 @@ gradient. Reductions 'mean' and 'sum' only ('none' would need per-token scales i
 from __future__ import annotations
 
 import torch
-import triton
 from torch.library import triton_op
 
 from squeezeserve.kernels.ops.cross_entropy import launch_cross_entropy
+from squeezeserve.kernels.ops.launch import cdiv, next_power_of_2
 
 
 def chunk_tokens(n_tokens: int, hidden_size: int, vocab_size: int) -> int:
     """Tokens per chunk so that a chunk of logits holds about as many elements as the hidden states."""
-    growth = triton.cdiv(vocab_size, hidden_size)
-    return max(1, triton.next_power_of_2(triton.cdiv(max(n_tokens, 1), growth)))
+    growth = cdiv(vocab_size, hidden_size)
+    return max(1, next_power_of_2(cdiv(max(n_tokens, 1), growth)))
 
 
 def _check(hidden, weight, target, bias, reduction: str) -> None:

@@ -15,6 +15,17 @@ from squeezeserve.kernels.registry import interpreting
 MAX_FUSED_COLS = 65536
 
 
+# Host-side launch arithmetic. triton.cdiv / triton.next_power_of_2 are constexpr functions in Triton
+# >= 3.4: called from Python each unwraps its arguments as constexprs (~3 us here, ~15 us on the H100
+# machine's CPU), several per launch -- as much host time as the launch itself at decode sizes.
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 << (n - 1).bit_length() if n > 0 else 0
+
+
 def traceable(kernel: triton.JITFunction):
     """``kernel`` to index with a grid: wrapped by ``wrap_triton`` where torch may be tracing the launch
     (torch.compile's decomposition of a triton_op), the JIT function itself on eager paths, where
@@ -28,7 +39,7 @@ def row_block(n_cols: int, op: str, limit: int = MAX_FUSED_COLS) -> int:
         raise ValueError(f"{op}: the last dimension must be at least 1, got {n_cols}")
     if n_cols > limit:
         raise ValueError(f"{op}: rows of {n_cols} elements exceed the {limit}-element limit of this kernel")
-    return triton.next_power_of_2(n_cols)
+    return next_power_of_2(n_cols)
 
 
 def num_warps_for(block: int) -> int:
@@ -49,7 +60,7 @@ def block_rows(n_rows: int, block: int) -> int:
     interpreter every program costs milliseconds, so it packs 16k elements into each.
     """
     tile = 16384 if interpreting() else 2048
-    return max(1, min(triton.next_power_of_2(max(n_rows, 1)), tile // block))
+    return max(1, min(next_power_of_2(max(n_rows, 1)), tile // block))
 
 
 @functools.cache

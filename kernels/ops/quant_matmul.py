@@ -47,6 +47,7 @@ import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
 from squeezeserve.kernels import quant_layout, reference
+from squeezeserve.kernels.ops.launch import cdiv, next_power_of_2
 from squeezeserve.kernels.registry import interpreting, use_reference
 
 SKINNY_MAX_M = 64
@@ -482,11 +483,11 @@ def _tile_k(group_size: int, k_in: int, bits: int) -> tuple[int, bool]:
     >= 16, so a tile holds at least 16 int16 words: 64 int4 / 32 int8 values."""
     per16 = 16 // bits
     min_k = 16 * per16
-    span = min(group_size, triton.next_power_of_2(k_in))  # a group wider than K behaves like K
+    span = min(group_size, next_power_of_2(k_in))  # a group wider than K behaves like K
     for block_k in (256, 128, 64, 32):
         if min_k <= block_k <= span and group_size % block_k == 0:
             return block_k, False
-    block_k = max(min_k, min(256, triton.next_power_of_2(k_in)))
+    block_k = max(min_k, min(256, next_power_of_2(k_in)))
     if block_k % group_size or group_size % per16:  # groups straddle tiles: per-value scale gathers
         block_k = max(min_k, 64)  # (a 256-deep tile of gathers would not fit in shared memory)
     return block_k, True
@@ -507,12 +508,12 @@ def tuning(kernel: str, m: int, n_out: int, k_in: int, block_k: int, device: tor
     (tests/benchmarks/bench_quant_matmul.py --sweep, 4096 / 14336 shapes, 1-64 rows): 128-wide tiles,
     4 warps, 3 stages and 8 K splits were within a few percent of each shape's best; 16 splits when the
     N tiles alone fill few SMs and K is long (4096 x 14336: 16 splits, 24.5 vs 25.5 us at 16 rows)."""
-    tiles = triton.cdiv(k_in, block_k)
+    tiles = cdiv(k_in, block_k)
     if interpreting():  # small tiles; split-K whenever there are two tiles, so the tests cover both paths
         return {"BLOCK_N": 16, "split": min(2, tiles), "num_warps": 4, "num_stages": 1}
     index = device.index if device.index is not None else torch.cuda.current_device()
     block_n = 128
-    few_tiles = triton.cdiv(n_out, block_n) * 8 < 2 * _sm_count(index)
+    few_tiles = cdiv(n_out, block_n) * 8 < 2 * _sm_count(index)
     split = 16 if few_tiles and tiles >= 64 else 8
     return {"BLOCK_N": block_n, "split": max(1, min(split, tiles)), "num_warps": 4, "num_stages": 3}
 
@@ -544,7 +545,7 @@ def _quant_matmul(
     pairs = gemv and bits == 4 and group_size % 8 == 0  # the int4 FMA kernel reads whole int32 words
     if gemv:
         kernel = _gemv_int4_kernel if pairs else _gemv_kernel
-        block_m, prescale = triton.next_power_of_2(m), False
+        block_m, prescale = next_power_of_2(m), False
         block_k = 256 if group_size % 256 == 0 else 128
         cfg = tuning("gemv", m, n_out, k_in, block_k, x.device)
     else:
@@ -554,14 +555,14 @@ def _quant_matmul(
     magic, bias, mantissa = _MAGIC[x.dtype]
     if bits >= mantissa:  # int8 values do not fit bf16's 7-bit mantissa: converted instead (BIAS 0)
         magic, bias = 0, 0.0
-    tiles = triton.cdiv(k_in, block_k)
-    tiles_per_split = triton.cdiv(tiles, cfg["split"])
-    split = triton.cdiv(tiles, tiles_per_split)
+    tiles = cdiv(k_in, block_k)
+    tiles_per_split = cdiv(tiles, cfg["split"])
+    split = cdiv(tiles, tiles_per_split)
     atomic = split > 1
     y = (torch.zeros if atomic else torch.empty)((m, n_out), dtype=torch.float32 if atomic else x.dtype,
                                                   device=x.device)  # fmt: skip
     if m:
-        grid = (triton.cdiv(n_out, cfg["BLOCK_N"]), triton.cdiv(m, block_m), split)
+        grid = (cdiv(n_out, cfg["BLOCK_N"]), cdiv(m, block_m), split)
         words, word_stride = (
             (qweight, qweight.stride(0)) if pairs else (qweight.view(torch.int16), qweight.stride(0) * 2)
         )
@@ -602,7 +603,7 @@ def dequantize(
     weight = torch.empty((n_out, k_in), dtype=dtype, device=qweight.device)
     zero_arg = zeros if zeros is not None else qweight
     block_n, block_k = (16, 64) if interpreting() else (32, 256)
-    grid = (triton.cdiv(n_out, block_n), triton.cdiv(k_in, block_k))
+    grid = (cdiv(n_out, block_n), cdiv(k_in, block_k))
     wrap_triton(_dequantize_kernel)[grid](
         qweight, scales, zero_arg, weight, n_out, k_in,
         qweight.stride(0), scales.stride(0), zero_arg.stride(0), weight.stride(0),

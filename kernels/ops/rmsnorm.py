@@ -20,6 +20,7 @@ from torch.library import triton_op
 from squeezeserve.kernels import reference
 from squeezeserve.kernels.ops.launch import (
     block_rows,
+    cdiv,
     num_warps_for,
     persistent_programs,
     row_block,
@@ -138,7 +139,7 @@ def _forward(
     rows = x2.shape[0]
     if rows:
         rows_per_program = block_rows(rows, block)
-        traceable(_rmsnorm_fwd)[(triton.cdiv(rows, rows_per_program),)](
+        traceable(_rmsnorm_fwd)[(cdiv(rows, rows_per_program),)](
             x2, res2, h2, weight, y2,
             x2.stride(0), res2.stride(0), h2.stride(0), y2.stride(0),
             n, eps, rows, BLOCK_R=rows_per_program, BLOCK=block, HAS_RESIDUAL=residual is not None,
@@ -163,7 +164,7 @@ def _backward(
         traceable(_rmsnorm_bwd)[(programs,)](
             g2, x2, weight, dres2, dx2, dw_partial,
             g2.stride(0), x2.stride(0), dres2.stride(0), dx2.stride(0),
-            rows, n, triton.cdiv(rows, programs), eps,
+            rows, n, cdiv(rows, programs), eps,
             BLOCK_R=block_rows(rows, block), BLOCK=block, HAS_DRES=dres is not None,
             num_warps=num_warps_for(block),
         )  # fmt: skip

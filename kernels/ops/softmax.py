@@ -26,7 +26,14 @@ import triton.language as tl
 from torch.library import triton_op
 
 from squeezeserve.kernels import reference
-from squeezeserve.kernels.ops.launch import block_rows, num_warps_for, rows_2d, traceable
+from squeezeserve.kernels.ops.launch import (
+    block_rows,
+    cdiv,
+    next_power_of_2,
+    num_warps_for,
+    rows_2d,
+    traceable,
+)
 from squeezeserve.kernels.registry import EagerOp, use_reference
 
 SINGLE_BLOCK_COLS = 65536
@@ -219,13 +226,13 @@ def launch_config(n_cols: int) -> tuple[int, bool, int]:
     if n_cols < 1:
         raise ValueError(f"softmax: the last dimension must be at least 1, got {n_cols}")
     single = n_cols <= SINGLE_BLOCK_COLS
-    block = triton.next_power_of_2(n_cols) if single else ONLINE_BLOCK
+    block = next_power_of_2(n_cols) if single else ONLINE_BLOCK
     return block, single, num_warps_for(block)
 
 
 def _split_scratch(rows: int, n_cols: int, per_chunk: int, device: torch.device):
     """(n_chunks, fp32 partials [rows, n_chunks, per_chunk], zeroed int32 arrival counts [rows])."""
-    n_chunks = triton.cdiv(n_cols, SPLIT_CHUNK)
+    n_chunks = cdiv(n_cols, SPLIT_CHUNK)
     partials = torch.empty((rows, n_chunks, per_chunk), dtype=torch.float32, device=device)
     return n_chunks, partials, torch.zeros(rows, dtype=torch.int32, device=device)
 
@@ -243,11 +250,11 @@ def _softmax(x: torch.Tensor) -> torch.Tensor:
         n_chunks, stats, arrivals = _split_scratch(rows, n, 2, x.device)
         traceable(_softmax_fwd_split)[(rows * n_chunks,)](
             x2, y2, stats, arrivals, x2.stride(0), y2.stride(0), n, n_chunks,
-            CHUNK=SPLIT_CHUNK, MAX_CHUNKS=triton.next_power_of_2(n_chunks),
+            CHUNK=SPLIT_CHUNK, MAX_CHUNKS=next_power_of_2(n_chunks),
             num_warps=num_warps_for(SPLIT_CHUNK),
         )  # fmt: skip
     elif rows:
-        programs = triton.cdiv(rows, block_rows(rows, block)) if single else rows
+        programs = cdiv(rows, block_rows(rows, block)) if single else rows
         traceable(_softmax_fwd)[(programs,)](
             x2, y2, x2.stride(0), y2.stride(0), n, rows,
             BLOCK_R=block_rows(rows, block) if single else 1, BLOCK=block, SINGLE=single, num_warps=warps,
@@ -268,11 +275,11 @@ def _softmax_backward(grad: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         n_chunks, partials, arrivals = _split_scratch(rows, n, 1, y.device)
         traceable(_softmax_bwd_split)[(rows * n_chunks,)](
             g2, y2, dx2, partials, arrivals, g2.stride(0), y2.stride(0), dx2.stride(0), n, n_chunks,
-            CHUNK=SPLIT_CHUNK, MAX_CHUNKS=triton.next_power_of_2(n_chunks),
+            CHUNK=SPLIT_CHUNK, MAX_CHUNKS=next_power_of_2(n_chunks),
             num_warps=num_warps_for(SPLIT_CHUNK),
         )  # fmt: skip
     elif rows:
-        programs = triton.cdiv(rows, block_rows(rows, block)) if single else rows
+        programs = cdiv(rows, block_rows(rows, block)) if single else rows
         traceable(_softmax_bwd)[(programs,)](
             g2, y2, dx2, g2.stride(0), y2.stride(0), dx2.stride(0), n, rows,
             BLOCK_R=block_rows(rows, block) if single else 1, BLOCK=block, SINGLE=single, num_warps=warps,

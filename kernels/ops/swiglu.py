@@ -14,7 +14,7 @@ import triton.language as tl
 from torch.library import triton_op
 
 from squeezeserve.kernels import reference
-from squeezeserve.kernels.ops.launch import block_rows, rows_2d, traceable
+from squeezeserve.kernels.ops.launch import block_rows, cdiv, next_power_of_2, rows_2d, traceable
 from squeezeserve.kernels.registry import EagerOp, use_reference
 
 # Columns per program; a 2-D grid of [rows, columns] tiles keeps each row contiguous for the packed form.
@@ -105,9 +105,9 @@ def _check_pair(gate: torch.Tensor, up: torch.Tensor, op: str) -> None:
 
 
 def _tiles(rows: int, d: int) -> tuple[int, int, tuple[int, int]]:
-    block = min(BLOCK, triton.next_power_of_2(d))
+    block = min(BLOCK, next_power_of_2(d))
     rows_per_tile = block_rows(rows, block)
-    return rows_per_tile, block, (triton.cdiv(rows, rows_per_tile), triton.cdiv(d, block))
+    return rows_per_tile, block, (cdiv(rows, rows_per_tile), cdiv(d, block))
 
 
 def _launch_fwd(
