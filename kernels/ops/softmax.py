@@ -4,15 +4,17 @@ Rows up to ``SINGLE_BLOCK_COLS`` (65536, Liger's limit) sit in one block, severa
 program: one read, one write. Wider rows (a 128k vocabulary; no limit on the width) take one of two
 paths, chosen by ``WIDE_PATH``:
 
-- ``"split"``: the row is cut into ``SPLIT_CHUNK``-column chunks, one program each. Every program reduces
-  its chunk to partial statistics (forward: m_c = max x, d_c = sum exp(x - m_c); backward: sum dy y),
-  stores them and counts itself in with an atomic; the row's last program to arrive merges the partials
-  (m = max m_c, d = sum d_c exp(m_c - m)) and writes the whole row, re-reading chunks its siblings have
-  just pulled into L2. No program waits on another (the interpreter runs programs one by one), and the
-  second read of the row comes mostly from L2 instead of HBM. Measured on the H100 (4096 x 131072,
-  bf16): 0.81 ms forward (88% of copy bandwidth), 1.92 ms forward + backward (93%) with 8192-column
-  chunks on 8 warps; 0.97 ms with 16384 on 16. Tried: every chunk waiting (bounded polling) for its
-  row's statistics and writing itself from registers -- one read and one write, but no faster (0.83 ms).
+- ``"split"``: the row is cut into ``SPLIT_CHUNK``-column chunks, one program each, the chunk held in
+  registers. Every program reduces its chunk to partial statistics (forward: m_c = max x,
+  d_c = sum exp(x - m_c); backward: sum dy y), stores them and counts itself in with an atomic, then
+  polls until the row's other chunks are in, merges the partials (m = max m_c, d = sum d_c exp(m_c - m))
+  and writes its own chunk: one read and one write of every element, the floor. A program that has
+  polled ``SPLIT_SPINS`` times without seeing its row complete leaves instead, flagging its chunk in the
+  row's state word by compare-and-swap, and the row's last arrival writes the flagged chunks, re-reading
+  them (:func:`_join_row`): no program waits unboundedly, and under the interpreter, which runs programs
+  one at a time, every program but the last leaves. (The earlier version always left the whole row to
+  its last arrival: 0.98 ms at 4096 x 131072 on the H100, 73% of copy bandwidth, as the re-read came
+  only partly from L2.)
 - ``"online"``: one program per row streams it once keeping a running max m and a running sum
   d = sum exp(x - m) (rescaled by exp(m_old - m_new) when the max grows), then reads it again and writes
   exp(x - m) / d. Measured 1.09 ms at 4096 x 131072 on the H100, the 3-pass floor (a persistent
@@ -37,12 +39,14 @@ from squeezeserve.kernels.ops.launch import (
     rows_2d,
     traceable,
 )
-from squeezeserve.kernels.registry import EagerOp, use_reference
+from squeezeserve.kernels.registry import EagerOp, interpreting, use_reference
 
 SINGLE_BLOCK_COLS = 65536
 ONLINE_BLOCK = 8192
 SPLIT_CHUNK = 8192
-SPLIT_WARPS = 8  # H100 sweep at 4096 / 1024 x 131072: chunks of 8192 on 8 warps beat 16384 / 32768 on 8-32
+SPLIT_WARPS = 8  # H100 sweep, 4096 / 1024 x 131072: 8192-column chunks on 8 warps beat 16384 / 32768
+MAX_SPLIT_CHUNKS = 24  # chunk bits 8..31 of the row's int32 state word (196608 columns)
+SPLIT_SPINS = 1 << 16  # 0: every chunk leaves its output to the row's last arrival (the earlier path)
 WIDE_PATH = "split"  # "split" or "online" (see the module docstring); the benchmark times both
 
 
@@ -65,6 +69,32 @@ def _write_grad_row(dy_row, y_row, dx_row, dot, n_cols, BLOCK: tl.constexpr):
         dy = tl.load(dy_row + start + cols, mask=mask, other=0.0).to(tl.float32)
         y = tl.load(y_row + start + cols, mask=mask, other=0.0).to(tl.float32)
         tl.store(dx_row + start + cols, (y * (dy - dot)).to(dx_row.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _join_row(state_ptr, chunk, n_chunks, SPINS: tl.constexpr):
+    """Count this chunk's statistics in and wait (at most SPINS polls) until the row's others are in.
+
+    ``state`` packs the row's arrivals (bits 0-7) and one bit per chunk whose program left without
+    writing its output (bit 8 + chunk). Returns (write_own, last, abandoned): write_own when every
+    chunk's statistics are in; the last arrival also gets the left chunks' bits to write for them. A
+    program leaves only through a compare-and-swap on a still-incomplete state, so a bit is either seen by
+    the last arrival or never set -- no chunk is left unwritten, and no program waits unboundedly (the
+    interpreter runs programs one by one: there every program but the last leaves).
+    """
+    old = tl.atomic_add(state_ptr, 1, sem="acq_rel")
+    last = (old & 0xFF) == n_chunks - 1
+    seen = old + 1
+    spins = 0
+    while ((seen & 0xFF) < n_chunks) & (spins < SPINS):
+        seen = tl.atomic_add(state_ptr, 0, sem="acquire")
+        spins += 1
+    left = 0
+    while ((seen & 0xFF) < n_chunks) & (left == 0):
+        prev = tl.atomic_cas(state_ptr, seen, seen | (1 << (8 + chunk)), sem="acq_rel")
+        left = (prev == seen).to(tl.int32)
+        seen = prev
+    return left == 0, last, old >> 8
 
 
 @triton.jit
@@ -150,16 +180,18 @@ def _softmax_fwd_split(
     x_ptr,  # [rows, n] input
     y_ptr,  # [rows, n] out: softmax(x)
     stats_ptr,  # [rows, n_chunks, 2] fp32 scratch: each chunk's (m_c, d_c)
-    arrivals_ptr,  # [rows] int32, zeroed: chunks of the row that have stored their statistics
+    state_ptr,  # [rows] int32, zeroed: arrivals and left chunks of each row (_join_row)
     x_row_stride,
     y_row_stride,
     n_cols,
     n_chunks,
     CHUNK: tl.constexpr,  # columns per program
     MAX_CHUNKS: tl.constexpr,  # next power of two >= n_chunks
+    SPINS: tl.constexpr,  # polls before a chunk leaves its output to the row's last arrival
 ):
-    """m_c = max x[chunk], d_c = sum exp(x[chunk] - m_c); the row's last program:
-    m = max_c m_c, d = sum_c d_c exp(m_c - m), y = exp(x - m) / d for the whole row."""
+    """m_c = max x[chunk], d_c = sum exp(x[chunk] - m_c); once every chunk's statistics are in,
+    m = max_c m_c, d = sum_c d_c exp(m_c - m) and the chunk writes exp(x - m) / d from its registers (the
+    row's last arrival also writes the chunks whose programs left, see :func:`_join_row`)."""
     pid = tl.program_id(0)
     row = (pid // n_chunks).to(tl.int64)
     chunk = pid % n_chunks
@@ -169,12 +201,15 @@ def _softmax_fwd_split(
     x = tl.load(x_row + chunk * CHUNK + cols, mask=mask, other=-float("inf")).to(tl.float32)
     m_c = tl.max(x, axis=0)
     # A chunk of -inf (masked columns) has d_c = 0; shifting by 0 instead of m_c avoids -inf - -inf.
-    d_c = tl.sum(tl.exp(x - tl.where(m_c == -float("inf"), 0.0, m_c)), axis=0)
+    shift = tl.where(m_c == -float("inf"), 0.0, m_c)
+    e = tl.exp(x - shift)  # kept: the output is e exp(shift - m) / d, one exponential per element
+    d_c = tl.sum(e, axis=0)
     stats = stats_ptr + (row * n_chunks + chunk) * 2
     tl.store(stats, m_c)
     tl.store(stats + 1, d_c)
     tl.debug_barrier()  # every thread's stores happen before the (releasing) count below
-    if tl.atomic_add(arrivals_ptr + row, 1, sem="acq_rel") == n_chunks - 1:
+    write_own, last, left = _join_row(state_ptr + row, chunk, n_chunks, SPINS)
+    if write_own:
         parts = tl.arange(0, MAX_CHUNKS)
         row_stats = stats_ptr + (row * n_chunks + parts) * 2
         # .cg: read the siblings' statistics from L2 (L1 is not coherent across SMs).
@@ -183,7 +218,13 @@ def _softmax_fwd_split(
         m = tl.max(m_all, axis=0)
         d = tl.sum(d_all * tl.exp(m_all - m), axis=0)
         y_row = y_ptr + row * y_row_stride
-        _write_softmax_row(x_row, y_row, m, d, n_cols, CHUNK)
+        scale = tl.exp(shift - m) / d
+        tl.store(y_row + chunk * CHUNK + cols, (e * scale).to(y_row.dtype.element_ty), mask=mask)
+        if last:
+            for c in range(0, n_chunks):
+                if ((left >> c) & 1) != 0:
+                    _write_softmax_row(x_row + c * CHUNK, y_row + c * CHUNK, m, d,
+                                       tl.minimum(n_cols - c * CHUNK, CHUNK), CHUNK)  # fmt: skip
 
 
 @triton.jit
@@ -192,7 +233,7 @@ def _softmax_bwd_split(
     y_ptr,  # [rows, n] softmax output
     dx_ptr,  # [rows, n] out
     partial_ptr,  # [rows, n_chunks] fp32 scratch: each chunk's sum(dy y)
-    arrivals_ptr,  # [rows] int32, zeroed
+    state_ptr,  # [rows] int32, zeroed (_join_row)
     dy_row_stride,
     y_row_stride,
     dx_row_stride,
@@ -200,8 +241,10 @@ def _softmax_bwd_split(
     n_chunks,
     CHUNK: tl.constexpr,
     MAX_CHUNKS: tl.constexpr,
+    SPINS: tl.constexpr,
 ):
-    """p_c = sum dy[chunk] y[chunk]; the row's last program: dx = y (dy - sum_c p_c) for the whole row."""
+    """p_c = sum dy[chunk] y[chunk]; once every chunk's p_c is in, the chunk writes y (dy - sum_c p_c) from
+    its registers (the row's last arrival also writes the chunks whose programs left)."""
     pid = tl.program_id(0)
     row = (pid // n_chunks).to(tl.int64)
     chunk = pid % n_chunks
@@ -213,7 +256,8 @@ def _softmax_bwd_split(
     y = tl.load(y_row + chunk * CHUNK + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(partial_ptr + row * n_chunks + chunk, tl.sum(dy * y, axis=0))
     tl.debug_barrier()
-    if tl.atomic_add(arrivals_ptr + row, 1, sem="acq_rel") == n_chunks - 1:
+    write_own, last, left = _join_row(state_ptr + row, chunk, n_chunks, SPINS)
+    if write_own:
         parts = tl.arange(0, MAX_CHUNKS)
         dot = tl.sum(
             tl.load(
@@ -222,7 +266,24 @@ def _softmax_bwd_split(
             axis=0,
         )
         dx_row = dx_ptr + row * dx_row_stride
-        _write_grad_row(dy_row, y_row, dx_row, dot, n_cols, CHUNK)
+        tl.store(dx_row + chunk * CHUNK + cols, (y * (dy - dot)).to(dx_row.dtype.element_ty), mask=mask)
+        if last:
+            for c in range(0, n_chunks):
+                if ((left >> c) & 1) != 0:
+                    _write_grad_row(dy_row + c * CHUNK, y_row + c * CHUNK, dx_row + c * CHUNK, dot,
+                                    tl.minimum(n_cols - c * CHUNK, CHUNK), CHUNK)  # fmt: skip
+
+
+def _split(n_cols: int) -> bool:
+    """The split path serves rows of up to MAX_SPLIT_CHUNKS chunks (the state word's bits); wider rows and
+    ``WIDE_PATH = "online"`` take the online path."""
+    return WIDE_PATH == "split" and cdiv(n_cols, SPLIT_CHUNK) <= MAX_SPLIT_CHUNKS
+
+
+def _spins() -> int:
+    """Polls a chunk makes before leaving its output to the row's last arrival: the interpreter runs
+    programs one at a time (waiting is pointless), on a GPU the row's programs run together."""
+    return 1 if interpreting() else SPLIT_SPINS
 
 
 def launch_config(n_cols: int) -> tuple[int, bool, int]:
@@ -250,11 +311,11 @@ def _softmax(x: torch.Tensor) -> torch.Tensor:
     n = x.shape[-1]
     block, single, warps = launch_config(n)
     rows = x2.shape[0]
-    if rows and not single and WIDE_PATH == "split":
+    if rows and not single and _split(n):
         n_chunks, stats, arrivals = _split_scratch(rows, n, 2, x.device)
         traceable(_softmax_fwd_split)[(rows * n_chunks,)](
             x2, y2, stats, arrivals, x2.stride(0), y2.stride(0), n, n_chunks,
-            CHUNK=SPLIT_CHUNK, MAX_CHUNKS=next_power_of_2(n_chunks),
+            CHUNK=SPLIT_CHUNK, MAX_CHUNKS=next_power_of_2(n_chunks), SPINS=_spins(),
             num_warps=SPLIT_WARPS,
         )  # fmt: skip
     elif rows:
@@ -275,11 +336,11 @@ def _softmax_backward(grad: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     n = y.shape[-1]
     block, single, warps = launch_config(n)
     rows = y2.shape[0]
-    if rows and not single and WIDE_PATH == "split":
+    if rows and not single and _split(n):
         n_chunks, partials, arrivals = _split_scratch(rows, n, 1, y.device)
         traceable(_softmax_bwd_split)[(rows * n_chunks,)](
             g2, y2, dx2, partials, arrivals, g2.stride(0), y2.stride(0), dx2.stride(0), n, n_chunks,
-            CHUNK=SPLIT_CHUNK, MAX_CHUNKS=next_power_of_2(n_chunks),
+            CHUNK=SPLIT_CHUNK, MAX_CHUNKS=next_power_of_2(n_chunks), SPINS=_spins(),
             num_warps=SPLIT_WARPS,
         )  # fmt: skip
     elif rows:
