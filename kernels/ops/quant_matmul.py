@@ -48,9 +48,10 @@ from torch.library import triton_op, wrap_triton
 
 from squeezeserve.kernels import quant_layout, reference
 from squeezeserve.kernels.ops.launch import cdiv, next_power_of_2
-from squeezeserve.kernels.registry import interpreting, use_reference
+from squeezeserve.kernels.registry import eager, interpreting, use_reference
 
 SKINNY_MAX_M = 64
+SELF_RESET = True  # split-K through the self-cleaning workspace (False: zeroed fp32 y + cast)
 GEMV_MAX_M = 1  # rows up to which the FMA kernel beats the tensor-core one (sweep: 2 rows already lose)
 # bf16: 0x4300 is 128.0 with a 7-bit mantissa (integers 128..255 exact); fp16: 0x6400 is 1024.0 with a
 # 10-bit mantissa (1024..2047 exact).
@@ -97,14 +98,28 @@ def _per_word(v, BLOCK_N: tl.constexpr, GPT: tl.constexpr, W: tl.constexpr):
 
 
 @triton.jit
-def _write_tile(acc, y_ptr, offs_n, offs_m, mask_n, mask_m, y_row_stride, ATOMIC: tl.constexpr):
-    """y[m, n] = acc[n, m]: stored in y's dtype, or added in fp32 when split-K programs share the tile."""
+def _write_tile(acc, y_ptr, ws_ptr, count_ptr, offs_n, offs_m, mask_n, mask_m, y_row_stride, n_splits,
+                MODE: tl.constexpr):  # fmt: skip
+    """y[m, n] = acc[n, m]. MODE 0: stored in y's dtype (one program per tile). MODE 1: added in fp32 into a
+    zeroed y (split-K; the launcher casts). MODE 2: added into the fp32 workspace; the tile's last split
+    (counted with an atomic) stores the sum in y's dtype and zeroes its workspace tile and counter again,
+    so the next call finds them clean: one launch, no memset and no cast kernel."""
     y_ptrs = y_ptr + offs_m[None, :].to(tl.int64) * y_row_stride + offs_n[:, None]
     y_mask = mask_n[:, None] & mask_m[None, :]
-    if ATOMIC:
+    if MODE == 0:
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=y_mask)
+    elif MODE == 1:
         tl.atomic_add(y_ptrs, acc, mask=y_mask, sem="relaxed")
     else:
-        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=y_mask)
+        ws_ptrs = ws_ptr + offs_m[None, :].to(tl.int64) * y_row_stride + offs_n[:, None]
+        tl.atomic_add(ws_ptrs, acc, mask=y_mask, sem="relaxed")
+        tl.debug_barrier()  # every thread's partial is in before the (releasing) count below
+        tile = count_ptr + tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
+        if tl.atomic_add(tile, 1, sem="acq_rel") == n_splits - 1:
+            total = tl.load(ws_ptrs, mask=y_mask, other=0.0, cache_modifier=".cg")  # L2, where atomics add
+            tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=y_mask)
+            tl.store(ws_ptrs, tl.zeros_like(total), mask=y_mask)
+            tl.store(tile, 0)
 
 
 @triton.jit
@@ -133,7 +148,9 @@ def _skinny_kernel(
     qw_ptr,  # [N, ceil(K / V)] int16 view of the packed int32 weight
     scale_ptr,  # [N, ceil(K / GROUP)]
     zero_ptr,  # [ceil(N / (32 // BITS)), ceil(K / GROUP)] int32 packed zero points (only when HAS_ZERO)
-    y_ptr,  # [M, N]: fp32 partial sums (ATOMIC) or the output dtype
+    y_ptr,  # [M, N]: the output dtype, or fp32 partial sums (MODE 1)
+    ws_ptr,  # fp32 workspace, zero between calls (MODE 2)
+    count_ptr,  # int32 arrivals per output tile, zero between calls (MODE 2)
     M,
     N,
     K,
@@ -143,6 +160,7 @@ def _skinny_kernel(
     zero_row_stride,
     y_row_stride,
     tiles_per_split,
+    n_splits,
     BITS: tl.constexpr,
     GROUP: tl.constexpr,
     HAS_ZERO: tl.constexpr,
@@ -152,7 +170,7 @@ def _skinny_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    ATOMIC: tl.constexpr,
+    MODE: tl.constexpr,  # how partial tiles meet: see _write_tile
     EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no mask along K, so the weight loads vectorize
     GPT: tl.constexpr,  # groups per K tile when groups align to tiles (1 for groups of whole tiles), else 0
     DOT_FP32: tl.constexpr,  # upcast the dot operands (Triton's interpreter gets bf16 tl.dot wrong)
@@ -220,7 +238,7 @@ def _skinny_kernel(
         else:  # the whole tile is in one group: s, z are [BLOCK_N, 1]
             xsum = tl.sum(xt.to(tl.float32), axis=1)
             acc += s * (part - (BIAS + z) * xsum[None, :])
-    _write_tile(acc, y_ptr, offs_n, offs_m, mask_n, mask_m, y_row_stride, ATOMIC)
+    _write_tile(acc, y_ptr, ws_ptr, count_ptr, offs_n, offs_m, mask_n, mask_m, y_row_stride, n_splits, MODE)
 
 
 @triton.jit
@@ -229,7 +247,9 @@ def _gemv_kernel(
     qw_ptr,  # [N, ceil(K / V)] int16 view of the packed int32 weight
     scale_ptr,  # [N, ceil(K / GROUP)]
     zero_ptr,  # [ceil(N / (32 // BITS)), ceil(K / GROUP)] int32 packed zero points (only when HAS_ZERO)
-    y_ptr,  # [M, N]: fp32 partial sums (ATOMIC) or the output dtype
+    y_ptr,  # [M, N]: the output dtype, or fp32 partial sums (MODE 1)
+    ws_ptr,  # fp32 workspace, zero between calls (MODE 2)
+    count_ptr,  # int32 arrivals per output tile, zero between calls (MODE 2)
     M,
     N,
     K,
@@ -239,13 +259,14 @@ def _gemv_kernel(
     zero_row_stride,
     y_row_stride,
     tiles_per_split,
+    n_splits,
     BITS: tl.constexpr,
     GROUP: tl.constexpr,
     HAS_ZERO: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    ATOMIC: tl.constexpr,
+    MODE: tl.constexpr,  # how partial tiles meet: see _write_tile
     EVEN_K: tl.constexpr,
     STAGES: tl.constexpr,  # software-pipeline depth of the weight loads (1: none)
 ):
@@ -302,7 +323,19 @@ def _gemv_kernel(
             s, z = _group_params(scale_ptr, zero_ptr, offs_n[:, None], word_groups, word_mask,
                                  scale_row_stride, zero_row_stride, BITS, HAS_ZERO)  # fmt: skip
         acc += (part - z[:, None, :] * xsum[None, :, :]) * s[:, None, :]
-    _write_tile(tl.sum(acc, axis=2), y_ptr, offs_n, offs_m, mask_n, mask_m, y_row_stride, ATOMIC)
+    _write_tile(
+        tl.sum(acc, axis=2),
+        y_ptr,
+        ws_ptr,
+        count_ptr,
+        offs_n,
+        offs_m,
+        mask_n,
+        mask_m,
+        y_row_stride,
+        n_splits,
+        MODE,
+    )
 
 
 @triton.jit
@@ -324,7 +357,9 @@ def _gemv_int4_kernel(
     qw_ptr,  # [N, ceil(K / 8)] packed int32 weight
     scale_ptr,  # [N, ceil(K / GROUP)]
     zero_ptr,  # [ceil(N / 8), ceil(K / GROUP)] int32 packed zero points (only when HAS_ZERO)
-    y_ptr,  # [M, N]: fp32 partial sums (ATOMIC) or the output dtype
+    y_ptr,  # [M, N]: the output dtype, or fp32 partial sums (MODE 1)
+    ws_ptr,  # fp32 workspace, zero between calls (MODE 2)
+    count_ptr,  # int32 arrivals per output tile, zero between calls (MODE 2)
     M,
     N,
     K,
@@ -334,13 +369,14 @@ def _gemv_int4_kernel(
     zero_row_stride,
     y_row_stride,
     tiles_per_split,
+    n_splits,
     GROUP: tl.constexpr,  # a multiple of 8: a word's values share a group
     GPT: tl.constexpr,  # groups per K tile when groups align to tiles (1 for groups of whole tiles), else 0
     HAS_ZERO: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    ATOMIC: tl.constexpr,
+    MODE: tl.constexpr,  # how partial tiles meet: see _write_tile
     EVEN_K: tl.constexpr,
     STAGES: tl.constexpr,  # software-pipeline depth of the weight loads (1: none)
 ):
@@ -400,7 +436,19 @@ def _gemv_int4_kernel(
             part += hi[:, None, :] * xs[i + 4][None, :, :]
         xsum = xs[0] + xs[1] + xs[2] + xs[3] + xs[4] + xs[5] + xs[6] + xs[7]
         acc += (part - (128.0 + z)[:, None, :] * xsum[None, :, :]) * s[:, None, :]
-    _write_tile(tl.sum(acc, axis=2), y_ptr, offs_n, offs_m, mask_n, mask_m, y_row_stride, ATOMIC)
+    _write_tile(
+        tl.sum(acc, axis=2),
+        y_ptr,
+        ws_ptr,
+        count_ptr,
+        offs_n,
+        offs_m,
+        mask_n,
+        mask_m,
+        y_row_stride,
+        n_splits,
+        MODE,
+    )
 
 
 @triton.jit
@@ -475,6 +523,26 @@ def check_inputs(
 @functools.cache
 def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+_WORKSPACES: dict[tuple[str, int | None], tuple[torch.Tensor, torch.Tensor]] = {}
+_RETIRED: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+
+def _workspace(device: torch.device, numel: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The device's split-K workspace (fp32 partial sums, int32 tile counters), zero between calls: every
+    kernel zeroes what it used (``_write_tile`` MODE 2). Grown on demand; a replaced one is kept alive,
+    as CUDA graphs captured earlier still point at it. Kernels on one stream run one after another; two
+    streams running quant_matmul at once on one device would share it (serving engines use one)."""
+    key = (device.type, device.index)
+    ws, counts = _WORKSPACES.get(key, (None, None))
+    if ws is None or ws.numel() < numel or counts.numel() < tiles:
+        if ws is not None:
+            _RETIRED.append((ws, counts))
+        ws = torch.zeros(max(numel, 1 << 20), dtype=torch.float32, device=device)
+        counts = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
+        _WORKSPACES[key] = (ws, counts)
+    return ws, counts
 
 
 def _tile_k(group_size: int, k_in: int, bits: int) -> tuple[int, bool]:
@@ -558,21 +626,24 @@ def _quant_matmul(
     tiles = cdiv(k_in, block_k)
     tiles_per_split = cdiv(tiles, cfg["split"])
     split = cdiv(tiles, tiles_per_split)
-    atomic = split > 1
-    y = (torch.zeros if atomic else torch.empty)((m, n_out), dtype=torch.float32 if atomic else x.dtype,
-                                                  device=x.device)  # fmt: skip
+    grid = (cdiv(n_out, cfg["BLOCK_N"]), cdiv(m, block_m), split)
+    # Split-K partials meet in a self-cleaning workspace (one launch) unless torch may be tracing the
+    # launch (the workspace is state outside the op's inputs): then in a zeroed fp32 y, cast afterwards.
+    mode = 0 if split == 1 else (2 if SELF_RESET and eager(x, qweight, scales, zeros) else 1)
+    y = (torch.zeros if mode == 1 else torch.empty)((m, n_out), dtype=torch.float32 if mode == 1 else x.dtype,
+                                                     device=x.device)  # fmt: skip
+    ws, counts = _workspace(x.device, m * n_out, grid[0] * grid[1]) if mode == 2 and m else (y, y)
     if m:
-        grid = (cdiv(n_out, cfg["BLOCK_N"]), cdiv(m, block_m), split)
         words, word_stride = (
             (qweight, qweight.stride(0)) if pairs else (qweight.view(torch.int16), qweight.stride(0) * 2)
         )
         args = (
-            x2, words, scales, zero_arg, y, m, n_out, k_in,
+            x2, words, scales, zero_arg, y, ws, counts, m, n_out, k_in,
             x2.stride(0), word_stride, scales.stride(0), zero_arg.stride(0), y.stride(0),
-            tiles_per_split,
+            tiles_per_split, split,
         )  # fmt: skip
         meta = {"GROUP": group_size, "HAS_ZERO": zeros is not None, "BLOCK_M": block_m,
-                "BLOCK_N": cfg["BLOCK_N"], "BLOCK_K": block_k, "ATOMIC": atomic,
+                "BLOCK_N": cfg["BLOCK_N"], "BLOCK_K": block_k, "MODE": mode,
                 "EVEN_K": k_in % block_k == 0, "num_warps": cfg["num_warps"],
                 "num_stages": cfg["num_stages"]}  # fmt: skip
         if not pairs:

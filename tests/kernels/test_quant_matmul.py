@@ -4,6 +4,7 @@ import torch
 from squeezeserve.kernels import QuantLinear
 from squeezeserve.kernels import functional as K
 from squeezeserve.kernels import quant_layout as ql
+from squeezeserve.kernels.ops import quant_matmul as qm
 
 # (M, N, K, group): decode and batched-decode rows (the skinny kernel: one tile per group with the
 # scale applied after the dot, or per-weight dequantization for groups narrower than a tile) and prefill
@@ -48,6 +49,22 @@ def test_quant_matmul_matches_dequantize_then_matmul(m, n, k, group, bits, symme
     # the output rounding (fp16 ~5e-4, bf16 ~4e-3 relative) and accumulation order.
     rel = ((y.float() - ref).norm() / ref.norm()).item()
     assert rel < (1e-2 if dtype == torch.bfloat16 else 2e-3), rel
+
+
+@pytest.mark.parametrize("self_reset", [True, False])
+def test_split_k_partials_meet_and_leave_the_workspace_clean(self_reset, device, monkeypatch):
+    # Split-K tiles meet either in the self-cleaning workspace (one launch: the last split of a tile writes
+    # the output and zeroes what it used) or in a zeroed fp32 output cast afterwards (traced launches).
+    monkeypatch.setattr(qm, "SELF_RESET", self_reset)
+    n, k, group = 40, 512, 128
+    tensors = {name: t.to(device) for name, t in ql.pack_weight(torch.randn(n, k), 4, group).items()}
+    for m in (1, 3, 3, 17):  # the FMA and tensor-core kernels; the same shape twice reuses the workspace
+        x = torch.randn(m, k, device=device).to(torch.float16)
+        y = K.quant_matmul(x, tensors["weight_packed"], tensors["weight_scale"], None, group, 4)
+        ref = _dense_reference(x, tensors, (n, k), group, 4)
+        assert ((y.float() - ref).norm() / ref.norm()).item() < 2e-3
+    for ws, counts in qm._WORKSPACES.values():
+        assert not ws.any() and not counts.any()
 
 
 def test_quant_linear_matches_linear_and_has_checkpoint_names(device):
