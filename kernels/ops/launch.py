@@ -16,8 +16,8 @@ MAX_FUSED_COLS = 65536
 
 
 # Host-side launch arithmetic. triton.cdiv / triton.next_power_of_2 are constexpr functions in Triton
-# >= 3.4: called from Python each unwraps its arguments as constexprs (~3 us here, ~15 us on the H100
-# machine's CPU), several per launch -- as much host time as the launch itself at decode sizes.
+# >= 3.4: called from Python each unwraps its arguments as constexprs (~3 us a call on the 2-core CI box,
+# timeit), several per launch -- as much host time as the launch itself at decode sizes.
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
