@@ -17,7 +17,7 @@ MAX_FUSED_COLS = 65536
 
 # Host-side launch arithmetic. triton.cdiv / triton.next_power_of_2 are constexpr functions in Triton
 # >= 3.4: called from Python each unwraps its arguments as constexprs (~3 us a call on the 2-core CI box,
-# timeit), several per launch -- as much host time as the launch itself at decode sizes.
+# timeit), and launchers make several per launch.
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
