@@ -44,10 +44,10 @@ import functools
 import torch
 import triton
 import triton.language as tl
-from torch.library import triton_op, wrap_triton
+from torch.library import triton_op
 
 from squeezeserve.kernels import quant_layout, reference
-from squeezeserve.kernels.ops.launch import cdiv, next_power_of_2
+from squeezeserve.kernels.ops.launch import cdiv, next_power_of_2, traceable
 from squeezeserve.kernels.registry import eager, interpreting, use_reference
 
 SKINNY_MAX_M = 64
@@ -656,7 +656,7 @@ def _quant_matmul(
             meta |= {"MAGIC": magic, "BIAS": bias, "PRESCALE": prescale,
                      "GPT": _groups_per_tile(group_size, block_k, per16),
                      "DOT_FP32": interpreting() and x.dtype == torch.bfloat16}  # fmt: skip
-        wrap_triton(kernel)[grid](*args, **meta)
+        traceable(kernel)[grid](*args, **meta)
     return y.to(x.dtype).reshape(*x.shape[:-1], n_out)
 
 
@@ -675,7 +675,7 @@ def dequantize(
     zero_arg = zeros if zeros is not None else qweight
     block_n, block_k = (16, 64) if interpreting() else (32, 256)
     grid = (cdiv(n_out, block_n), cdiv(k_in, block_k))
-    wrap_triton(_dequantize_kernel)[grid](
+    traceable(_dequantize_kernel)[grid](
         qweight, scales, zero_arg, weight, n_out, k_in,
         qweight.stride(0), scales.stride(0), zero_arg.stride(0), weight.stride(0),
         BITS=bits, GROUP=group_size, HAS_ZERO=zeros is not None, BLOCK_N=block_n, BLOCK_K=block_k,
