@@ -320,10 +320,10 @@ def _softmax(x: torch.Tensor) -> torch.Tensor:
             num_warps=SPLIT_WARPS,
         )  # fmt: skip
     elif rows:
-        programs = cdiv(rows, block_rows(rows, block)) if single else rows
-        traceable(_softmax_fwd)[(programs,)](
+        block_r = block_rows(rows, block) if single else 1
+        traceable(_softmax_fwd)[(cdiv(rows, block_r),)](
             x2, y2, x2.stride(0), y2.stride(0), n, rows,
-            BLOCK_R=block_rows(rows, block) if single else 1, BLOCK=block, SINGLE=single, num_warps=warps,
+            BLOCK_R=block_r, BLOCK=block, SINGLE=single, num_warps=warps,
         )  # fmt: skip
     return y
 
@@ -345,10 +345,10 @@ def _softmax_backward(grad: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
             num_warps=SPLIT_WARPS,
         )  # fmt: skip
     elif rows:
-        programs = cdiv(rows, block_rows(rows, block)) if single else rows
-        traceable(_softmax_bwd)[(programs,)](
+        block_r = block_rows(rows, block) if single else 1
+        traceable(_softmax_bwd)[(cdiv(rows, block_r),)](
             g2, y2, dx2, g2.stride(0), y2.stride(0), dx2.stride(0), n, rows,
-            BLOCK_R=block_rows(rows, block) if single else 1, BLOCK=block, SINGLE=single, num_warps=warps,
+            BLOCK_R=block_r, BLOCK=block, SINGLE=single, num_warps=warps,
         )  # fmt: skip
     return dx
 
