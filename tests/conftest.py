@@ -1,5 +1,6 @@
 """Fixtures shared across the suite: the bundled baseline and a real embedded worker on loopback.
 
+The text the tests read ships with the package (``squeezeserve.service.datasets``), never from ``../shared``.
 The baseline is exported once into ``$SQUEEZESERVE_HOME`` (default ``~/.cache/squeezeserve``) and reused by
 later runs; ``$SQUEEZESERVE_TEST_MODEL`` points the suite at another checkpoint instead.
 """
@@ -16,10 +17,9 @@ from types import SimpleNamespace
 
 import pytest
 
+from squeezeserve.service.datasets import sample_path
 from squeezeserve.service.processes import free_port, stop_process, wait_until_healthy
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-WIKITEXT = REPO_ROOT.parent / "shared" / "data" / "wikitext-2"
 SERVED_NAME = "smollm2-135m-instruct"
 
 
@@ -50,9 +50,9 @@ def baseline_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def wikitext() -> Path:
-    if not (WIKITEXT / "test.txt").is_file():
-        pytest.fail(f"the shared data set is missing: {WIKITEXT} (CI runs with ../shared beside the repo)")
-    return WIKITEXT
+    """The WikiText-2 samples that ship with the package (``test.txt``, ``calibration.txt``): the suite
+    needs nothing beside the clone."""
+    return sample_path("wikitext-2-test").parent
 
 
 @pytest.fixture(scope="session")

@@ -51,7 +51,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--sparsity", help="prune first: a fraction (0.5) or N:M (2:4)")
     parser.add_argument("--prune-method", default="wanda", help="magnitude or wanda (calibrated; default)")
-    parser.add_argument("--calibration", help="UTF-8 text file for GPTQ, Wanda and recovery")
+    parser.add_argument(
+        "--calibration",
+        help="UTF-8 text file for GPTQ, Wanda and recovery (or sample:wikitext-2-calibration, shipped)",
+    )
     parser.add_argument(
         "--calibration-samples", type=int, default=128, help="calibration windows (default 128)"
     )

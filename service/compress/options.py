@@ -6,6 +6,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from squeezeserve.service.compress.prune import PRUNE_METHODS, Sparsity, parse_sparsity
+from squeezeserve.service.datasets import resolve
 
 METHODS = ("int8", "int4", "fp8", "prune")
 ALGORITHMS = ("gptq", "rtn")
@@ -116,7 +117,7 @@ def build_options(
         damp=damp,
         sparsity=parsed,
         prune_method=prune_method,
-        calibration=calibration,
+        calibration=_calibration_path(calibration),
         calibration_samples=calibration_samples,
         calibration_seq_len=calibration_seq_len,
         recover_steps=recover_steps,
@@ -127,7 +128,17 @@ def build_options(
     if options.needs_calibration and not calibration:
         why = "GPTQ" if algorithm == "gptq" else ("Wanda" if prune_method == "wanda" else "recovery")
         raise ValueError(
-            f"{why} needs calibration text: give --calibration FILE "
+            f"{why} needs calibration text: give --calibration FILE or sample:wikitext-2-calibration "
             "(or --algorithm rtn / --prune-method magnitude)"
         )
     return options
+
+
+def _calibration_path(calibration: str | None) -> str | None:
+    """``--calibration`` as a file path (``sample:NAME`` is a text shipped with the package)."""
+    if calibration is None:
+        return None
+    try:
+        return resolve(calibration)
+    except KeyError as exc:
+        raise ValueError(f"--calibration: {exc.args[0]}") from None

@@ -32,6 +32,8 @@ GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SERVED_NAME = "smollm2-135m-instruct"
 DTYPES = ("float16", "bfloat16", "float32")
 MARKER = "squeeze-baseline.json"
+# Bumped when the export itself changes, so baselines written by an older release are exported again.
+EXPORT_VERSION = 2
 
 
 class BundledModelMissing(RuntimeError):
@@ -96,7 +98,8 @@ def _up_to_date(out: Path, fingerprint: str, dtype: str) -> bool:
         meta = json.loads(marker.read_text())
     except (OSError, ValueError):
         return False
-    return meta.get("gguf_fingerprint") == fingerprint and meta.get("dtype") == dtype
+    expected = {"gguf_fingerprint": fingerprint, "dtype": dtype, "export_version": EXPORT_VERSION}
+    return all(meta.get(key) == value for key, value in expected.items())
 
 
 def export_baseline(out: Path | None = None, dtype: str = "float16", force: bool = False) -> ExportResult:
@@ -121,9 +124,11 @@ def export_baseline(out: Path | None = None, dtype: str = "float16", force: bool
     start = time.perf_counter()
     with atomic_directory(out) as tmp:
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        # Dequantize in float32 (transformers' GGUF path computes in float32 and warns about any other
+        # dtype), then round once to the checkpoint's dtype.
         model = AutoModelForCausalLM.from_pretrained(
-            gguf.parent, gguf_file=gguf.name, dtype=getattr(torch, dtype), low_cpu_mem_usage=True
-        )
+            gguf.parent, gguf_file=gguf.name, dtype=torch.float32, low_cpu_mem_usage=True
+        ).to(getattr(torch, dtype))
         # transformers refuses to save a model loaded from GGUF; the weights are plain tensors by now.
         model.hf_quantizer = None
         if hasattr(model.config, "quantization_config"):
@@ -136,6 +141,7 @@ def export_baseline(out: Path | None = None, dtype: str = "float16", force: bool
             "source": f"{PACKAGE}=={PACKAGE_VERSION}/{GGUF_NAME}",
             "gguf_fingerprint": fingerprint,
             "dtype": dtype,
+            "export_version": EXPORT_VERSION,
             "served_name": SERVED_NAME,
         }
         (tmp / MARKER).write_text(json.dumps(meta, indent=2) + "\n")

@@ -58,7 +58,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--baseline", required=True, help="checkpoint dir or URL#MODEL")
     parser.add_argument("--candidate", required=True, help="checkpoint dir or URL#MODEL")
     parser.add_argument(
-        "--dataset", required=True, help="UTF-8 text file, or hf:NAME[:CONFIG[:SPLIT]] online"
+        "--dataset",
+        required=True,
+        help="UTF-8 text file, sample:wikitext-2-test (shipped), or hf:NAME[:CONFIG[:SPLIT]] online",
     )
     parser.add_argument("--out", default="validate-report", help="report directory (default: %(default)s)")
     parser.add_argument(

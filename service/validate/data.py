@@ -7,17 +7,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from squeezeserve.service.datasets import resolve
 from squeezeserve.service.validate.specs import UsageError
 
 HF_PREFIX = "hf:"
 
 
 def read_text(dataset: str) -> str:
-    """The text of ``dataset``: a UTF-8 file, or ``hf:NAME[:CONFIG[:SPLIT]]`` (the ``datasets`` package,
-    online; its ``text`` column joined by newlines; split defaults to ``test``)."""
+    """The text of ``dataset``: a UTF-8 file, ``sample:NAME`` (a text shipped with the package), or
+    ``hf:NAME[:CONFIG[:SPLIT]]`` (the ``datasets`` package, online; its ``text`` column joined by
+    newlines; split defaults to ``test``)."""
     if dataset.startswith(HF_PREFIX):
         return _read_hf(dataset[len(HF_PREFIX) :])
-    path = Path(dataset)
+    try:
+        path = Path(resolve(dataset))
+    except KeyError as exc:
+        raise UsageError(f"--dataset: {exc.args[0]}") from None
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:

@@ -46,3 +46,18 @@ def test_export_refuses_to_overwrite_a_foreign_directory(tmp_path: Path) -> None
 def test_unknown_dtype_is_refused() -> None:
     with pytest.raises(ValueError, match="dtype must be one of"):
         bundled.export_baseline(dtype="int3")
+
+
+def test_export_prints_no_warning(tmp_path: Path) -> None:
+    """A first export says what it did and nothing a user cannot act on (no library warnings)."""
+    command = [sys.executable, "-m", "squeezeserve.service.cli", "model", "baseline"]
+    out = subprocess.run(
+        [*command, "--out", str(tmp_path / "baseline"), "--dtype", "bfloat16"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    # Progress bars (carriage-return frames on stderr) are fine; warnings are not.
+    lines = [line for line in (out.stdout + out.stderr).replace("\r", "\n").splitlines() if line.strip()]
+    assert not [line for line in lines if "warn" in line.lower()], lines
+    assert "exported baseline (bfloat16)" in out.stdout
