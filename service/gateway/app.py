@@ -50,7 +50,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
             metrics.watch_upstreams(upstreams)
             app.state.upstreams = upstreams
             app.state.metrics = metrics
-            app.state.proxy = Proxy(client, upstreams, build_strategy(settings.routing), metrics, settings)
+            app.state.proxy = Proxy(client, upstreams, build_strategy(settings), metrics, settings)
             await upstreams.start()
             try:
                 yield

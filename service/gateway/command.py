@@ -16,6 +16,8 @@ SETTINGS_FLAGS = (
     "host",
     "port",
     "routing",
+    "affinity_prefix_chars",
+    "affinity_load_factor",
     "api_keys",
     "upstream_api_key",
     "request_timeout",
@@ -42,7 +44,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", help="address to listen on (default 127.0.0.1)")
     parser.add_argument("--port", type=int, help="port to listen on (default 8000)")
     parser.add_argument(
-        "--routing", choices=typing.get_args(RoutingName), help="load balancing (default least_outstanding)"
+        "--routing",
+        choices=typing.get_args(RoutingName),
+        help="load balancing (default least_outstanding); a request may override it with the "
+        "X-Squeezeserve-Routing header",
+    )
+    parser.add_argument(
+        "--affinity-prefix-chars",
+        type=int,
+        metavar="N",
+        help="prefix_affinity: prompt characters that form the key (default 256)",
+    )
+    parser.add_argument(
+        "--affinity-load-factor",
+        type=float,
+        metavar="F",
+        help="prefix_affinity: an upstream takes at most (1 + F) x the mean load (default 0.25)",
     )
     parser.add_argument(
         "--api-key",

@@ -22,7 +22,7 @@ from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 # The values are the CLI choices and the routing factory's keys.
-RoutingName = Literal["least_outstanding", "round_robin"]
+RoutingName = Literal["least_outstanding", "round_robin", "prefix_affinity"]
 
 
 def _split_list(value: Any) -> Any:
@@ -46,6 +46,9 @@ class GatewaySettings(BaseSettings):
     host: str = "127.0.0.1"
     port: Annotated[int, Field(ge=0, le=65535)] = 8000
     routing: RoutingName = "least_outstanding"
+    # prefix_affinity: how much of the prompt is the key, and how far above the mean load one upstream may go
+    affinity_prefix_chars: Annotated[int, Field(ge=1)] = 256
+    affinity_load_factor: Annotated[float, Field(gt=0)] = 0.25
     # repr=False: keys never show up in logs or tracebacks that print the settings.
     api_keys: Annotated[list[str], NoDecode] = Field(default_factory=list, repr=False)
     upstream_api_key: str | None = Field(default=None, repr=False, description="sent upstream as Bearer")

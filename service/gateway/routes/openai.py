@@ -11,7 +11,7 @@ from pydantic import ValidationError
 from squeezeserve.service.gateway import errors
 from squeezeserve.service.gateway.deps import ApiKeyDep, ProxyDep, UpstreamsDep
 from squeezeserve.service.gateway.metrics import UNKNOWN_MODEL
-from squeezeserve.service.gateway.routing import RouteRequest
+from squeezeserve.service.gateway.routing import ROUTING_NAMES, RouteRequest
 from squeezeserve.service.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -20,6 +20,9 @@ from squeezeserve.service.protocol import (
 )
 
 router = APIRouter(prefix="/v1", dependencies=[ApiKeyDep])
+# Per-request routing: a strategy name other than the deployment's, and a session key for prefix_affinity.
+ROUTING_HEADER = "x-squeezeserve-routing"
+SESSION_HEADER = "x-session-id"
 
 
 async def _proxy(
@@ -38,8 +41,19 @@ async def _proxy(
         raise errors.invalid_request(*validation_message(exc.errors(include_input=False))) from None
     # Bounded metric labels: only models some upstream has listed.
     request.state.model = parsed.model if upstreams.is_known(parsed.model) else UNKNOWN_MODEL
+    routing = request.headers.get(ROUTING_HEADER)
+    if routing is not None and routing not in ROUTING_NAMES:
+        raise errors.invalid_request(
+            f"{ROUTING_HEADER} must be one of {', '.join(ROUTING_NAMES)}, not {routing!r}.", ROUTING_HEADER
+        )
     route = RouteRequest(
-        route=path, model=parsed.model, request_id=request.state.request_id, stream=parsed.stream, body=body
+        route=path,
+        model=parsed.model,
+        request_id=request.state.request_id,
+        stream=parsed.stream,
+        body=body,
+        session_id=request.headers.get(SESSION_HEADER) or None,
+        routing=routing,
     )
     return await proxy.forward(
         route, raw, request.headers, path, parsed.include_usage_in_stream, client_gone=request.is_disconnected

@@ -18,6 +18,10 @@ class RouteRequest:
     request_id: str
     stream: bool
     body: dict[str, Any]
+    session_id: str | None = None  # the X-Session-Id header: keeps a conversation on one upstream
+    routing: str | None = (
+        None  # the X-Squeezeserve-Routing header: this request's strategy, if not the default
+    )
 
 
 class RoutingStrategy(Protocol):

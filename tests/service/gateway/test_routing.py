@@ -9,15 +9,15 @@ from collections import Counter
 
 import pytest
 
-from squeezeserve.service.gateway.config import RoutingName
+from squeezeserve.service.gateway.config import GatewaySettings, RoutingName
 from squeezeserve.service.gateway.routing import STRATEGIES, RouteRequest, build_strategy
 from squeezeserve.service.gateway.upstreams import Upstream
 
 REQUEST = RouteRequest(route="/v1/completions", model="m", request_id="r", stream=False, body={})
 
 
-def choose(strategy_name: str, upstreams: list[Upstream], times: int) -> Counter[str]:
-    strategy = build_strategy(strategy_name)
+def choose(strategy_name: RoutingName, upstreams: list[Upstream], times: int) -> Counter[str]:
+    strategy = build_strategy(GatewaySettings(upstreams=["http://u:1"], routing=strategy_name))
 
     async def run() -> Counter[str]:
         return Counter([(await strategy.select(upstreams, REQUEST)).url for _ in range(times)])
@@ -30,8 +30,8 @@ def test_every_cli_choice_has_a_strategy():
 
 
 def test_unknown_strategy_name_is_a_clear_error():
-    with pytest.raises(ValueError, match="unknown routing strategy 'random'"):
-        build_strategy("random")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="routing"):
+        GatewaySettings(upstreams=["http://u:1"], routing="random")  # type: ignore[arg-type]
 
 
 def test_round_robin_takes_turns_regardless_of_load():
