@@ -147,6 +147,22 @@ def check_partition(scheme: WeightOnlyScheme, output_partition_sizes: list[int])
         )
 
 
+def check_input_partition(scheme: WeightOnlyScheme, input_size_per_partition: int, input_size: int) -> None:
+    """Row-parallel layers (o_proj, down_proj under tensor parallelism) split the input dim: each rank's
+    slice must hold whole int32 words of packed weights and whole quantization groups, or a rank's scales
+    would belong to columns another rank holds."""
+    if input_size_per_partition == input_size:
+        return
+    per_word = 32 // scheme.bits
+    group = scheme.group_size or input_size
+    if input_size_per_partition % per_word or (scheme.group_size and input_size_per_partition % group):
+        raise ValueError(
+            f"tensor parallelism splits an input dim of {input_size} into {input_size_per_partition} a rank: "
+            f"that must be a multiple of {per_word} (int32 packing) and of the group size {group}; "
+            "choose a tensor-parallel size that divides the groups evenly"
+        )
+
+
 def quant_linear(
     x: torch.Tensor,
     weight_packed: torch.Tensor,
@@ -279,6 +295,7 @@ def _quantization_config_class() -> type:
         ) -> None:
             scheme = self.scheme
             check_partition(scheme, output_partition_sizes)
+            check_input_partition(scheme, input_size_per_partition, input_size)
             weight_loader = extra_weight_attrs["weight_loader"]
             n_out, k_in = sum(output_partition_sizes), input_size_per_partition
             per_word = 32 // scheme.bits

@@ -8,6 +8,11 @@
 #   bash tests/gpu/run_h100.sh ckpt    # run 1: baseline/int8/int4/fp8 by vLLM behind our gateway + validate
 #   bash tests/gpu/run_h100.sh synth   # run 2: 8B-class synthetic Llama: bf16 / W4A16 vLLM / W4A16 ours
 #
+# Two GPUs (nvidia-h200-x2, issue 18; `prep` first, as above):
+#   bash tests/gpu/run_h100.sh tp       # bundled fp16 / int4 (our method) at TP=1 vs TP=2: greedy, kernels per rank
+#   bash tests/gpu/run_h100.sh tp8b     # 8B-shaped W4A16 through our method: TPOT at c=1/64, TP=1 vs TP=2
+#   bash tests/gpu/run_h100.sh scale    # two 8B-shaped bf16 replicas behind the gateway: throughput, kill, prefix routing
+#
 # Data: .vllm-bundle/data/{calibration,test}.txt (wikitext-2, carried in the prep call, kept in /tmp/model).
 # Servers start side by side (one GPU, each with a fixed --kv-cache-memory-bytes, so no server sizes its KV
 # cache from memory another one is still allocating), each pinned to its own CPUs; measurements run one
@@ -51,10 +56,10 @@ DATA=$MODELS/data
 GW=http://127.0.0.1:8100
 
 declare -A PID PORT T0
-start_server() {  # label cpus port model [vLLM args...]; served under the name <label>
+start_server() {  # label cpus port model [vLLM args...]; served as $NAME or <label>; GPUS=0,1 picks GPUs
   local label=$1 cpus=$2 port=$3 model=$4; shift 4
   [ -f "$model/config.json" ] || { note "$label: no checkpoint at $model, skipped"; return 1; }
-  setsid taskset -c "$cpus" $SQ worker --engine vllm --model "$model" --served-model-name "$label" \
+  CUDA_VISIBLE_DEVICES=${GPUS:-0} setsid taskset -c "$cpus" $SQ worker --engine vllm --model "$model" --served-model-name "${NAME:-$label}" \
     --port "$port" -- "$@" > "$LOGS/worker-$label.log" 2>&1 &
   PID[$label]=$!; PORT[$label]=$port; T0[$label]=$SECONDS; STARTED+=("$!")
 }
@@ -81,13 +86,51 @@ wait_servers() {  # timeout_s label...: every label healthy, dead or timed out; 
   echo "${up[@]}"
 }
 
-start_gateway() {  # cpus port...
+start_gateway() {  # cpus port...; GW_PORT picks the gateway's own port (default 8100)
   local cpus=$1; shift
   local upstreams=()
   for port in "$@"; do upstreams+=(--upstream "http://127.0.0.1:$port"); done
-  setsid taskset -c "$cpus" $SQ gateway "${upstreams[@]}" --port 8100 --health-interval 1 \
-    --max-inflight-per-upstream 512 > "$LOGS/gateway.log" 2>&1 &
+  setsid taskset -c "$cpus" $SQ gateway "${upstreams[@]}" --port "${GW_PORT:-8100}" --health-interval 1 \
+    --max-inflight-per-upstream 512 > "$LOGS/gateway-${GW_PORT:-8100}.log" 2>&1 &
   STARTED+=("$!")
+}
+
+stop_server() {  # label: SIGKILL its process group (vLLM's engine and workers with it), wait for the GPU
+  kill -KILL -- "-${PID[$1]}" 2>/dev/null; sleep 5
+}
+
+greedy_and_profile() {  # label: 8 greedy completions inside a torch-profiler window -> $LOGS/greedy-<label>.json
+  local base="http://127.0.0.1:${PORT[$1]}"
+  curl -sf -X POST "$base/start_profile" >/dev/null || note "$1: start_profile failed"
+  python3 - "$base" "$1" "$LOGS/greedy-$1.json" <<'PY'
+import json, sys, httpx
+base, label, out = sys.argv[1:]
+prompts = ["The capital of France is", "Write one sentence about the sea:", "def fibonacci(n):",
+           "Three primary colours are", "The theory of relativity says that", "A good breakfast contains",
+           "Translate to French: good morning", "List three prime numbers:"]
+texts = []
+for p in prompts:
+    r = httpx.post(f"{base}/v1/completions", json={"model": label, "prompt": p, "max_tokens": 48,
+                                                  "temperature": 0}, timeout=120)
+    texts.append(r.json()["choices"][0]["text"])
+json.dump(texts, open(out, "w"))
+PY
+  curl -sf -X POST "$base/stop_profile" >/dev/null || note "$1: stop_profile failed"
+}
+
+count_kernels() {  # dir: our Triton kernels per profiler trace (one trace per engine process)
+  python3 - "$1" <<'PY' | tee -a "$SUMMARY"
+import collections, gzip, json, pathlib, sys
+ours = ("_swiglu_fwd", "_rmsnorm_fwd", "_gemv_int4_kernel", "_gemv_kernel", "_skinny_kernel", "_dequantize_kernel")
+for trace in sorted(pathlib.Path(sys.argv[1]).rglob("*.json*")):
+    opener = gzip.open if trace.suffix == ".gz" else open
+    try:
+        events = json.load(opener(trace, "rt")).get("traceEvents", [])
+    except Exception as exc:
+        print(f"{trace.name}: unreadable ({exc})"); continue
+    counts = collections.Counter(e.get("name") for e in events if e.get("cat") == "kernel" and e.get("name") in ours)
+    print(f"{trace.parent.name}/{trace.name}: {dict(counts) or 'none of ours'}")
+PY
 }
 
 gateway_serves() {  # label: wait (<= 20 s) until the gateway lists it
@@ -235,6 +278,93 @@ synth)
       --csv "$OUT/vllm_serving.csv" 2>&1 | tee -a "$SUMMARY"
     grep -E "Using .* for CompressedTensorsWNA16|squeezeserve plugin" "$LOGS/worker-$label.log" | head -3 | tee -a "$SUMMARY"
   done
+  ;;
+tp)
+  # Issue 18.1 on two GPUs: the bundled model, fp16 with our SiluAndMul/RMSNorm and int4 (RTN g32,
+  # asymmetric) through our quantization method, at TP=1 and TP=2. No torch.compile (CUDA graphs only) to
+  # keep four starts inside one call; a profiler window per server writes one trace per engine process.
+  if [ ! -f $MODELS/hf/config.json ]; then
+    timeout "$(cap 200)" python3 /tmp/vllm-tools/vllm_smoke.py convert --gguf /tmp/b/smollm2.gguf --out $MODELS/hf \
+      > "$LOGS/convert.log" 2>&1 || { tail -20 "$LOGS/convert.log"; exit 1; }
+  fi
+  if [ ! -f $MODELS/int4-rtn/config.json ]; then
+    timeout "$(cap 120)" $SQ compress --model $MODELS/hf --method int4 --algorithm rtn --out $MODELS/int4-rtn \
+      > "$LOGS/compress-int4-rtn.log" 2>&1; note "int4 RTN g32: exit $?"
+  fi
+  TPC=(--dtype float16 --max-model-len 1024 --max-num-seqs 16 --gpu-memory-utilization 0.2
+       --compilation-config '{"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}')
+  prof() { echo "--profiler-config={\"profiler\": \"torch\", \"torch_profiler_dir\": \"$LOGS/prof-$1\", \"torch_profiler_with_stack\": false}"; }
+  GPUS=0 start_server fp16-tp1 0-7 8301 $MODELS/hf "${TPC[@]}" "$(prof fp16-tp1)"
+  GPUS=1 start_server int4-tp1 8-15 8302 $MODELS/int4-rtn "${TPC[@]}" --quantization squeezeserve "$(prof int4-tp1)"
+  read -r -a up <<< "$(wait_servers "$(cap 240)" fp16-tp1 int4-tp1)"
+  for label in "${up[@]}"; do greedy_and_profile "$label"; done
+  stop_server fp16-tp1; stop_server int4-tp1
+  GPUS=0,1 start_server fp16-tp2 0-7 8303 $MODELS/hf "${TPC[@]}" --tensor-parallel-size 2 "$(prof fp16-tp2)"
+  GPUS=0,1 start_server int4-tp2 8-15 8304 $MODELS/int4-rtn "${TPC[@]}" --tensor-parallel-size 2 \
+    --quantization squeezeserve "$(prof int4-tp2)"
+  read -r -a up <<< "$(wait_servers "$(cap 300)" fp16-tp2 int4-tp2)"
+  for label in "${up[@]}"; do greedy_and_profile "$label"; done
+  stop_server fp16-tp2; stop_server int4-tp2
+  for m in fp16 int4; do
+    python3 - "$LOGS/greedy-$m-tp1.json" "$LOGS/greedy-$m-tp2.json" "$m" <<'PY' | tee -a "$SUMMARY"
+import json, sys
+try:
+    a, b = (json.load(open(p)) for p in sys.argv[1:3])
+except OSError as exc:
+    print(f"{sys.argv[3]}: missing ({exc})"); sys.exit()
+same = sum(x == y for x, y in zip(a, b))
+print(f"{sys.argv[3]}: greedy TP=2 equals TP=1 on {same}/{len(a)} prompts")
+for x, y in zip(a, b):
+    if x != y:
+        print(f"  tp1 {x!r}\n  tp2 {y!r}")
+PY
+  done
+  for label in fp16-tp1 int4-tp1 fp16-tp2 int4-tp2; do
+    echo "== $label" | tee -a "$SUMMARY"; count_kernels "$LOGS/prof-$label"
+    grep -E "Error|error" "$LOGS/worker-$label.log" | grep -v "error_" | head -3 | tee -a "$SUMMARY"
+  done
+  ;;
+tp8b)
+  # Issue 18.1: the 8B-shaped W4A16 model through our method at TP=1 (GPU 0) and TP=2, one after the other.
+  python3 tests/gpu/synthetic_llama.py --tokenizer $MODELS/hf --out $MODELS/llama8b-w4a16 --w4a16
+  C8=(--dtype bfloat16 --load-format dummy --max-model-len 1024 --max-num-seqs 64 --gpu-memory-utilization 0.5
+      --compilation-config '{"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}' --quantization squeezeserve)
+  for tp in 1 2; do
+    label=w4a16-ours-tp$tp
+    GPUS=$([ $tp = 1 ] && echo 0 || echo 0,1) start_server $label 0-15 $((8400 + tp)) $MODELS/llama8b-w4a16 \
+      "${C8[@]}" --tensor-parallel-size $tp
+    read -r -a up <<< "$(wait_servers "$(cap 240)" $label)"
+    [ ${#up[@]} = 1 ] && timeout "$(cap 150)" taskset -c 16-19 python3 tests/benchmarks/bench_serving.py \
+      --base-url "http://127.0.0.1:$((8400 + tp))" --model $label --run tp --label $label --vocab 49152 \
+      --concurrency 1 64 --prompt-tokens 256 --output-tokens 64 --csv "$OUT/vllm_tp.csv" 2>&1 | tee -a "$SUMMARY"
+    stop_server $label
+  done
+  ;;
+scale)
+  # Issue 18.2/18.3: two 8B-shaped bf16 replicas (one per GPU, prefix caching on: vLLM's default) behind
+  # gateways: one gateway with worker A alone, one with both. Throughput (non-streamed) at c=64/256 for
+  # one vs two; shared-prefix routing (least_outstanding vs prefix_affinity, per-request header); then a
+  # replica killed mid-run under load.
+  python3 tests/gpu/synthetic_llama.py --tokenizer $MODELS/hf --out $MODELS/llama8b-bf16
+  C8=(--dtype bfloat16 --load-format dummy --max-model-len 2048 --max-num-seqs 256 --gpu-memory-utilization 0.85
+      --compilation-config '{"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}')
+  NAME=llama8b GPUS=0 start_server replica-a 0-7 8501 $MODELS/llama8b-bf16 "${C8[@]}"
+  NAME=llama8b GPUS=1 start_server replica-b 8-15 8502 $MODELS/llama8b-bf16 "${C8[@]}"
+  GW_PORT=8110 start_gateway 16-19 8501
+  GW_PORT=8120 start_gateway 20-23 8501 8502
+  read -r -a up <<< "$(wait_servers "$(cap 300)" replica-a replica-b)"
+  note "serving: ${up[*]}"; sleep 3
+  BS=(taskset -c 24-31 python3 tests/benchmarks/bench_scale.py --model llama8b --csv "$OUT/scale.csv")
+  timeout "$(cap 120)" "${BS[@]}" throughput --gateway http://127.0.0.1:8110 --label one-replica \
+    --concurrency 64 256 2>&1 | tail -n 4 | tee -a "$SUMMARY"
+  timeout "$(cap 120)" "${BS[@]}" throughput --gateway http://127.0.0.1:8120 --label two-replicas \
+    --concurrency 64 256 2>&1 | tail -n 4 | tee -a "$SUMMARY"
+  timeout "$(cap 150)" "${BS[@]}" prefix --gateway http://127.0.0.1:8120 --label two-replicas \
+    --workers http://127.0.0.1:8501 http://127.0.0.1:8502 --concurrency 16 --output-tokens 16 \
+    --prefix-words 800 2>&1 | tail -n 4 | tee -a "$SUMMARY"
+  timeout "$(cap 120)" "${BS[@]}" throughput --gateway http://127.0.0.1:8120 --label kill-replica-b \
+    --concurrency 64 --requests 512 --kill-pid "${PID[replica-b]}" --kill-after 5 2>&1 | tail -n 4 | tee -a "$SUMMARY"
+  grep -E "ejected|unreachable" "$LOGS/gateway-8120.log" | head -5 | tee -a "$SUMMARY"
   ;;
 *) note "unknown stage $STAGE"; exit 2 ;;
 esac

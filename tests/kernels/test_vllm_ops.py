@@ -193,3 +193,41 @@ def test_fused_rounding_op_schema_fake_and_autograd(check, device):
     weight = torch.randn(64, device=device, requires_grad=True)
     check.opcheck(torch.ops.squeezeserve.add_rmsnorm, (x.requires_grad_(), res, weight, 1e-6, True))
     check.opcheck(torch.ops.squeezeserve.rmsnorm, (x, weight, 1e-6, True))
+
+
+def test_row_parallel_slices_must_hold_whole_words_and_groups():
+    """Tensor parallelism splits o_proj / down_proj along the input: each rank keeps whole groups."""
+    grouped = vllm_ops.WeightOnlyScheme(4, 32, False, ())
+    vllm_ops.check_input_partition(grouped, 288, 576)  # SmolLM2 o_proj at TP=2: 9 groups per rank
+    vllm_ops.check_input_partition(grouped, 576, 576)  # not split
+    with pytest.raises(ValueError, match="group size 32"):
+        vllm_ops.check_input_partition(grouped, 144 + 8, 576)
+    per_channel = vllm_ops.WeightOnlyScheme(8, None, True, ())
+    vllm_ops.check_input_partition(per_channel, 100, 400)  # one scale per output row: any whole word
+    with pytest.raises(ValueError, match="multiple of 4"):
+        vllm_ops.check_input_partition(per_channel, 101, 404)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_row_parallel_shards_sum_to_the_whole_layer(tp):
+    """What vLLM's loader gives each rank of a row-parallel layer (packed columns, group scales and zero
+    points cut along the input dim): the ranks' partial products, all-reduced, equal the whole layer."""
+    scheme = vllm_ops.WeightOnlyScheme(4, 32, False, ())
+    gen = torch.Generator().manual_seed(0)
+    k_in, n_out = 256, 48
+    weight = (torch.randn(n_out, k_in, generator=gen) * 0.05).to(torch.float16)
+    whole, dense = _stacked_checkpoint([weight], scheme)
+    x = torch.randn(3, k_in, generator=gen).to(torch.float16)
+    part, per_word = k_in // tp, 32 // scheme.bits
+    vllm_ops.check_input_partition(scheme, part, k_in)
+    total = torch.zeros(3, n_out)
+    for rank in range(tp):
+        groups = slice(rank * part // 32, (rank + 1) * part // 32)
+        total += vllm_ops.quant_linear(
+            x[:, rank * part : (rank + 1) * part],
+            whole["weight_packed"][:, rank * part // per_word : (rank + 1) * part // per_word],
+            whole["weight_scale"][:, groups],
+            whole["weight_zero_point"][:, groups],
+            scheme,
+        ).float()
+    torch.testing.assert_close(total, x.float() @ dense.float().T, rtol=4e-3, atol=4e-3)
