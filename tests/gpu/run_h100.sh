@@ -9,7 +9,7 @@
 #   bash tests/gpu/run_h100.sh synth   # run 2: 8B-class synthetic Llama: bf16 / W4A16 vLLM / W4A16 ours
 #
 # Two GPUs (nvidia-h200-x2, issue 18; `prep` first, as above):
-#   bash tests/gpu/run_h100.sh tp       # bundled fp16 / int4 (our method) at TP=1 vs TP=2: greedy, kernels per rank
+#   bash tests/gpu/run_h100.sh tp       # bundled (cut to 6 heads) fp16 / int4 ours, TP=1 vs 2: greedy, kernels per rank
 #   bash tests/gpu/run_h100.sh tp8b     # 8B-shaped W4A16 through our method: TPOT at c=1/64, TP=1 vs TP=2
 #   bash tests/gpu/run_h100.sh scale    # two 8B-shaped bf16 replicas behind the gateway: throughput, kill, prefix routing
 #
@@ -287,20 +287,22 @@ tp)
     timeout "$(cap 200)" python3 /tmp/vllm-tools/vllm_smoke.py convert --gguf /tmp/b/smollm2.gguf --out $MODELS/hf \
       > "$LOGS/convert.log" 2>&1 || { tail -20 "$LOGS/convert.log"; exit 1; }
   fi
-  if [ ! -f $MODELS/int4-rtn/config.json ]; then
-    timeout "$(cap 120)" $SQ compress --model $MODELS/hf --method int4 --algorithm rtn --out $MODELS/int4-rtn \
-      > "$LOGS/compress-int4-rtn.log" 2>&1; note "int4 RTN g32: exit $?"
+  # SmolLM2's 9 heads / 3 KV groups do not divide by 2: serve its real weights cut to 6 heads / 2 groups.
+  [ -f $MODELS/hf6/config.json ] || python3 tests/gpu/tp_model.py --model $MODELS/hf --out $MODELS/hf6 | tee -a "$SUMMARY"
+  if [ ! -f $MODELS/hf6-int4/config.json ]; then
+    timeout "$(cap 120)" $SQ compress --model $MODELS/hf6 --method int4 --algorithm rtn --out $MODELS/hf6-int4 \
+      > "$LOGS/compress-int4-rtn.log" 2>&1; note "int4 RTN g32 of the 6-head cut: exit $?"
   fi
   TPC=(--dtype float16 --max-model-len 1024 --max-num-seqs 16 --gpu-memory-utilization 0.2
        --compilation-config '{"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}')
   prof() { echo "--profiler-config={\"profiler\": \"torch\", \"torch_profiler_dir\": \"$LOGS/prof-$1\", \"torch_profiler_with_stack\": false}"; }
-  GPUS=0 start_server fp16-tp1 0-7 8301 $MODELS/hf "${TPC[@]}" "$(prof fp16-tp1)"
-  GPUS=1 start_server int4-tp1 8-15 8302 $MODELS/int4-rtn "${TPC[@]}" --quantization squeezeserve "$(prof int4-tp1)"
+  GPUS=0 start_server fp16-tp1 0-7 8301 $MODELS/hf6 "${TPC[@]}" "$(prof fp16-tp1)"
+  GPUS=1 start_server int4-tp1 8-15 8302 $MODELS/hf6-int4 "${TPC[@]}" --quantization squeezeserve "$(prof int4-tp1)"
   read -r -a up <<< "$(wait_servers "$(cap 240)" fp16-tp1 int4-tp1)"
   for label in "${up[@]}"; do greedy_and_profile "$label"; done
   stop_server fp16-tp1; stop_server int4-tp1
-  GPUS=0,1 start_server fp16-tp2 0-7 8303 $MODELS/hf "${TPC[@]}" --tensor-parallel-size 2 "$(prof fp16-tp2)"
-  GPUS=0,1 start_server int4-tp2 8-15 8304 $MODELS/int4-rtn "${TPC[@]}" --tensor-parallel-size 2 \
+  GPUS=0,1 start_server fp16-tp2 0-7 8303 $MODELS/hf6 "${TPC[@]}" --tensor-parallel-size 2 "$(prof fp16-tp2)"
+  GPUS=0,1 start_server int4-tp2 8-15 8304 $MODELS/hf6-int4 "${TPC[@]}" --tensor-parallel-size 2 \
     --quantization squeezeserve "$(prof int4-tp2)"
   read -r -a up <<< "$(wait_servers "$(cap 300)" fp16-tp2 int4-tp2)"
   for label in "${up[@]}"; do greedy_and_profile "$label"; done
