@@ -71,7 +71,11 @@ async def throughput(args: argparse.Namespace, concurrency: int) -> dict[str, ob
         os.killpg(os.getpgid(args.kill_pid), signal.SIGKILL)
         print(f"killed worker pid {args.kill_pid} after {args.kill_after} s")  # noqa: T201
 
-    limits = httpx.Limits(max_connections=concurrency + 8, max_keepalive_connections=concurrency + 8)
+    # Idle connections expire before the server's 5 s keep-alive does: reusing one the server is closing
+    # would fail a request that the gateway never saw.
+    limits = httpx.Limits(
+        max_connections=concurrency + 8, max_keepalive_connections=concurrency + 8, keepalive_expiry=2.0
+    )
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
         await asyncio.gather(*(one(client) for _ in range(min(concurrency, 16))))  # warm-up, not counted
         done = errors = tokens = 0
@@ -131,7 +135,8 @@ async def prefix(args: argparse.Namespace, routing: str, concurrency: int) -> di
                 errors += 1
                 print(f"error: {type(exc).__name__}: {exc}"[:200])  # noqa: T201
 
-    async with httpx.AsyncClient(timeout=600) as client:
+    limits = httpx.Limits(keepalive_expiry=2.0)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
         hits0, queries0 = await _prefix_counters(client, args.workers)
         start = time.perf_counter()
         await asyncio.gather(*(one(client, u) for u in range(args.requests or 8 * concurrency)))

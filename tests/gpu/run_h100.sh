@@ -348,8 +348,12 @@ scale)
   # one vs two; shared-prefix routing (least_outstanding vs prefix_affinity, per-request header); then a
   # replica killed mid-run under load.
   python3 tests/gpu/synthetic_llama.py --tokenizer $MODELS/hf --out $MODELS/llama8b-bf16
-  C8=(--dtype bfloat16 --load-format dummy --max-model-len 2048 --max-num-seqs 256 --gpu-memory-utilization 0.85
-      --compilation-config '{"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}')
+  # SCALE_COMPILE=1: vLLM's default torch.compile + piecewise CUDA graphs (mixed prefill/decode steps run
+  # graphed; slower to start); SCALE_PROMPT / SCALE_OUTPUT: the throughput workload; SCALE_PREFIX=0 skips
+  # the routing comparison.
+  C8=(--dtype bfloat16 --load-format dummy --max-model-len 2048 --max-num-seqs 256 --gpu-memory-utilization 0.85)
+  [ "${SCALE_COMPILE:-0}" = 1 ] || C8+=(--compilation-config '{"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}')
+  TW=(--prompt-tokens "${SCALE_PROMPT:-256}" --output-tokens "${SCALE_OUTPUT:-128}")
   NAME=llama8b GPUS=0 start_server replica-a 0-7 8501 $MODELS/llama8b-bf16 "${C8[@]}"
   NAME=llama8b GPUS=1 start_server replica-b 8-15 8502 $MODELS/llama8b-bf16 "${C8[@]}"
   GW_PORT=8110 start_gateway 16-19 8501
@@ -358,14 +362,14 @@ scale)
   note "serving: ${up[*]}"; sleep 3
   BS=(taskset -c 24-31 python3 tests/benchmarks/bench_scale.py --model llama8b --csv "$OUT/scale.csv")
   timeout "$(cap 120)" "${BS[@]}" throughput --gateway http://127.0.0.1:8110 --label one-replica \
-    --concurrency 64 256 2>&1 | tail -n 4 | tee -a "$SUMMARY"
+    --concurrency 64 256 "${TW[@]}" 2>&1 | tail -n 4 | tee -a "$SUMMARY"
   timeout "$(cap 120)" "${BS[@]}" throughput --gateway http://127.0.0.1:8120 --label two-replicas \
-    --concurrency 64 256 2>&1 | tail -n 4 | tee -a "$SUMMARY"
-  timeout "$(cap 150)" "${BS[@]}" prefix --gateway http://127.0.0.1:8120 --label two-replicas \
+    --concurrency 64 256 "${TW[@]}" 2>&1 | tail -n 4 | tee -a "$SUMMARY"
+  [ "${SCALE_PREFIX:-1}" = 1 ] && timeout "$(cap 150)" "${BS[@]}" prefix --gateway http://127.0.0.1:8120 --label two-replicas \
     --workers http://127.0.0.1:8501 http://127.0.0.1:8502 --concurrency 16 --output-tokens 16 \
     --prefix-words 800 2>&1 | tail -n 4 | tee -a "$SUMMARY"
   timeout "$(cap 120)" "${BS[@]}" throughput --gateway http://127.0.0.1:8120 --label kill-replica-b \
-    --concurrency 64 --requests 512 --kill-pid "${PID[replica-b]}" --kill-after 5 2>&1 | tail -n 4 | tee -a "$SUMMARY"
+    --concurrency 64 --requests 512 "${TW[@]}" --kill-pid "${PID[replica-b]}" --kill-after 5 2>&1 | tail -n 4 | tee -a "$SUMMARY"
   grep -E "ejected|unreachable" "$LOGS/gateway-8120.log" | head -5 | tee -a "$SUMMARY"
   ;;
 *) note "unknown stage $STAGE"; exit 2 ;;
