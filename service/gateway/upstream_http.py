@@ -9,8 +9,8 @@ handed over chunk by chunk as it arrives (chunked transfer decoding included).
 
 Failures are told apart the way the proxy acts on them: :class:`UpstreamUnreachable` (nothing accepted the
 connection: eject the upstream) and :class:`UpstreamBroken` (the connection broke: retry when it broke
-before the answer started). Deadlines are the caller's: cancel the awaiting task; the connection is
-then closed, never reused.
+before the answer started). Deadlines are the caller's: cancel the awaiting task, or give a streamed body
+one with :meth:`UpstreamResponse.expire_at`; the connection is then closed, never reused.
 """
 
 from __future__ import annotations
@@ -50,6 +50,7 @@ class _Connection(asyncio.Protocol):
         self._body_waiter: asyncio.Future[None] | None = None
         self._paused = False
         self.complete = False
+        self._keep_alive = False
         self.broken: Exception | None = None
 
     # -- asyncio.Protocol ------------------------------------------------------------------------------
@@ -61,13 +62,13 @@ class _Connection(asyncio.Protocol):
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserError as exc:
-            self._fail(UpstreamBroken(f"invalid HTTP from upstream: {exc}"))
+            self.fail(UpstreamBroken(f"invalid HTTP from upstream: {exc}"))
             self.close()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.transport = None
         if not self.complete:
-            self._fail(UpstreamBroken("the upstream closed the connection"))
+            self.fail(UpstreamBroken("the upstream closed the connection"))
 
     # -- httptools callbacks ---------------------------------------------------------------------------
 
@@ -88,6 +89,8 @@ class _Connection(asyncio.Protocol):
 
     def on_message_complete(self) -> None:
         self.complete = True
+        # Asked now: once the message is complete the parser is reset for the next one.
+        self._keep_alive = self._parser.should_keep_alive()
         self._wake()
 
     # -- used by the pool and the response -------------------------------------------------------------
@@ -96,7 +99,7 @@ class _Connection(asyncio.Protocol):
         if self._body_waiter is not None and not self._body_waiter.done():
             self._body_waiter.set_result(None)
 
-    def _fail(self, exc: Exception) -> None:
+    def fail(self, exc: Exception) -> None:
         if self.broken is None:
             self.broken = exc
         if self._head_received is not None and not self._head_received.done():
@@ -113,7 +116,7 @@ class _Connection(asyncio.Protocol):
         assert self.transport is not None
         self._parser = httptools.HttpResponseParser(self)
         self._headers = []
-        self.complete = False
+        self.complete = self._keep_alive = False
         self._head_received = asyncio.get_running_loop().create_future()
         self.transport.write(request)
         await self._head_received
@@ -136,7 +139,7 @@ class _Connection(asyncio.Protocol):
         return chunk
 
     def keeps_alive(self) -> bool:
-        return self.complete and self.reusable and self._parser.should_keep_alive()
+        return self.complete and self._keep_alive and self.reusable
 
     def close(self) -> None:
         if self.transport is not None:
@@ -159,8 +162,18 @@ class UpstreamResponse:
         self._pool = pool
         self._key = key
         self._connection: _Connection | None = connection
+        self._timer: asyncio.TimerHandle | None = None
         self.status_code = status
         self.headers = headers
+
+    def expire_at(self, when: float) -> None:
+        """At loop time ``when``, end the body: reading it raises ``TimeoutError``, the connection closes."""
+        self._timer = asyncio.get_running_loop().call_at(when, self._expire)
+
+    def _expire(self) -> None:
+        if self._connection is not None:
+            self._connection.fail(TimeoutError())
+            self._connection.close()
 
     def header(self, name: str, default: str = "") -> str:
         """The first value of header ``name`` (lower case)."""
@@ -175,6 +188,8 @@ class UpstreamResponse:
         return b"".join([chunk async for chunk in self])
 
     async def aclose(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
         connection, self._connection = self._connection, None
         if connection is not None:
             self._pool.release(self._key, connection)
