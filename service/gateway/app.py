@@ -16,17 +16,14 @@ from squeezeserve.service.gateway.middleware import RequestContextMiddleware
 from squeezeserve.service.gateway.proxy import Proxy
 from squeezeserve.service.gateway.routes import health, models, openai
 from squeezeserve.service.gateway.routing import build_strategy
+from squeezeserve.service.gateway.upstream_http import UpstreamPool
 from squeezeserve.service.gateway.upstreams import UpstreamRegistry
 
 
-def _client(settings: GatewaySettings) -> httpx.AsyncClient:
-    # Reads have no per-read limit: the proxy enforces one deadline over the whole request instead.
+def _probe_client(settings: GatewaySettings) -> httpx.AsyncClient:
+    """For health checks only (a few requests a minute); the proxy sends through ``UpstreamPool``."""
     # trust_env=False: upstreams are internal; an HTTP(S)_PROXY meant for the internet must not apply.
-    return httpx.AsyncClient(
-        timeout=httpx.Timeout(None, connect=settings.connect_timeout),
-        limits=httpx.Limits(max_connections=None, max_keepalive_connections=100),
-        trust_env=False,
-    )
+    return httpx.AsyncClient(timeout=httpx.Timeout(None, connect=settings.connect_timeout), trust_env=False)
 
 
 def create_app(settings: GatewaySettings | None = None) -> FastAPI:
@@ -35,7 +32,8 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        async with _client(settings) as client:
+        pool = UpstreamPool(settings.connect_timeout)
+        async with _probe_client(settings) as client:
             key = settings.upstream_api_key
             probe_headers = {"authorization": f"Bearer {key}"} if key else {}
             upstreams = UpstreamRegistry(
@@ -50,15 +48,17 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
             metrics.watch_upstreams(upstreams)
             app.state.upstreams = upstreams
             app.state.metrics = metrics
-            app.state.proxy = Proxy(client, upstreams, build_strategy(settings), metrics, settings)
+            app.state.proxy = Proxy(pool, upstreams, build_strategy(settings), metrics, settings)
             await upstreams.start()
             try:
                 yield
             finally:
                 await upstreams.stop()
+                await pool.aclose()
+                metrics.close()
 
     app = FastAPI(title="squeezeserve gateway", version=__version__, lifespan=lifespan)
-    app.dependency_overrides[get_settings] = lambda: settings
+    app.state.settings = settings
     install_error_handlers(app)
     app.add_middleware(RequestContextMiddleware)
     app.include_router(openai.router)

@@ -4,11 +4,23 @@
 from __future__ import annotations
 
 import argparse
+import json
+import logging
+import os
+import shutil
 import sys
+import tempfile
 import typing
 from pathlib import Path
+from typing import Any
 
-from squeezeserve.service.gateway.config import RoutingName, SettingsError, build_settings
+from squeezeserve.service.gateway.config import (
+    ENV_PREFIX,
+    GatewaySettings,
+    RoutingName,
+    SettingsError,
+    build_settings,
+)
 
 # Settings fields with a flag of the same name (``dest``); ``--config`` is the file they override.
 SETTINGS_FLAGS = (
@@ -27,6 +39,7 @@ SETTINGS_FLAGS = (
     "unhealthy_threshold",
     "max_inflight_per_upstream",
     "retry_after_seconds",
+    "workers",
 )
 
 
@@ -82,17 +95,77 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--retry-after-seconds", type=int, metavar="SECONDS", help="in 429 answers (default 1)"
     )
+    parser.add_argument(
+        "--workers", type=int, metavar="N", help="processes sharing the port; metrics aggregate (default 1)"
+    )
+
+
+def _export(settings: GatewaySettings) -> None:
+    """Put ``settings`` in this process's environment, where the worker processes' ``get_settings()``
+    reads them (lists as JSON; unset values removed)."""
+    for name, value in settings.model_dump(mode="json").items():
+        key = f"{ENV_PREFIX}{name.upper()}"
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = json.dumps(value) if isinstance(value, list) else str(value)
+
+
+def _worker_log_config() -> dict[str, Any]:
+    """The CLI's logging, for worker processes (they start afresh, without the CLI's setup)."""
+    root = logging.getLogger()
+    handler = next(iter(root.handlers), None)
+    log_format = handler.formatter._fmt if handler and handler.formatter else None  # noqa: SLF001
+    return {
+        "version": 1,
+        "disable_existing_loggers": False,
+        "formatters": {"cli": {"format": log_format or logging.BASIC_FORMAT}},
+        "handlers": {
+            "stderr": {"class": "logging.StreamHandler", "formatter": "cli", "stream": "ext://sys.stderr"}
+        },
+        "root": {"level": logging.getLevelName(root.level), "handlers": ["stderr"]},
+        "loggers": {
+            name: {"level": logging.getLevelName(logging.getLogger(name).getEffectiveLevel())}
+            for name in ("httpx", "httpcore")
+        },
+    }
 
 
 def run(args: argparse.Namespace) -> int:
     import uvicorn
-
-    from squeezeserve.service.gateway.app import create_app
 
     try:
         settings = build_settings(args.config, **{name: getattr(args, name) for name in SETTINGS_FLAGS})
     except SettingsError as exc:
         sys.stderr.write(f"error: invalid gateway settings: {exc}\n")
         return 2
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_config=None)
+    # Our middleware logs one line per request (with model, status, latency, request id): uvicorn's own
+    # access log would be a second one.
+    server = {"host": settings.host, "port": settings.port, "access_log": False}
+    if settings.workers == 1:
+        from squeezeserve.service.gateway.app import create_app
+
+        uvicorn.run(create_app(settings), log_config=None, **server)
+        return 0
+    # Several processes: each builds its app from the environment, and shares metrics through a directory
+    # (the operator's PROMETHEUS_MULTIPROC_DIR, else a fresh one removed at exit).
+    _export(settings)
+    own_dir = (
+        None
+        if os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+        else tempfile.mkdtemp(prefix="squeezeserve-metrics-")
+    )
+    if own_dir:
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = own_dir
+    try:
+        uvicorn.run(
+            "squeezeserve.service.gateway.app:create_app",
+            factory=True,
+            workers=settings.workers,
+            log_config=_worker_log_config(),
+            **server,
+        )
+    finally:
+        if own_dir:
+            shutil.rmtree(own_dir, ignore_errors=True)
     return 0

@@ -6,7 +6,8 @@ List fields read from the environment accept a JSON list or comma-separated valu
 ``SQUEEZESERVE_GATEWAY_UPSTREAMS=http://w1:8001,http://w2:8001``.
 
 Nothing is built at import time: ``get_settings()`` reads the environment once, on first use; the app
-factory pins the settings it was given, and tests override the dependency.
+factory pins the settings it was given (``app.state.settings``, which routes depend on), and tests hand
+their own to the factory.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 # The values are the CLI choices and the routing factory's keys.
 RoutingName = Literal["least_outstanding", "round_robin", "prefix_affinity"]
+ENV_PREFIX = "SQUEEZESERVE_GATEWAY_"
 
 
 def _split_list(value: Any) -> Any:
@@ -38,7 +40,7 @@ def _split_list(value: Any) -> Any:
 class GatewaySettings(BaseSettings):
     """Everything the gateway can be told. Bad values fail at startup with one sentence naming the field."""
 
-    model_config = SettingsConfigDict(env_prefix="SQUEEZESERVE_GATEWAY_", extra="forbid")
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid")
 
     upstreams: Annotated[list[str], NoDecode] = Field(
         min_length=1, description="base URLs of OpenAI-compatible workers, e.g. http://127.0.0.1:8001"
@@ -59,6 +61,8 @@ class GatewaySettings(BaseSettings):
     unhealthy_threshold: Annotated[int, Field(ge=1)] = 3
     max_inflight_per_upstream: Annotated[int, Field(ge=1)] = 64
     retry_after_seconds: Annotated[int, Field(ge=1)] = 1
+    # Processes sharing the port; more than one serves metrics in Prometheus multiprocess mode.
+    workers: Annotated[int, Field(ge=1)] = 1
 
     @field_validator("upstreams", "api_keys", mode="before")
     @classmethod
@@ -125,6 +129,5 @@ def build_settings(config_file: Path | None = None, **overrides: Any) -> Gateway
 
 @lru_cache
 def get_settings() -> GatewaySettings:
-    """The settings from the environment, built once. Routes depend on this; the app factory and tests
-    override it with ``app.dependency_overrides[get_settings]``."""
+    """The settings from the environment, built once: what ``create_app()`` serves when given none."""
     return build_settings()

@@ -1,4 +1,9 @@
-"""Dependencies routes declare with ``Annotated``: settings, the proxy, the upstream registry, auth."""
+"""Dependencies routes declare with ``Annotated``: settings, the proxy, the upstream registry, auth.
+
+All are ``async def`` reading what the app built once (FastAPI runs a plain ``def`` dependency in a thread
+per request), and none is overridden per app (an override is analysed anew on every request): the settings
+come from ``app.state.settings``, which ``create_app`` sets.
+"""
 
 from __future__ import annotations
 
@@ -7,33 +12,38 @@ from typing import Annotated
 
 from fastapi import Depends, Header, Request
 
-from squeezeserve.service.gateway.config import GatewaySettings, get_settings
+from squeezeserve.service.gateway.config import GatewaySettings
 from squeezeserve.service.gateway.errors import unauthorized
 from squeezeserve.service.gateway.metrics import GatewayMetrics
 from squeezeserve.service.gateway.proxy import Proxy
 from squeezeserve.service.gateway.upstreams import UpstreamRegistry
 
-SettingsDep = Annotated[GatewaySettings, Depends(get_settings)]
+
+async def _settings(request: Request) -> GatewaySettings:
+    return request.app.state.settings
 
 
-def _proxy(request: Request) -> Proxy:
+async def _proxy(request: Request) -> Proxy:
     return request.app.state.proxy
 
 
-def _upstreams(request: Request) -> UpstreamRegistry:
+async def _upstreams(request: Request) -> UpstreamRegistry:
     return request.app.state.upstreams
 
 
-def _metrics(request: Request) -> GatewayMetrics:
+async def _metrics(request: Request) -> GatewayMetrics:
     return request.app.state.metrics
 
 
+SettingsDep = Annotated[GatewaySettings, Depends(_settings)]
 ProxyDep = Annotated[Proxy, Depends(_proxy)]
 UpstreamsDep = Annotated[UpstreamRegistry, Depends(_upstreams)]
 MetricsDep = Annotated[GatewayMetrics, Depends(_metrics)]
 
 
-def require_api_key(settings: SettingsDep, authorization: Annotated[str | None, Header()] = None) -> None:
+async def require_api_key(
+    settings: SettingsDep, authorization: Annotated[str | None, Header()] = None
+) -> None:
     """401 unless API keys are off or ``Authorization: Bearer <key>`` names one (constant-time compare)."""
     if not settings.api_keys:
         return

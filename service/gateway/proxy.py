@@ -6,20 +6,22 @@ A connection error before the upstream answered is retried once on another healt
 when it is the only candidate); nothing has reached the client at that point, so a retry is invisible.
 
 Streams are relayed by an async generator: status and headers first, then each SSE event as soon as it is
-complete. Time to first token is taken at the first event with generated content. When the client goes
-away the upstream response is closed, which closes its connection, so the worker stops generating.
+complete, in its original bytes. Events are parsed only where the gateway needs their content: until the
+first one with generated content (time to first token is taken there) and then only those that name a
+``usage`` (token metrics). When the client goes away the upstream response is closed, which closes its
+connection, so the worker stops generating.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from http import HTTPStatus
 from typing import Any
 
 import anyio
-import httpx
+import orjson
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
@@ -27,6 +29,12 @@ from squeezeserve.service.gateway import errors, sse
 from squeezeserve.service.gateway.config import GatewaySettings
 from squeezeserve.service.gateway.metrics import GatewayMetrics
 from squeezeserve.service.gateway.routing import RouteRequest, RoutingStrategy
+from squeezeserve.service.gateway.upstream_http import (
+    UpstreamBroken,
+    UpstreamPool,
+    UpstreamResponse,
+    UpstreamUnreachable,
+)
 from squeezeserve.service.gateway.upstreams import Upstream, UpstreamRegistry
 from squeezeserve.service.protocol import error_body
 
@@ -58,11 +66,6 @@ _NOT_SENT_UPSTREAM = HOP_BY_HOP | {
 # Also not relayed back: recomputed by our server, or set by our middleware.
 _NOT_RETURNED = HOP_BY_HOP | {"content-length", "content-encoding", "date", "server", "x-request-id"}
 
-# Nothing is listening: eject the upstream at once.
-_UNREACHABLE = (httpx.ConnectError, httpx.ConnectTimeout)
-# The connection broke before the upstream answered (e.g. a stale keep-alive connection): retry only.
-_BROKEN_BEFORE_ANSWER = (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError)
-
 
 _DISCONNECT_POLL_S = 0.25
 
@@ -87,10 +90,12 @@ async def _unless_gone(work: Awaitable[bytes], client_gone: Callable[[], Awaitab
         task.cancel()  # no-op once done; otherwise the work's own cleanup runs (e.g. releasing its slot)
 
 
-def strip_hop_by_hop(headers: Mapping[str, str], drop: frozenset[str] | set[str]) -> dict[str, str]:
-    """Copy ``headers`` without ``drop`` and without the headers the ``Connection`` header names."""
-    named = {h.strip().lower() for h in headers.get("connection", "").split(",") if h.strip()}
-    return {k: v for k, v in headers.items() if k.lower() not in drop and k.lower() not in named}
+def strip_hop_by_hop(headers: Iterable[tuple[str, str]], drop: frozenset[str]) -> list[tuple[str, str]]:
+    """``headers`` (name, value) pairs without ``drop`` and without the headers ``Connection`` names."""
+    pairs = [(name.lower(), value) for name, value in headers]
+    named = {h.strip().lower() for name, value in pairs if name == "connection" for h in value.split(",")}
+    skip = drop | named if named else drop
+    return [(name, value) for name, value in pairs if name not in skip]
 
 
 class RelayResponse(StreamingResponse):
@@ -112,13 +117,13 @@ class RelayResponse(StreamingResponse):
 class Proxy:
     def __init__(
         self,
-        client: httpx.AsyncClient,
+        pool: UpstreamPool,
         upstreams: UpstreamRegistry,
         strategy: RoutingStrategy,
         metrics: GatewayMetrics,
         settings: GatewaySettings,
     ) -> None:
-        self._client = client
+        self._pool = pool
         self._upstreams = upstreams
         self._strategy = strategy
         self._metrics = metrics
@@ -152,30 +157,29 @@ class Proxy:
 
     # -- sending -----------------------------------------------------------------------------------
 
-    def _upstream_headers(self, request: RouteRequest, client_headers: Mapping[str, str]) -> dict[str, str]:
+    def _upstream_headers(
+        self, request: RouteRequest, client_headers: Iterable[tuple[str, str]]
+    ) -> list[tuple[str, str]]:
         headers = strip_hop_by_hop(client_headers, _NOT_SENT_UPSTREAM)
-        headers["x-request-id"] = request.request_id
+        headers.append(("x-request-id", request.request_id))
         # Identity encoding: chunks are relayed as they come, without re-compressing.
-        headers["accept-encoding"] = "identity"
+        headers.append(("accept-encoding", "identity"))
         if self._settings.upstream_api_key:
-            headers["authorization"] = f"Bearer {self._settings.upstream_api_key}"
+            headers.append(("authorization", f"Bearer {self._settings.upstream_api_key}"))
         return headers
 
     async def _send(
-        self, request: RouteRequest, body: bytes, headers: dict[str, str], path: str
-    ) -> tuple[httpx.Response, Upstream]:
+        self, request: RouteRequest, body: bytes, headers: list[tuple[str, str]], path: str
+    ) -> tuple[UpstreamResponse, Upstream]:
         """Send to a reserved upstream; on a connection error retry once. Returns the response (headers
         read, body not) and the upstream it came from, still reserved."""
         upstream = await self._reserve(request)
         for attempt in range(2):
-            outgoing = self._client.build_request(
-                "POST", f"{upstream.url}{path}", content=body, headers=headers
-            )
             try:
-                return await self._client.send(outgoing, stream=True), upstream
-            except (*_UNREACHABLE, *_BROKEN_BEFORE_ANSWER) as exc:
+                return await self._pool.request("POST", upstream.url, path, headers, body), upstream
+            except (UpstreamUnreachable, UpstreamBroken) as exc:
                 self._release(upstream)
-                if isinstance(exc, _UNREACHABLE):
+                if isinstance(exc, UpstreamUnreachable):
                     self._upstreams.mark_unreachable(upstream)
                 log.warning(
                     "request %s: upstream %s failed before answering (%s)",
@@ -196,7 +200,7 @@ class Proxy:
         self,
         request: RouteRequest,
         raw_body: bytes,
-        client_headers: Mapping[str, str],
+        client_headers: Iterable[tuple[str, str]],
         path: str,
         client_wants_usage: bool,
         client_gone: Callable[[], Awaitable[bool]] | None = None,
@@ -213,7 +217,7 @@ class Proxy:
         if request.stream and not client_wants_usage:
             # Ask for the usage chunk so token metrics work for streams too, and drop it on the way back.
             stream_options = dict(request.body.get("stream_options") or {}, include_usage=True)
-            body, strip_usage = json.dumps({**request.body, "stream_options": stream_options}).encode(), True
+            body, strip_usage = orjson.dumps({**request.body, "stream_options": stream_options}), True
         headers = self._upstream_headers(request, client_headers)
         try:
             async with asyncio.timeout_at(deadline):
@@ -228,18 +232,18 @@ class Proxy:
         except TimeoutError:
             raise errors.upstream_timeout(self._settings.request_timeout) from None
 
-        is_stream = response.headers.get("content-type", "").startswith("text/event-stream")
+        is_stream = response.header("content-type").startswith("text/event-stream")
         if request.stream and response.status_code == 200 and is_stream:
             return self._relay(request, response, upstream, started, deadline, strip_usage)
         try:
             async with asyncio.timeout_at(deadline):
-                content = await _unless_gone(response.aread(), client_gone)
+                content = await _unless_gone(response.read(), client_gone)
         except ClientGone:
             log.info("request %s: client disconnected; closing the upstream request", request.request_id)
             return Response(status_code=499)  # nobody reads it; nginx's code for "client closed request"
         except TimeoutError:
             raise errors.upstream_timeout(self._settings.request_timeout) from None
-        except httpx.HTTPError as exc:
+        except UpstreamBroken as exc:
             raise errors.bad_gateway(f"The upstream broke off its answer ({type(exc).__name__}).") from exc
         finally:
             await response.aclose()
@@ -248,35 +252,37 @@ class Proxy:
 
     # -- answering ---------------------------------------------------------------------------------
 
-    def _answer(self, request: RouteRequest, response: httpx.Response, content: bytes) -> Response:
-        """A complete upstream answer: pass it through with its status; errors are kept OpenAI-shaped."""
+    def _answer(self, request: RouteRequest, response: UpstreamResponse, content: bytes) -> Response:
+        """A complete upstream answer: its original bytes with its status; errors are kept OpenAI-shaped."""
         try:
-            payload = json.loads(content)
-        except ValueError:
+            payload = orjson.loads(content)
+        except orjson.JSONDecodeError:
             payload = None
         if response.status_code == 200 and isinstance(payload, dict):
             self._metrics.record_usage(request.model, payload.get("usage"))
         if response.status_code >= 400 and not (isinstance(payload, dict) and "error" in payload):
-            text = content.decode(errors="replace").strip()[:500] or response.reason_phrase
             status = response.status_code
+            text = content.decode(errors="replace").strip()[:500] or HTTPStatus(status).phrase
             body = error_body(f"Upstream error: {text}", "upstream_error", status)
-            return Response(json.dumps(body), status_code=status, media_type="application/json")
+            return Response(orjson.dumps(body), status_code=status, media_type="application/json")
         return Response(
             content,
             status_code=response.status_code,
-            headers=strip_hop_by_hop(response.headers, _NOT_RETURNED),
+            headers=dict(strip_hop_by_hop(response.headers, _NOT_RETURNED)),
         )
 
     def _relay(
         self,
         request: RouteRequest,
-        response: httpx.Response,
+        response: UpstreamResponse,
         upstream: Upstream,
         started: float,
         deadline: float,
         strip_usage: bool,
     ) -> RelayResponse:
         closed = False
+        # One timer for the whole stream (an asyncio.timeout per chunk cost ~6% of the relay's CPU).
+        response.expire_at(deadline)
 
         async def close() -> None:
             nonlocal closed
@@ -286,16 +292,15 @@ class Proxy:
                 self._release(upstream)
 
         async def events() -> AsyncIterator[bytes]:
-            chunks = response.aiter_raw()
+            chunks = aiter(response)
             pending = b""
             seen_content = False
             while True:
                 try:
-                    async with asyncio.timeout_at(deadline):
-                        raw = await anext(chunks)
+                    raw = await anext(chunks)
                 except StopAsyncIteration:
                     break
-                except (TimeoutError, httpx.HTTPError) as exc:
+                except (TimeoutError, UpstreamBroken) as exc:
                     error = (
                         errors.upstream_timeout(self._settings.request_timeout)
                         if isinstance(exc, TimeoutError)
@@ -313,7 +318,8 @@ class Proxy:
                 complete, pending = sse.split_events(pending + raw)
                 out = []
                 for event in complete:
-                    chunk = sse.event_json(event)
+                    # Parsed only while the metrics need it: until the first content, then usage events.
+                    chunk = sse.event_json(event) if not seen_content or sse.may_carry_usage(event) else None
                     if chunk is not None:
                         if not seen_content and sse.has_content(chunk):
                             seen_content = True
@@ -335,5 +341,5 @@ class Proxy:
             events(),
             on_close=close,
             status_code=response.status_code,
-            headers=strip_hop_by_hop(response.headers, _NOT_RETURNED),
+            headers=dict(strip_hop_by_hop(response.headers, _NOT_RETURNED)),
         )

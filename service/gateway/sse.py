@@ -6,12 +6,14 @@ The relay forwards each event's original bytes as soon as the event is complete.
 
 from __future__ import annotations
 
-import json
 import re
 from typing import Any
 
+import orjson
+
 _EVENT_END = re.compile(rb"\r\n\r\n|\n\n|\r\r")
 _LINE_END = re.compile(rb"\r\n|\n|\r")
+_USAGE_OBJECT = re.compile(rb'"usage"\s*:\s*\{')
 
 DONE = b"[DONE]"
 
@@ -40,15 +42,20 @@ def event_json(event: bytes) -> dict[str, Any] | None:
     if data is None or data.strip() == DONE:
         return None
     try:
-        value = json.loads(data)
-    except ValueError:
+        value = orjson.loads(data)
+    except orjson.JSONDecodeError:
         return None
     return value if isinstance(value, dict) else None
 
 
+def may_carry_usage(event: bytes) -> bool:
+    """Whether the event's data may hold a ``usage`` object (a cheap byte search, no JSON parsing)."""
+    return _USAGE_OBJECT.search(event) is not None
+
+
 def error_event(body: dict[str, Any]) -> bytes:
     """An error as an SSE event: OpenAI's SDK raises it as an APIError when it reads it mid-stream."""
-    return b"data: " + json.dumps(body).encode() + b"\n\n"
+    return b"data: " + orjson.dumps(body) + b"\n\n"
 
 
 def has_content(chunk: dict[str, Any]) -> bool:

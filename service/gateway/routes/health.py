@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from squeezeserve.service.gateway import errors
 from squeezeserve.service.gateway.deps import MetricsDep, UpstreamsDep
@@ -35,4 +35,4 @@ async def health(upstreams: UpstreamsDep) -> JSONResponse:
 
 @router.get("/metrics")
 async def metrics(metrics: MetricsDep) -> Response:
-    return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+    return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)

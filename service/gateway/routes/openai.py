@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import json
-
+import orjson
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from pydantic import ValidationError
@@ -30,8 +29,8 @@ async def _proxy(
 ) -> Response:
     raw = await request.body()
     try:
-        body = json.loads(raw)
-    except ValueError as exc:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
         raise errors.invalid_request(f"We could not parse the JSON body of your request: {exc}.") from None
     if not isinstance(body, dict):
         raise errors.invalid_request("The request body must be a JSON object.")
@@ -56,7 +55,12 @@ async def _proxy(
         routing=routing,
     )
     return await proxy.forward(
-        route, raw, request.headers, path, parsed.include_usage_in_stream, client_gone=request.is_disconnected
+        route,
+        raw,
+        request.headers.items(),
+        path,
+        parsed.include_usage_in_stream,
+        client_gone=request.is_disconnected,
     )
 
 

@@ -9,7 +9,8 @@ know):
 - ``hang_after``: stream this many chunks, then wait forever (until the client goes away).
 
 Every answer names the upstream in ``system_fingerprint``; ``app.state.received`` keeps each request's
-headers and body, ``app.state.cancelled_streams`` counts streams ended by the client going away.
+headers, body (parsed, and its raw bytes) and the client's port (one per connection);
+``app.state.cancelled_streams`` counts streams ended by the client going away.
 
 Run as a script for a separate process that a test can kill: ``python fake_upstream.py --port P --model M``.
 """
@@ -43,8 +44,12 @@ def create_fake(name: str, models: list[str]) -> FastAPI:
         return {"object": "list", "data": cards}
 
     async def answer(request: Request, kind: str) -> Response:
-        body = await request.json()
-        app.state.received.append({"headers": dict(request.headers), "body": body, "kind": kind})
+        raw = await request.body()
+        body = json.loads(raw)
+        peer_port = request.client.port if request.client else None
+        app.state.received.append(
+            {"headers": dict(request.headers), "body": body, "raw": raw, "kind": kind, "peer_port": peer_port}
+        )
         fake = body.get("fake") or {}
         await asyncio.sleep(fake.get("delay", 0))
         if "status" in fake:

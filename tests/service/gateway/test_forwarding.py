@@ -72,6 +72,37 @@ def test_original_body_and_unknown_fields_reach_the_upstream(fake_upstream, star
     assert upstream.app.state.received[0]["body"] == json.loads(body)
 
 
+def test_the_original_bytes_are_forwarded_both_ways(fake_upstream, start_gateway):
+    upstream = fake_upstream()
+    gateway = start_gateway([upstream.url])
+    # Spacing, key order and escapes that any re-serialisation would change.
+    body = b'{ "prompt" : "caf\\u00e9\\n",\n"model":"fake-model", "max_tokens": 1.0e1, "x": [ ] }'
+
+    through_gateway = httpx.post(
+        f"{gateway}/v1/completions", content=body, headers={"content-type": "application/json"}
+    )
+    direct = httpx.post(f"{upstream.url}/v1/completions", content=body)
+
+    assert through_gateway.status_code == 200
+    assert upstream.app.state.received[0]["raw"] == body
+    # The answer comes back as the upstream wrote it (only its id and timestamp differ between the two).
+    assert len(through_gateway.content) == len(direct.content)
+    assert through_gateway.content.startswith(b'{"id":"cmpl-')
+
+
+def test_upstream_connections_are_kept_alive(fake_upstream, start_gateway, openai_client):
+    upstream = fake_upstream()
+    client = openai_client(start_gateway([upstream.url]))
+
+    for _ in range(3):
+        client.completions.create(model="fake-model", prompt="x")
+    for _ in client.completions.create(model="fake-model", prompt="x", stream=True):
+        pass
+    client.completions.create(model="fake-model", prompt="x")
+
+    assert len({request["peer_port"] for request in upstream.app.state.received}) == 1
+
+
 def test_request_id_is_passed_through_upstream_and_back(fake_upstream, start_gateway, openai_client):
     upstream = fake_upstream("a")
     gateway = start_gateway([upstream.url])

@@ -1,0 +1,31 @@
+"""``--workers N``: several gateway processes on one port, whose metrics add up whichever one is scraped."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.slow  # starts servers and processes
+
+MAX_REQUESTS = 200
+
+
+def test_two_workers_serve_and_their_metrics_aggregate(fake_upstream, cli_gateway, metric):
+    upstream = fake_upstream()
+    url, _ = cli_gateway("--upstream", upstream.url, "--workers", "2")
+
+    # A new connection per request, so the kernel hands them to both processes; each process keeps one
+    # connection to the upstream alive, so two upstream peers = both processes have served.
+    sent = 0
+    while len({r["peer_port"] for r in upstream.app.state.received}) < 2 and sent < MAX_REQUESTS:
+        response = httpx.post(f"{url}/v1/completions", json={"model": "fake-model", "prompt": "one two"})
+        assert response.status_code == 200
+        sent += 1
+
+    assert len({r["peer_port"] for r in upstream.app.state.received}) == 2
+    for _ in range(4):  # every scrape, whichever process answers it, shows the sum of both
+        requests = metric(url, "squeezeserve_gateway_requests_total", route="/v1/completions", status="200")
+        tokens = metric(url, "squeezeserve_gateway_tokens_total", model="fake-model", direction="prompt")
+        assert (requests, tokens) == (sent, 2 * sent)
+    assert metric(url, "squeezeserve_gateway_upstream_healthy", upstream=upstream.url) == 1
+    assert metric(url, "squeezeserve_gateway_upstream_in_flight", upstream=upstream.url) == 0
