@@ -43,7 +43,9 @@ class GatewaySettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid")
 
     upstreams: Annotated[list[str], NoDecode] = Field(
-        min_length=1, description="base URLs of OpenAI-compatible workers, e.g. http://127.0.0.1:8001"
+        min_length=1,
+        description="base URLs of OpenAI-compatible workers, e.g. http://127.0.0.1:8001; "
+        "dns+http://NAME:PORT stands for every address NAME resolves to (a headless Service's Pods)",
     )
     host: str = "127.0.0.1"
     port: Annotated[int, Field(ge=0, le=65535)] = 8000
@@ -75,8 +77,11 @@ class GatewaySettings(BaseSettings):
         cleaned = []
         for url in urls:
             parts = urlsplit(url)
-            if parts.scheme not in ("http", "https") or not parts.netloc:
-                raise ValueError(f"upstream {url!r} is not an http(s) URL such as http://127.0.0.1:8001")
+            if parts.scheme not in ("http", "https", "dns+http", "dns+https") or not parts.netloc:
+                raise ValueError(
+                    f"upstream {url!r} is not an http(s) URL such as http://127.0.0.1:8001 "
+                    "(or dns+http://NAME:PORT: every address NAME resolves to)"
+                )
             cleaned.append(url.rstrip("/"))
         if len(set(cleaned)) != len(cleaned):
             raise ValueError("each upstream may be listed only once")

@@ -4,20 +4,43 @@ A background loop probes every upstream each ``health_interval`` seconds: ``GET 
 ``GET /v1/models``. An upstream is ejected after ``unhealthy_threshold`` consecutive failed probes, and at
 once when a proxied request cannot connect to it (nothing listens there: waiting for more probes would only
 send more requests into the void). One successful probe re-admits it.
+
+Discovery: an upstream written ``dns+http://NAME:PORT`` stands for every address NAME resolves to, each an
+upstream of its own (``http://ADDRESS:PORT``), resolved again before every round of probes. With a
+Kubernetes headless Service as NAME, every worker Pod is routed to on its own (least outstanding, prefix
+affinity), where a plain Service's virtual IP would hide them behind one address. Addresses that disappear
+are dropped once no request is in flight on them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import logging
-from collections.abc import Sequence
+import socket
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 
 log = logging.getLogger(__name__)
+
+DISCOVERY_SCHEME = "dns+"
+# (host, port) -> the host's addresses; the event loop's getaddrinfo by default, replaceable in tests.
+Resolver = Callable[[str, int], Awaitable[list[str]]]
+
+
+async def resolve_addresses(host: str, port: int) -> list[str]:
+    infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    return sorted({str(info[4][0]) for info in infos})
+
+
+def _address_url(scheme: str, address: str, port: int) -> str:
+    host = f"[{address}]" if ipaddress.ip_address(address).version == 6 else address
+    return f"{scheme}://{host}:{port}"
 
 
 @dataclass(eq=False)
@@ -46,8 +69,12 @@ class UpstreamRegistry:
         health_timeout: float,
         unhealthy_threshold: int,
         headers: dict[str, str] | None = None,
+        resolver: Resolver = resolve_addresses,
     ) -> None:
-        self.upstreams = [Upstream(url) for url in urls]
+        self._discovered = [url for url in urls if url.startswith(DISCOVERY_SCHEME)]
+        self.upstreams = [Upstream(url) for url in urls if not url.startswith(DISCOVERY_SCHEME)]
+        self._resolver = resolver
+        self._tracked: dict[str, set[str]] = {spec: set() for spec in self._discovered}
         self._client = client
         self._interval = health_interval
         self._timeout = health_timeout
@@ -112,7 +139,32 @@ class UpstreamRegistry:
         upstream.healthy = True
         upstream.consecutive_failures = 0
 
+    async def discover(self) -> None:
+        """Resolve every ``dns+`` upstream again: add new addresses, drop vanished idle ones."""
+        for spec in self._discovered:
+            parts = urlsplit(spec[len(DISCOVERY_SCHEME) :])
+            port = parts.port or (443 if parts.scheme == "https" else 80)
+            try:
+                addresses = await self._resolver(parts.hostname or "", port)
+            except OSError as exc:  # a failed lookup keeps what was found before
+                log.warning(
+                    "cannot resolve %s (%s); keeping %d known upstreams", spec, exc, len(self.upstreams)
+                )
+                continue
+            found = {_address_url(parts.scheme, address, port) for address in addresses}
+            known = {u.url for u in self.upstreams}
+            for url in sorted(found - known):
+                log.info("discovered upstream %s (%s)", url, spec)
+                self.upstreams.append(Upstream(url))
+            gone = self._tracked[spec] - found
+            for upstream in [u for u in self.upstreams if u.url in gone and u.in_flight == 0]:
+                log.info("upstream %s no longer resolves from %s; dropped", upstream.url, spec)
+                self.upstreams.remove(upstream)
+            self._tracked[spec] = found | {u.url for u in self.upstreams if u.url in gone}
+
     async def check_all(self) -> None:
+        if self._discovered:
+            await self.discover()
         await asyncio.gather(*(self.check(u) for u in self.upstreams))
 
     # -- background loop -------------------------------------------------------------------------------

@@ -119,7 +119,8 @@ def test_services_and_budgets_select_the_pods_they_mean(helm_renders):
             if doc["kind"] in ("Service", "PodDisruptionBudget", "ServiceMonitor"):
                 selector = _selector_labels(doc)
                 matched = [name for name, labels in pods.items() if selector.items() <= labels.items()]
-                assert matched == [doc["metadata"]["name"]], (
+                meant = doc["metadata"]["name"].removesuffix("-pods")  # a headless Service: the same Pods
+                assert matched == [meant], (
                     f"helm[{value_set}] {doc['kind']}/{doc['metadata']['name']} selects {matched}"
                 )
             if doc["kind"] == "HorizontalPodAutoscaler":
@@ -146,11 +147,18 @@ def test_gateway_finds_workers_through_the_worker_service(helm_renders):
             d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"].endswith("-gateway")
         )
         first = config["data"]["SQUEEZESERVE_GATEWAY_UPSTREAMS"].split(",")[0]
-        match = re.fullmatch(rf"http://([a-z0-9-]+)\.{NAMESPACE_RE}\.svc:(\d+)", first)
+        match = re.fullmatch(rf"(dns\+)?http://([a-z0-9-]+)\.{NAMESPACE_RE}\.svc:(\d+)", first)
         assert match, f"helm[{value_set}] upstream {first!r} is not a Service URL"
-        service = services[match.group(1)]
-        assert service["metadata"]["labels"]["app.kubernetes.io/component"] == "worker"
-        assert int(match.group(2)) in {port["port"] for port in service["spec"]["ports"]}
+        service = services[match.group(2)]
+        assert service["metadata"]["labels"]["app.kubernetes.io/component"] in ("worker", "worker-pods")
+        assert int(match.group(3)) in {port["port"] for port in service["spec"]["ports"]}
+        # One worker: its Service. Several: every Pod through a headless Service, so each is routed to.
+        worker = next(
+            d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"].endswith("-worker")
+        )
+        several = worker["spec"]["replicas"] > 1
+        assert bool(match.group(1)) == several, f"helm[{value_set}]: {first!r}"
+        assert (service["spec"].get("clusterIP") == "None") == several
 
 
 NAMESPACE_RE = "llm"
@@ -189,3 +197,24 @@ def test_the_chart_ships_the_same_validation_sample_as_kustomize(deploy):
 def test_rendering_with_an_unknown_engine_fails_at_the_schema(deploy):
     with pytest.raises(helm_python.HelmValuesError):
         deploy.render_chart({"worker": {"engine": "llamacpp"}})
+
+
+def test_tensor_parallel_workers_request_one_gpu_per_rank(helm_renders):
+    docs = helm_renders["scale"]
+    worker = next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"].endswith("-worker"))
+    container = worker["spec"]["template"]["spec"]["containers"][0]
+    args = container["args"]
+    tail = args[args.index("--") + 1 :]
+    assert tail == ["--tensor-parallel-size", "2", "--max-model-len", "4096"]
+    assert container["resources"]["requests"]["nvidia.com/gpu"] == 2
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 2
+    assert worker["spec"]["replicas"] == 2
+    config = next(d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"].endswith("-gateway"))
+    assert config["data"]["SQUEEZESERVE_GATEWAY_ROUTING"] == "prefix_affinity"
+    # the default values are untouched: one GPU, no "--" tail
+    default = next(
+        d
+        for d in helm_renders["gpu-default"]
+        if d["kind"] == "Deployment" and d["metadata"]["name"].endswith("-worker")
+    )
+    assert "--" not in default["spec"]["template"]["spec"]["containers"][0]["args"]

@@ -75,6 +75,16 @@ app.kubernetes.io/part-of: squeezeserve
 {{- printf "http://%s.%s.svc:%d" (include "squeezeserve.componentName" (dict "ctx" . "component" "worker")) .Release.Namespace (int .Values.worker.port) }}
 {{- end }}
 
+{{- /* The gateway's upstream for this release's workers: the Service while there is one replica; above
+one, every Pod behind the headless Service (the gateway resolves it again before each health round). */ -}}
+{{- define "squeezeserve.workerUpstream" -}}
+{{- if gt (int .Values.worker.replicaCount) 1 -}}
+{{- printf "dns+http://%s.%s.svc:%d" (include "squeezeserve.componentName" (dict "ctx" . "component" "worker-pods")) .Release.Namespace (int .Values.worker.port) }}
+{{- else -}}
+{{- include "squeezeserve.workerUrl" . }}
+{{- end }}
+{{- end }}
+
 {{- define "squeezeserve.gatewayUrl" -}}
 {{- printf "http://%s.%s.svc:%d" (include "squeezeserve.componentName" (dict "ctx" . "component" "gateway")) .Release.Namespace (int .Values.gateway.service.port) }}
 {{- end }}
