@@ -6,7 +6,9 @@ In-process servers run uvicorn in a thread of their own (their own event loop) o
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import os
 import signal
 import socket
 import subprocess
@@ -183,7 +185,8 @@ def cli_gateway(servers: SimpleNamespace) -> Iterator[Callable[..., tuple[str, s
     def start(*flags: str) -> tuple[str, subprocess.Popen[bytes]]:
         port = servers.free_port()
         command = [sys.executable, "-m", "squeezeserve.service.cli", "gateway", *flags, "--port", str(port)]
-        process = subprocess.Popen(command)
+        # Its own process group: with --workers N the gateway's children go down with it at teardown.
+        process = subprocess.Popen(command, start_new_session=True)
         processes.append(process)
         url = f"http://127.0.0.1:{port}"
         servers.wait_until_healthy(url, timeout=60, process=process)
@@ -191,7 +194,9 @@ def cli_gateway(servers: SimpleNamespace) -> Iterator[Callable[..., tuple[str, s
 
     yield start
     for process in processes:
-        servers.stop_process(process, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
 
 
 @pytest.fixture(scope="module")
