@@ -7,10 +7,13 @@ it (this process), prints where to send requests, and on Ctrl-C / SIGTERM stops 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
+import os
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 
 from squeezeserve.service.processes import stop_process, wait_until_healthy
 
@@ -31,6 +34,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--served-model-name", default=None)
     parser.add_argument("--engine", choices=["local", "vllm"], default="local")
     parser.add_argument("--api-key", action="append", default=[], help="require this key at the gateway")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="worker's torch CPU threads (default: the cores this process may use)",
+    )
 
 
 def _prepare_model(args: argparse.Namespace) -> tuple[str, str]:
@@ -81,6 +90,8 @@ def run(args: argparse.Namespace) -> int:
         "--port",
         str(worker_port),
     ]
+    if args.threads is not None and args.engine == "local":
+        cmd += ["--threads", str(args.threads)]
     worker = subprocess.Popen(cmd, start_new_session=True)  # our Ctrl-C must not reach it before we stop it
     # SIGTERM (docker stop, systemd) takes the same clean path as Ctrl-C. uvicorn re-raises the signal
     # once the gateway has shut down, which lands here.
@@ -88,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         print(f"starting worker ({args.engine}) for {name} on {worker_url} ...", flush=True)
         wait_until_healthy(worker_url, WORKER_START_TIMEOUT_S, worker)
-        return _serve_gateway(args, worker_url, name)
+        return _serve_gateway(args, worker_url, name, lambda: _kill_group(worker))
     except KeyboardInterrupt:
         return 0
     except RuntimeError as exc:
@@ -99,11 +110,18 @@ def run(args: argparse.Namespace) -> int:
         stop_process(worker, grace=15)
 
 
-def _serve_gateway(args: argparse.Namespace, worker_url: str, name: str) -> int:
-    import uvicorn
+def _kill_group(process: subprocess.Popen) -> None:
+    """A second Ctrl-C: the worker (its own session) goes at once, with whatever it was generating."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
 
+
+def _serve_gateway(
+    args: argparse.Namespace, worker_url: str, name: str, on_force_exit: Callable[[], None]
+) -> int:
     from squeezeserve.service.gateway.app import create_app
     from squeezeserve.service.gateway.config import GatewaySettings
+    from squeezeserve.service.serving import serve
 
     settings = GatewaySettings(upstreams=[worker_url], host=args.host, port=args.port, api_keys=args.api_key)
     base = f"http://{args.host}:{args.port}"
@@ -112,8 +130,8 @@ def _serve_gateway(args: argparse.Namespace, worker_url: str, name: str) -> int:
         f"  curl {base}/v1/chat/completions -H 'Content-Type: application/json' "
         f'-d \'{{"model": "{name}", "messages": [{{"role": "user", '
         f'"content": "What is the capital of France?"}}]}}\'\n'
-        f"  metrics: {base}/metrics   (Ctrl-C stops both)\n",
+        f"  metrics: {base}/metrics   (Ctrl-C drains and stops both; twice exits at once)\n",
         flush=True,
     )
-    uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level="warning")
+    serve(create_app(settings), "gateway", args.host, args.port, on_force_exit, log_level="warning")
     return 0

@@ -144,8 +144,9 @@ def run(args: argparse.Namespace) -> int:
     server = {"host": settings.host, "port": settings.port, "access_log": False}
     if settings.workers == 1:
         from squeezeserve.service.gateway.app import create_app
+        from squeezeserve.service.serving import serve
 
-        uvicorn.run(create_app(settings), log_config=None, **server)
+        serve(create_app(settings), "gateway", log_config=None, **server)
         return 0
     # Several processes: each builds its app from the environment, and shares metrics through a directory
     # (the operator's PROMETHEUS_MULTIPROC_DIR, else a fresh one removed at exit).

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -30,7 +31,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-batch-size", type=int, default=16, help="local: sequences decoded together")
     parser.add_argument("--max-waiting", type=int, default=256, help="local: queued requests before 429")
     parser.add_argument(
-        "--threads", type=int, default=0, help="local: torch CPU threads (0 = torch's default)"
+        "--threads",
+        type=int,
+        default=None,
+        help="local: torch CPU threads (default: the cores this process may use)",
     )
     parser.add_argument(
         "--no-custom-ops", action="store_true", help="local: run the model on stock modules, not our ops"
@@ -67,6 +71,9 @@ def run(args: argparse.Namespace) -> int:
     if args.max_batch_size < 1:
         print("error: --max-batch-size must be at least 1", file=sys.stderr)
         return 2
+    if args.threads is not None and args.threads < 1:
+        print(f"error: --threads must be at least 1, got {args.threads}", file=sys.stderr)
+        return 2
     return serve_local(
         args.model,
         name,
@@ -89,18 +96,19 @@ def serve_local(
     dtype: str = "auto",
     max_batch_size: int = 16,
     max_waiting: int = 256,
-    threads: int = 0,
+    threads: int | None = None,
     use_custom_ops: bool = True,
     quantized_linear: str = "auto",
 ) -> int:
     import torch
-    import uvicorn
 
     from squeezeserve.service.models.loader import load_model
+    from squeezeserve.service.serving import serve
     from squeezeserve.service.worker.local.app import create_app
 
-    if threads > 0:
-        torch.set_num_threads(threads)
+    usable = usable_cores()
+    torch.set_num_threads(threads or usable)
+    log.info("torch threads: %d (this process may use %d cores)", torch.get_num_threads(), usable)
     try:
         loaded = load_model(
             model, dtype=dtype, use_custom_ops=use_custom_ops, quantized_linear=quantized_linear
@@ -110,5 +118,14 @@ def serve_local(
         return 1
     app = create_app(loaded, name, max_batch_size=max_batch_size, max_waiting=max_waiting)
     log.info("serving %s as %r on http://%s:%d", model, name, host, port)
-    uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=10)
+    serve(app, "worker", host, port, log_level="warning", timeout_graceful_shutdown=10)
     return 0
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity: a container's cpuset, taskset), not the
+    machine's: torch's default of every core oversubscribes a worker pinned to a few."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
