@@ -123,8 +123,9 @@ class ChatCompletionRequest(SamplingFields):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
-def error_body(message: str, type_: str, code: str | int | None = None, param: str | None = None) -> dict:
-    """OpenAI's error shape, used for every error either server returns."""
+def error_body(message: str, type_: str, code: str | None = None, param: str | None = None) -> dict:
+    """OpenAI's error shape, used for every error either server returns; ``code`` is a string or null."""
+    code = None if code is None else str(code)
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 

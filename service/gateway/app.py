@@ -9,6 +9,7 @@ import httpx
 from fastapi import FastAPI
 
 from squeezeserve.service import __version__
+from squeezeserve.service.apidocs import create_app_with_offline_docs
 from squeezeserve.service.gateway.config import GatewaySettings, get_settings
 from squeezeserve.service.gateway.errors import install_error_handlers
 from squeezeserve.service.gateway.metrics import GatewayMetrics
@@ -57,7 +58,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
                 await pool.aclose()
                 metrics.close()
 
-    app = FastAPI(title="squeezeserve gateway", version=__version__, lifespan=lifespan)
+    app = create_app_with_offline_docs(title="squeezeserve gateway", version=__version__, lifespan=lifespan)
     app.state.settings = settings
     install_error_handlers(app)
     app.add_middleware(RequestContextMiddleware)

@@ -1,47 +1,22 @@
-"""The gateway's one error contract: OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``.
-
-Code anywhere in the gateway raises :class:`GatewayError` (or one of the named constructors below); the
-handlers installed by :func:`install_error_handlers` turn it, FastAPI's and Starlette's own errors into
-that shape with the right status.
+"""The gateway's errors: named constructors over the shared OpenAI error contract (``service/errors.py``,
+which the worker installs too), and the handlers that also count each rejection and log the model the
+client asked for.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import logging
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from squeezeserve.service.protocol import error_body, validation_message
+from squeezeserve.service.errors import APIError
+from squeezeserve.service.errors import install_error_handlers as install_shared_handlers
+
+log = logging.getLogger(__name__)
 
 
-class GatewayError(Exception):
-    """An error the client should see: HTTP status plus OpenAI's error fields."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        type_: str,
-        code: str | None = None,
-        param: str | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type_
-        self.code = code
-        self.param = param
-        self.headers = headers or {}
-
-    def body(self) -> dict[str, Any]:
-        return error_body(self.message, self.type, self.code, self.param)
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+class GatewayError(APIError):
+    """An error the gateway answers with (the shared :class:`~squeezeserve.service.errors.APIError`)."""
 
 
 def invalid_request(message: str, param: str | None = None) -> GatewayError:
@@ -103,29 +78,21 @@ def bad_gateway(message: str) -> GatewayError:
     return GatewayError(502, message, "upstream_error", "bad_gateway")
 
 
-async def _gateway_error(request: Request, exc: Exception) -> JSONResponse:
-    assert isinstance(exc, GatewayError)  # registered for this class only
+def _count_and_log(request: Request, error: APIError) -> None:
+    """Count the rejection, and name the model the client asked for (never keys, headers or prompts)."""
     metrics = getattr(request.app.state, "metrics", None)
     if metrics is not None:
-        metrics.rejections.labels(exc.code or exc.type).inc()
-    return exc.response()
-
-
-async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
-    assert isinstance(exc, RequestValidationError)
-    message, param = validation_message(list(exc.errors()))
-    return invalid_request(message, param).response()
-
-
-async def _http_error(request: Request, exc: Exception) -> JSONResponse:
-    assert isinstance(exc, StarletteHTTPException)
-    type_ = "invalid_request_error" if exc.status_code < 500 else "server_error"
-    return JSONResponse(
-        error_body(str(exc.detail), type_, exc.status_code), status_code=exc.status_code, headers=exc.headers
+        metrics.rejections.labels(error.code or error.type).inc()
+    requested = getattr(request.state, "requested_model", None)
+    log.info(
+        "rejected %s %s model=%s status=%d code=%s",
+        request.method,
+        request.url.path,
+        "-" if requested is None else repr(requested[:100]),
+        error.status,
+        error.code,
     )
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    app.add_exception_handler(GatewayError, _gateway_error)
-    app.add_exception_handler(RequestValidationError, _validation_error)
-    app.add_exception_handler(StarletteHTTPException, _http_error)
+    install_shared_handlers(app, _count_and_log)

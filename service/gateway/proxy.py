@@ -263,7 +263,7 @@ class Proxy:
         if response.status_code >= 400 and not (isinstance(payload, dict) and "error" in payload):
             status = response.status_code
             text = content.decode(errors="replace").strip()[:500] or HTTPStatus(status).phrase
-            body = error_body(f"Upstream error: {text}", "upstream_error", status)
+            body = error_body(f"Upstream error: {text}", "upstream_error", f"upstream_{status}")
             return Response(orjson.dumps(body), status_code=status, media_type="application/json")
         return Response(
             content,

@@ -1,4 +1,4 @@
-"""``GET /v1/models``: the union of the models the healthy upstreams serve."""
+"""``GET /v1/models``: the union of the models the healthy upstreams serve; ``GET /v1/models/{id}``: one."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ from typing import Any
 
 from fastapi import APIRouter
 
+from squeezeserve.service.gateway import errors
 from squeezeserve.service.gateway.deps import ApiKeyDep, UpstreamsDep
 
 router = APIRouter(prefix="/v1", dependencies=[ApiKeyDep])
@@ -14,3 +15,12 @@ router = APIRouter(prefix="/v1", dependencies=[ApiKeyDep])
 @router.get("/models")
 async def list_models(upstreams: UpstreamsDep) -> dict[str, Any]:
     return {"object": "list", "data": upstreams.models()}
+
+
+# ``:path``: model ids may contain slashes (Hugging Face ids such as org/name).
+@router.get("/models/{model_id:path}")
+async def retrieve_model(model_id: str, upstreams: UpstreamsDep) -> dict[str, Any]:
+    for card in upstreams.models():
+        if card.get("id") == model_id:
+            return card
+    raise errors.model_not_found(model_id)

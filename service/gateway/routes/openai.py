@@ -34,6 +34,8 @@ async def _proxy(
         raise errors.invalid_request(f"We could not parse the JSON body of your request: {exc}.") from None
     if not isinstance(body, dict):
         raise errors.invalid_request("The request body must be a JSON object.")
+    if isinstance(body.get("model"), str):  # for the log line of a request that is then rejected
+        request.state.requested_model = body["model"]
     try:
         parsed = schema.model_validate(body)
     except ValidationError as exc:

@@ -20,6 +20,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
 
+from squeezeserve.service.apidocs import create_app_with_offline_docs
+from squeezeserve.service.errors import APIError, install_error_handlers, invalid_request
 from squeezeserve.service.models.loader import LoadedModel
 from squeezeserve.service.protocol import (
     ChatCompletionRequest,
@@ -36,20 +38,8 @@ from squeezeserve.service.worker.local.sampling import SamplingParams
 _DISCONNECT_POLL_S = 0.25
 
 
-class APIError(Exception):
-    def __init__(
-        self, status: int, message: str, type_: str, code: str | None = None, param: str | None = None
-    ):
-        super().__init__(message)
-        self.status, self.type, self.code, self.param = status, type_, code, param
-
-    def response(self, headers: dict[str, str] | None = None) -> JSONResponse:
-        body = error_body(str(self), self.type, self.code, self.param)
-        return JSONResponse(body, status_code=self.status, headers=headers)
-
-
 def bad_request(message: str, param: str | None = None) -> APIError:
-    return APIError(400, message, "invalid_request_error", "invalid_request", param)
+    return invalid_request(message, param)
 
 
 @dataclass
@@ -125,7 +115,11 @@ class WorkerService:
             self.engine.submit(request)
         except EngineOverloaded as exc:
             raise APIError(
-                429, f"The worker is overloaded ({exc}); retry later.", "rate_limit_error", "overloaded"
+                429,
+                f"The worker is overloaded ({exc}); retry later.",
+                "rate_limit_error",
+                "overloaded",
+                headers={"Retry-After": "1"},
             ) from exc
         return request
 
@@ -202,14 +196,13 @@ def create_app(
         finally:
             service.engine.stop()
 
-    app = FastAPI(title="squeezeserve embedded worker", lifespan=lifespan)
+    app = create_app_with_offline_docs(title="squeezeserve embedded worker", lifespan=lifespan)
     app.state.service = service
 
-    @app.exception_handler(APIError)
-    async def _api_error(http: Request, exc: APIError) -> JSONResponse:
-        headers = {"Retry-After": "1"} if exc.status == 429 else None
-        service.metrics.requests.labels(endpoint=http.url.path, status=str(exc.status)).inc()
-        return exc.response(headers)
+    def _count(http: Request, error: APIError) -> None:
+        service.metrics.requests.labels(endpoint=http.url.path, status=str(error.status)).inc()
+
+    install_error_handlers(app, _count)
 
     @app.get("/health")
     async def health() -> Response:
@@ -221,17 +214,23 @@ def create_app(
     async def metrics() -> Response:
         return Response(generate_latest(service.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    card = {
+        "id": served_name,
+        "object": "model",
+        "created": service.created,
+        "owned_by": "squeezeserve",
+        "root": loaded.path,
+        "max_model_len": loaded.max_context,
+    }
+
     @app.get("/v1/models")
     async def models() -> dict:
-        card = {
-            "id": served_name,
-            "object": "model",
-            "created": service.created,
-            "owned_by": "squeezeserve",
-            "root": loaded.path,
-            "max_model_len": loaded.max_context,
-        }
         return {"object": "list", "data": [card]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict:
+        service.check_model(model_id)
+        return card
 
     @app.post("/v1/completions")
     async def completions(http: Request) -> Response:

@@ -139,8 +139,49 @@ def test_every_upstream_at_its_limit_is_429_with_retry_after(
     assert client.completions.create(model="fake-model", prompt="x").choices
 
 
-def test_unknown_path_is_openai_shaped_404(fake_upstream, start_gateway):
-    response = httpx.get(f"{start_gateway([fake_upstream().url])}/v1/nothing")
+def test_unknown_path_and_wrong_method_are_openai_shaped_with_string_codes(fake_upstream, start_gateway):
+    gateway = start_gateway([fake_upstream().url])
+    missing = httpx.get(f"{gateway}/v1/nothing")
+    wrong_method = httpx.delete(f"{gateway}/v1/completions")
 
-    assert response.status_code == 404
-    assert response.json()["error"]["type"] == "invalid_request_error"
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
+    assert missing.json()["error"]["type"] == "invalid_request_error"
+    assert wrong_method.status_code == 405 and wrong_method.json()["error"]["code"] == "method_not_allowed"
+
+
+def test_a_rejected_request_is_logged_with_the_model_it_asked_for(fake_upstream, start_gateway, caplog):
+    gateway = start_gateway([fake_upstream().url], api_keys=["k"])
+    with caplog.at_level("INFO", logger="squeezeserve.service.gateway.errors"):
+        unknown = httpx.post(
+            f"{gateway}/v1/completions",
+            json={"model": "no-such-model", "prompt": "secret prompt"},
+            headers={"Authorization": "Bearer k"},
+        )
+        unauthorized = httpx.post(f"{gateway}/v1/completions", json={"model": "m", "prompt": "x"})
+
+    assert unknown.status_code == 404 and unauthorized.status_code == 401
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("rejected")]
+    assert any("model='no-such-model'" in line and "status=404" in line for line in lines), lines
+    assert not any("secret prompt" in line or "Bearer" in line for line in lines)
+
+
+def test_one_model_card_by_id(fake_upstream, start_gateway, openai_client):
+    client = openai_client(start_gateway([fake_upstream("a", ["org/model-1", "m2"]).url]))
+
+    assert client.models.retrieve("org/model-1").id == "org/model-1"
+    with pytest.raises(openai.NotFoundError) as err:
+        client.models.retrieve("nope")
+    assert err.value.body["code"] == "model_not_found"
+
+
+def test_docs_work_offline(fake_upstream, start_gateway):
+    gateway = start_gateway([fake_upstream().url])
+    page = httpx.get(f"{gateway}/docs")
+
+    assert (
+        page.status_code == 200 and "cdn." not in page.text and "https://" not in page.text.split("<body")[0]
+    )
+    for asset in ("swagger-ui-bundle.js", "swagger-ui.css"):
+        assert f"/docs/assets/{asset}" in page.text
+        assert httpx.get(f"{gateway}/docs/assets/{asset}").status_code == 200
+    assert httpx.get(f"{gateway}/redoc").status_code == 404  # its scripts would come from a CDN

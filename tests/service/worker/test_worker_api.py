@@ -227,6 +227,17 @@ def test_metrics_show_the_traffic(client: openai.OpenAI, baseline_worker: str) -
 
 def test_models_lists_the_served_name(client: openai.OpenAI) -> None:
     assert [m.id for m in client.models.list().data] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("no-such-model")
+
+
+def test_the_workers_own_errors_are_openai_shaped(baseline_worker: str) -> None:
+    missing = httpx.get(f"{baseline_worker}/v1/nothing")
+    wrong_method = httpx.get(f"{baseline_worker}/v1/completions")
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
+    assert wrong_method.status_code == 405 and wrong_method.json()["error"]["code"] == "method_not_allowed"
+    assert "detail" not in missing.json()
 
 
 def test_sse_frames_are_well_formed(baseline_worker: str) -> None:
