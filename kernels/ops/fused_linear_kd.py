@@ -213,16 +213,8 @@ def _fused_linear_kd(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns (loss, grad_student_hidden, grad_student_weight); a gradient is empty unless compute_grad
     (grad_student_weight also needs weight_grad: a frozen LM head saves one GEMM per chunk)."""
-    _check(
-        student_hidden,
-        student_weight,
-        teacher_hidden,
-        teacher_weight,
-        target,
-        temperature,
-        lm_weight,
-        reduction,
-    )
+    _check(student_hidden, student_weight, teacher_hidden, teacher_weight, target, temperature, lm_weight,
+           reduction)  # fmt: skip
     n_tokens, hidden_size = student_hidden.shape
     vocab = student_weight.shape[0]
     chunk = chunk_tokens(n_tokens, hidden_size, 2 * vocab)
@@ -264,16 +256,8 @@ fused_linear_kd = triton_op("squeezeserve::fused_linear_kd", _fused_linear_kd, m
 @fused_linear_kd.register_fake
 def _(student_hidden, student_weight, teacher_hidden, teacher_weight, target, temperature, lm_weight,
       ignore_index, reduction, compute_grad, weight_grad):  # fmt: skip
-    _check(
-        student_hidden,
-        student_weight,
-        teacher_hidden,
-        teacher_weight,
-        target,
-        temperature,
-        lm_weight,
-        reduction,
-    )
+    _check(student_hidden, student_weight, teacher_hidden, teacher_weight, target, temperature, lm_weight,
+           reduction)  # fmt: skip
     return (
         student_hidden.new_empty((), dtype=torch.float32),
         torch.empty_like(student_hidden) if compute_grad else student_hidden.new_empty(0),
@@ -286,28 +270,25 @@ def _setup(ctx, inputs, output):
     ctx.save_for_backward(grad_hidden, grad_weight)
 
 
-def _saved(ctx) -> tuple[torch.Tensor, torch.Tensor]:
+def _scaled_grads(ctx, grad_loss, in_place: bool) -> tuple:
     grad_hidden, grad_weight = ctx.saved_tensors
     if grad_hidden.numel() == 0 and grad_weight.numel() == 0:
         raise RuntimeError("fused_linear_kd: backward called on a forward run with compute_grad=False")
-    return grad_hidden, grad_weight
+    g = grad_loss.to(grad_hidden.dtype)
+    scale = torch.Tensor.mul_ if in_place else torch.Tensor.mul
+    d_weight = scale(grad_weight, g) if grad_weight.numel() else None
+    return scale(grad_hidden, g), d_weight, None, None, None, None, None, None, None, None, None
 
 
 def _grad(ctx, grad_loss, *_unused):
-    # Out of place, so that torch.compile can partition it; the eager path scales in place instead.
-    grad_hidden, grad_weight = _saved(ctx)
-    g = grad_loss.to(grad_hidden.dtype)
-    d_weight = grad_weight * g if grad_weight.numel() else None
-    return grad_hidden * g, d_weight, None, None, None, None, None, None, None, None, None
+    # Out of place, so that torch.compile can partition it.
+    return _scaled_grads(ctx, grad_loss, in_place=False)
 
 
 def _grad_in_place(ctx, grad_loss, *_unused):
-    # The saved gradients are private buffers: a scaled copy of grad_weight would double the largest
-    # allocation of the backward (so this graph cannot be backpropagated twice).
-    grad_hidden, grad_weight = _saved(ctx)
-    g = grad_loss.to(grad_hidden.dtype)
-    d_weight = grad_weight.mul_(g) if grad_weight.numel() else None
-    return grad_hidden.mul_(g), d_weight, None, None, None, None, None, None, None, None, None
+    # Eager: the saved gradients are private buffers, and a scaled copy of grad_weight would double the
+    # largest allocation of the backward (so this graph cannot be backpropagated twice).
+    return _scaled_grads(ctx, grad_loss, in_place=True)
 
 
 fused_linear_kd.register_autograd(_grad, setup_context=_setup)

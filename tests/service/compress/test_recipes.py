@@ -5,11 +5,9 @@ that cannot run are refused before any work."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 import yaml
 
 from squeezeserve.service.cli import main
@@ -36,18 +34,12 @@ TINY = {
     },
 }
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 
 def write_recipe(path: Path, recipe: dict) -> Path:
     path.write_text(yaml.safe_dump(recipe))
     return path
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.mark.slow

@@ -5,7 +5,6 @@ keeps a finite, sane perplexity."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -33,6 +32,8 @@ CALIBRATION = {
     "calibration_samples": 4,
     "calibration_seq_len": 128,
 }
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def tiny_llama() -> LlamaForCausalLM:
@@ -140,14 +141,6 @@ RUNS = {
     "heads": (0.34, {"num_attention_heads": 6, "head_dim": 64}, 15.0),
     "layers": (0.1, {"num_hidden_layers": 27}, 2.0),
 }
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.mark.slow
