@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from squeezeserve.kernels import registry
+from squeezeserve.kernels.ops import fused_linear_kd as _fused_linear_kd
 from squeezeserve.kernels.ops import rmsnorm as _rmsnorm
 from squeezeserve.kernels.ops import softmax as _softmax
 from squeezeserve.kernels.ops import swiglu as _swiglu
@@ -139,6 +140,30 @@ def fused_linear_cross_entropy(
     return _ops.fused_linear_cross_entropy(
         hidden, weight, target, bias, ignore_index, label_smoothing, reduction, False
     )[0]
+
+
+def fused_linear_kd(
+    student_hidden: torch.Tensor,
+    student_weight: torch.Tensor,
+    teacher_hidden: torch.Tensor,
+    teacher_weight: torch.Tensor,
+    target: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    lm_weight: float = 0.0,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+) -> torch.Tensor:
+    """(1 - lm_weight) T^2 KL(softmax(teacher_hidden @ teacher_weight.T / T) || softmax(student ... / T))
+    + lm_weight * cross-entropy(student logits, target), without materialising either logits tensor; the
+    student's gradients are computed during the forward (the teacher gets none)."""
+    grad = torch.is_grad_enabled() and (student_hidden.requires_grad or student_weight.requires_grad)
+    weight_grad = grad and student_weight.requires_grad
+    teacher = (teacher_hidden.detach(), teacher_weight.detach())
+    args = (student_hidden, student_weight, *teacher, target, temperature, lm_weight, ignore_index, reduction,
+            grad, weight_grad)  # fmt: skip
+    if registry.eager(student_hidden, student_weight, teacher_hidden, teacher_weight, target):
+        return _fused_linear_kd.fused_linear_kd_eager(*args)[0]
+    return _ops.fused_linear_kd(*args)[0]
 
 
 def quant_matmul(

@@ -212,3 +212,76 @@ def quant_matmul(
     k_in = x.shape[-1]
     weight = quant_layout.dequantize(qweight, scales, zeros, (n_out, k_in), group_size, bits)
     return F.linear(x, weight.to(x.dtype))
+
+
+# --- knowledge distillation ---------------------------------------------------------------------
+
+
+def kd_loss_and_grad(
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    target: torch.Tensor | None,
+    temperature: float,
+    lm_weight: float,
+    ignore_index: int,
+    reduction: str,
+    n_valid: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row loss and d(loss)/d(student logits) of the distillation loss for 2-D logits, in fp32.
+
+    With T = temperature, w = lm_weight, p = softmax(z_t / T), q = softmax(z_s / T), t the target:
+    loss_i = (1 - w) T^2 KL(p_i || q_i) + w (lse(z_s,i) - z_s,it);
+    grad_ij = (1 - w) T (q_ij - p_ij) + w (softmax(z_s,i)_j - [j == t]).
+    Rows whose target is ``ignore_index`` have zero loss and gradient; 'mean' divides by ``n_valid``.
+    """
+    check_reduction(reduction)
+    zs, zt = student_logits.float(), teacher_logits.float()
+    log_q = torch.log_softmax(zs / temperature, dim=-1)
+    log_p = torch.log_softmax(zt / temperature, dim=-1)
+    p = log_p.exp()
+    kd_weight = (1 - lm_weight) * temperature**2
+    loss = kd_weight * (p * (log_p - log_q)).sum(-1)
+    grad = kd_weight / temperature * (log_q.exp() - p)
+    valid = torch.ones(zs.shape[0], dtype=torch.bool, device=zs.device)
+    if target is not None:
+        valid = target != ignore_index
+        if lm_weight > 0:
+            lm_loss, lm_grad = cross_entropy_loss_and_grad(zs, target, ignore_index, 0.0, "sum")
+            loss, grad = loss + lm_weight * lm_loss, grad + lm_weight * lm_grad
+    loss = torch.where(valid, loss, 0.0)
+    grad = grad * valid[:, None]
+    if reduction == "mean":
+        count = valid.sum() if n_valid is None else n_valid
+        loss, grad = loss / count, grad / count
+    return loss, grad
+
+
+def linear_kd(
+    student_hidden: torch.Tensor,
+    student_weight: torch.Tensor,
+    teacher_hidden: torch.Tensor,
+    teacher_weight: torch.Tensor,
+    target: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    lm_weight: float = 0.0,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+) -> torch.Tensor:
+    """The unfused loss fused_linear_kd replaces: both logits materialised, F.kl_div and F.cross_entropy
+    (autograd gives the oracle's gradients)."""
+    zs = F.linear(student_hidden, student_weight).float()
+    zt = F.linear(teacher_hidden, teacher_weight).float()
+    kl = F.kl_div(
+        F.log_softmax(zs / temperature, -1),
+        F.log_softmax(zt / temperature, -1),
+        reduction="none",
+        log_target=True,
+    ).sum(-1)
+    loss = (1 - lm_weight) * temperature**2 * kl
+    valid = torch.ones_like(kl, dtype=torch.bool)
+    if target is not None:
+        valid = target != ignore_index
+        if lm_weight > 0:
+            loss = loss + lm_weight * F.cross_entropy(zs, target, ignore_index=ignore_index, reduction="none")
+    loss = loss * valid
+    return loss.sum() / valid.sum() if reduction == "mean" else loss.sum()

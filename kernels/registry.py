@@ -34,7 +34,15 @@ import torch
 from torch._library.triton import set_wrap_triton_enabled
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-OP_MODULES = ("swiglu", "rmsnorm", "softmax", "cross_entropy", "fused_linear_ce", "quant_matmul")
+OP_MODULES = (
+    "swiglu",
+    "rmsnorm",
+    "softmax",
+    "cross_entropy",
+    "fused_linear_ce",
+    "fused_linear_kd",
+    "quant_matmul",
+)
 
 _triton_on_cpu = False
 

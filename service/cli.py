@@ -27,6 +27,10 @@ COMMANDS: dict[str, tuple[str, str] | dict[str, tuple[str, str]]] = {
         "squeezeserve.service.compress.command",
         "quantize/prune a checkpoint into the compressed-tensors form vLLM loads",
     ),
+    "pipeline": (
+        "squeezeserve.service.compress.recipe_command",
+        "run a compression recipe (prune, distill, quantize stages), then validate it against the baseline",
+    ),
     "validate": (
         "squeezeserve.service.validate.command",
         "compare a candidate with its baseline: accuracy, latency, size; report and gates",

@@ -8,7 +8,8 @@ import sys
 
 log = logging.getLogger(__name__)
 
-METHODS = ("int8", "int4", "fp8", "prune")  # kept equal to options.METHODS (that module imports torch)
+# Kept equal to options.METHODS (that module imports torch).
+METHODS = ("int8", "int4", "fp8", "prune", "distill")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -17,7 +18,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--method",
         required=True,
         help="int8 (W8A16 per-channel), int4 (W4A16 group-wise), fp8 (E4M3 W8A8 dynamic), "
-        "prune (dense, needs --sparsity)",
+        "prune (dense, needs --sparsity, or --structure and --ratio: a smaller dense model), "
+        "distill (fine-tune --model towards --teacher)",
     )
     parser.add_argument(
         "--out", required=True, help="output checkpoint directory (must not exist or be empty)"
@@ -66,6 +68,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--recover-lr", type=float, default=2e-5, help="recovery learning rate (AdamW)")
     parser.add_argument("--recover-batch-size", type=int, default=4, help="windows per recovery step")
+    structured = parser.add_argument_group("structured pruning and distillation")
+    structured.add_argument(
+        "--structure",
+        choices=("mlp-width", "heads", "layers"),
+        help="--method prune: remove whole MLP neurons, query heads (per KV group) or decoder layers, "
+        "scored on calibration activations; writes a smaller plain checkpoint",
+    )
+    structured.add_argument("--ratio", type=float, help="structured pruning: fraction removed (0 < R < 1)")
+    structured.add_argument(
+        "--recover-loss",
+        choices=("kd", "lm"),
+        help="recovery loss: kd (forward KL to the unpruned model; default after --structure and for "
+        "--method distill) or lm (next-token cross-entropy; default after --sparsity)",
+    )
+    structured.add_argument(
+        "--temperature", type=float, default=1.0, help="kd: softmax temperature (loss scaled by T^2)"
+    )
+    structured.add_argument(
+        "--kd-lm-weight", type=float, default=0.0, help="kd: weight of the LM loss mixed in (0..1)"
+    )
+    structured.add_argument("--teacher", help="--method distill: teacher checkpoint (e.g. the baseline)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cpu", help="where to compress: cpu (default) or cuda[:N]")
     parser.add_argument(
@@ -109,6 +132,12 @@ def run(args: argparse.Namespace) -> int:
             recover_lr=args.recover_lr,
             recover_batch_size=args.recover_batch_size,
             seed=args.seed,
+            structure=args.structure,
+            ratio=args.ratio,
+            recover_loss=args.recover_loss,
+            temperature=args.temperature,
+            kd_lm_weight=args.kd_lm_weight,
+            teacher=args.teacher,
         )
         result = compress(args.model, args.out, options, overwrite=args.overwrite, device=args.device)
     except (ValueError, FileNotFoundError, FileExistsError, MemoryError) as exc:

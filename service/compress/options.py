@@ -8,7 +8,8 @@ from typing import Any
 from squeezeserve.service.compress.prune import PRUNE_METHODS, Sparsity, parse_sparsity
 from squeezeserve.service.datasets import resolve
 
-METHODS = ("int8", "int4", "fp8", "prune")
+METHODS = ("int8", "int4", "fp8", "prune", "distill")
+RECOVER_LOSSES = ("kd", "lm")
 ALGORITHMS = ("gptq", "rtn")
 DEFAULT_GROUP_SIZE = 32
 DEFAULT_DAMP = 0.01
@@ -32,6 +33,13 @@ class CompressOptions:
     recover_lr: float
     recover_batch_size: int
     seed: int
+    # Structured pruning (structured.py) and distillation (distill.py).
+    structure: str | None = None  # mlp-width | heads | layers
+    ratio: float | None = None  # fraction of the structure removed
+    recover_loss: str = "lm"  # kd (teacher: the unpruned source, or --teacher) | lm
+    temperature: float = 1.0  # kd softmax temperature
+    kd_lm_weight: float = 0.0  # kd: weight of the LM loss mixed into the KL
+    teacher: str | None = None  # --method distill: the teacher checkpoint
 
     @property
     def needs_calibration(self) -> bool:
@@ -39,6 +47,7 @@ class CompressOptions:
             self.algorithm == "gptq"
             or (self.sparsity is not None and self.prune_method == "wanda")
             or self.recover_steps > 0
+            or self.structure is not None
         )
 
     def record(self) -> dict[str, Any]:
@@ -64,6 +73,12 @@ def build_options(
     recover_lr: float = 2e-5,
     recover_batch_size: int = 4,
     seed: int = 0,
+    structure: str | None = None,
+    ratio: float | None = None,
+    recover_loss: str | None = None,
+    temperature: float = 1.0,
+    kd_lm_weight: float = 0.0,
+    teacher: str | None = None,
 ) -> CompressOptions:
     """Fill in defaults and refuse impossible combinations with a sentence saying why."""
     if method not in METHODS:
@@ -73,14 +88,20 @@ def build_options(
     if prune_method not in PRUNE_METHODS:
         raise ValueError(f"unknown prune method {prune_method!r}: choose one of {', '.join(PRUNE_METHODS)}")
     parsed = parse_sparsity(sparsity) if sparsity is not None else None
-    if method == "prune" and parsed is None:
-        raise ValueError("--method prune needs --sparsity (e.g. 0.5 or 2:4)")
+    recover_loss = _check_structured_and_distill(
+        method, parsed, structure, ratio, recover_steps, recover_loss, temperature, kd_lm_weight, teacher
+    )
+    if method == "prune" and parsed is None and structure is None:
+        raise ValueError(
+            "--method prune needs --sparsity (e.g. 0.5 or 2:4) or --structure mlp-width|heads|layers "
+            "--ratio R"
+        )
     if method == "fp8" and parsed is not None:
         raise ValueError(
             "fp8 does not combine with --sparsity: vLLM 0.26 has no sparse FP8 kernel, and pruning only "
             "pays with int8/int4 (ours) or as a dense checkpoint (--method prune)"
         )
-    if algorithm is not None and method in ("fp8", "prune"):
+    if algorithm is not None and method in ("fp8", "prune", "distill"):
         raise ValueError(f"--algorithm applies to int8/int4, not {method}")
     if algorithm is None:
         algorithm = "gptq" if method == "int4" else "rtn"
@@ -103,8 +124,8 @@ def build_options(
         symmetric = method != "int4"
     if recover_steps < 0:
         raise ValueError(f"--recover-steps must be >= 0, got {recover_steps}")
-    if recover_steps and parsed is None:
-        raise ValueError("--recover-steps fine-tunes a pruned model: give --sparsity too")
+    if recover_steps and parsed is None and structure is None and method != "distill":
+        raise ValueError("--recover-steps fine-tunes a pruned model: give --sparsity or --structure too")
     if parsed is None and sparsity is None:
         prune_method = "none"
     options = CompressOptions(
@@ -124,9 +145,16 @@ def build_options(
         recover_lr=recover_lr,
         recover_batch_size=recover_batch_size,
         seed=seed,
+        structure=structure,
+        ratio=ratio,
+        recover_loss=recover_loss,
+        temperature=temperature,
+        kd_lm_weight=kd_lm_weight,
+        teacher=teacher,
     )
     if options.needs_calibration and not calibration:
         why = "GPTQ" if algorithm == "gptq" else ("Wanda" if prune_method == "wanda" else "recovery")
+        why = "structured pruning" if structure is not None else why
         raise ValueError(
             f"{why} needs calibration text: give --calibration FILE or sample:wikitext-2-calibration "
             "(or --algorithm rtn / --prune-method magnitude)"
@@ -142,3 +170,48 @@ def _calibration_path(calibration: str | None) -> str | None:
         return resolve(calibration)
     except KeyError as exc:
         raise ValueError(f"--calibration: {exc.args[0]}") from None
+
+
+def _check_structured_and_distill(
+    method: str,
+    sparsity: Sparsity | None,
+    structure: str | None,
+    ratio: float | None,
+    recover_steps: int,
+    recover_loss: str | None,
+    temperature: float,
+    kd_lm_weight: float,
+    teacher: str | None,
+) -> str:
+    """Refuse impossible structured-pruning / distillation flags; returns the recovery loss (kd by default
+    after structured pruning and for --method distill, lm otherwise)."""
+    from squeezeserve.service.compress.structured import check_ratio
+
+    if structure is not None or ratio is not None:
+        if method != "prune":
+            raise ValueError(
+                "--structure/--ratio write a smaller dense checkpoint: use them with --method prune "
+                "(quantize it in a second run, or with `squeezeserve pipeline`)"
+            )
+        if structure is None or ratio is None:
+            raise ValueError("structured pruning needs both --structure and --ratio")
+        if sparsity is not None:
+            raise ValueError("--structure and --sparsity are two kinds of pruning: give one")
+        check_ratio(structure, ratio)
+    if method == "distill":
+        if teacher is None:
+            raise ValueError("--method distill needs --teacher DIR (e.g. the unpruned baseline)")
+        if recover_steps < 1:
+            raise ValueError("--method distill needs --recover-steps N (N >= 1)")
+    elif teacher is not None:
+        raise ValueError("--teacher applies to --method distill (pruning runs distil from their source)")
+    if recover_loss is None:
+        recover_loss = "kd" if structure is not None or method == "distill" else "lm"
+    if recover_loss not in RECOVER_LOSSES:
+        choices = ", ".join(RECOVER_LOSSES)
+        raise ValueError(f"unknown --recover-loss {recover_loss!r}: choose one of {choices}")
+    if temperature <= 0:
+        raise ValueError(f"--temperature must be positive, got {temperature}")
+    if not 0.0 <= kd_lm_weight <= 1.0:
+        raise ValueError(f"--kd-lm-weight is a mixing weight: 0 <= w <= 1, got {kd_lm_weight}")
+    return recover_loss

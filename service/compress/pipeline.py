@@ -6,6 +6,7 @@ is written, so a failed or interrupted run leaves nothing that looks like a chec
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import platform
@@ -35,6 +36,7 @@ from squeezeserve.service.compress.gptq import apply_mask, gptq_quantize
 from squeezeserve.service.compress.options import CompressOptions
 from squeezeserve.service.compress.prune import enforce_mask, prune_mask, prune_scores
 from squeezeserve.service.compress.quantize import QuantizedWeight, QuantScheme, package, quantize_rtn
+from squeezeserve.service.compress.structured import write_config_updates
 from squeezeserve.service.paths import atomic_directory
 from squeezeserve.service.validate.size import checkpoint_bytes
 
@@ -81,6 +83,8 @@ def check_memory(source: Path, options: CompressOptions) -> None:
     # Checkpoints are mostly 16-bit: the float32 copy is twice the file size; AdamW adds 2 more copies of
     # the trained weights plus their gradients.
     need = weight_bytes * 2 * (4 if options.recover_steps else 1.5)
+    if options.recover_steps and options.recover_loss == "kd":
+        need += weight_bytes * 2  # the float32 teacher
     available = _available_memory()
     if available is not None and need > available:
         raise MemoryError(
@@ -267,7 +271,7 @@ def compress(
     """Compress ``model`` (dir or hub id) into the checkpoint directory ``out``; see the module docstring.
     ``device``: where the model, calibration and GPTQ run (``cuda``: the same algorithms, in seconds)."""
     from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     start = time.perf_counter()
     out = Path(out).expanduser()
@@ -289,19 +293,20 @@ def compress(
         calibration = calibration_batches(
             options.calibration, tokenizer, options.calibration_samples, options.calibration_seq_len
         )
-    # Work in float32: GPTQ's Cholesky factorisations and the fine-tune need it.
-    lm = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32, low_cpu_mem_usage=True).eval()
-    lm.requires_grad_(False)
-    lm.to(device)
+    lm = load_float32(source, device)
     save_dtype = _checkpoint_dtype(source_config)
     scheme = scheme_for(options, scale_dtype=save_dtype)
 
+    teacher = _teacher(lm, options, device)
+    structured = None
+    if options.structure is not None:
+        structured = _structured(lm, options, calibration)
     masks = prune(lm, options, calibration) if options.sparsity is not None else {}
+    recovery = None
     if options.recover_steps:
-        from squeezeserve.service.compress.recover import recover
-
         assert calibration is not None
-        recover(lm, masks, calibration.input_ids, options)
+        recovery = _recover(lm, teacher, masks, calibration, options)
+    del teacher
     quantized, errors = quantize(lm, scheme, options, masks, calibration) if scheme is not None else ({}, {})
     config = None if scheme is None else quantization_config(scheme, actorder=options.actorder)
 
@@ -309,7 +314,9 @@ def compress(
         tensors = _checkpoint_tensors(lm, quantized, save_dtype)
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         copy_side_files(source, tmp)
-        write_config(source, tmp, config)
+        written = write_config(source, tmp, config)
+        if structured is not None:
+            write_config_updates(tmp, written, structured["config"])
         layers = _layer_reports(lm, errors)
         record = {
             "method": options.method,
@@ -330,10 +337,73 @@ def compress(
             "layers": [vars(layer) | {"shape": list(layer.shape)} for layer in layers],
             "wall_seconds": 0.0,
         }
+        if structured is not None:
+            record["structured"] = structured
+        if recovery is not None:
+            record["recovery"] = recovery
         record["size_bytes"]["after"] = checkpoint_bytes(tmp)
         record["wall_seconds"] = round(time.perf_counter() - start, 2)
         (tmp / RECORD).write_text(json.dumps(record, indent=2) + "\n")
     return CompressResult(out=out, record=record, layers=layers)
+
+
+def load_float32(path: Path, device: str) -> nn.Module:
+    """A dense checkpoint as a frozen float32 model on ``device`` (GPTQ's Cholesky factorisations and the
+    fine-tune need float32)."""
+    from transformers import AutoModelForCausalLM
+
+    lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, low_cpu_mem_usage=True).eval()
+    lm.requires_grad_(False)
+    return lm.to(device)
+
+
+def _teacher(lm: nn.Module, options: CompressOptions, device: str) -> nn.Module | None:
+    """The distillation teacher: --teacher for --method distill, else the source model before pruning."""
+    if options.method == "distill":
+        assert options.teacher is not None
+        return load_float32(resolve_source(options.teacher), device)
+    if options.recover_steps and options.recover_loss == "kd":
+        return copy.deepcopy(lm)
+    return None
+
+
+def _structured(lm: nn.Module, options: CompressOptions, calibration: Calibration | None) -> dict[str, Any]:
+    from squeezeserve.service.compress.structured import parameter_count, structured_prune
+
+    assert calibration is not None and options.structure is not None and options.ratio is not None
+    before = parameter_count(lm)
+    result = structured_prune(lm, options.structure, options.ratio, calibration.input_ids)
+    result["parameters"] = {"before": before, "after": parameter_count(lm)}
+    log.info("structured pruning: %s, parameters %s", result["config"], result["parameters"])
+    return result
+
+
+def _recover(
+    lm: nn.Module,
+    teacher: nn.Module | None,
+    masks: dict[str, torch.Tensor],
+    calibration: Calibration,
+    options: CompressOptions,
+) -> dict[str, Any]:
+    """Fine-tune after pruning (distill.py); every decoder Linear trains unless unstructured masks say
+    which were pruned. Returns what squeeze.json records."""
+    from squeezeserve.service.compress.distill import distill, zero_masks
+
+    if options.method == "distill":
+        trained = zero_masks(target_linears(lm))
+    elif masks:
+        trained = dict(masks)
+    else:
+        trained = dict.fromkeys(target_linears(lm))
+    start = time.perf_counter()
+    losses = distill(lm, teacher, trained, calibration.input_ids, options)
+    return {
+        "loss": options.recover_loss,
+        "steps": len(losses),
+        "first_loss": losses[0],
+        "last_loss": losses[-1],
+        "seconds": round(time.perf_counter() - start, 2),
+    }
 
 
 def _checkpoint_dtype(config: dict[str, Any]) -> torch.dtype:

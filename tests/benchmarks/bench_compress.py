@@ -48,6 +48,7 @@ CALIBRATED = "calibrated"  # placeholder in RUNS, replaced by the calibration op
 # actorder and the scale search each add; group size; symmetric), then recovery.
 RUNS: dict[str, dict[str, Any]] = {
     "int8": {"method": "int8"},
+    "int8-gptq": {"method": "int8", "algorithm": "gptq", CALIBRATED: True},  # per channel: int8's kernel
     "int4-gptq-g32": {"method": "int4", "group_size": 32, CALIBRATED: True},
     "int4-rtn-g32": {"method": "int4", "algorithm": "rtn", "group_size": 32},
     "fp8": {"method": "fp8"},

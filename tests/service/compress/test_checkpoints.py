@@ -27,7 +27,7 @@ from squeezeserve.service.models.loader import load_model
 from squeezeserve.service.validate.accuracy import LocalScorer, compare
 from squeezeserve.service.validate.data import Window, sliding_windows, tokenize
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
 
 # 16 windows of 256 tokens: 4096, more than twice the widest input (1536), so no Hessian is rank-deficient.
 # Measured on this test's slice, GPTQ int4: 1.059x with 16 x 256, 1.103x with 16 x 128 (too few for 1.10x).
@@ -53,16 +53,6 @@ RUNS: dict[str, dict[str, Any]] = {
     },
     "prune-0.5": {"method": "prune", "sparsity": "0.5", "prune_method": "magnitude"},
 }
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread() -> Iterator[None]:
-    """Compress and score on one thread: on the shared 2-core CI box, torch's 2-thread pool waits at every
-    op for a core another job holds (measured: GPTQ of the bundled model 35 s on 1 thread, 83 s on 2)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 class Outputs:
