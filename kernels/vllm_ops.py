@@ -110,7 +110,7 @@ class WeightOnlyScheme:
 def parse_scheme(quant_config: dict[str, Any]) -> WeightOnlyScheme:
     """The ``quantization_config`` block of a checkpoint's config.json -> our scheme; anything we do not
     serve (fp8, activation quantization, several groups, act-order) is refused with the reason."""
-    from squeezeserve.service.compress.formats import PACK_QUANTIZED, read_quantization
+    from squeezeserve.kernels.checkpoint_format import PACK_QUANTIZED, read_quantization
 
     parsed = read_quantization({"quantization_config": quant_config})
     scheme = parsed.scheme
@@ -123,12 +123,6 @@ def parse_scheme(quant_config: dict[str, Any]) -> WeightOnlyScheme:
     fmt = group.get("format") or quant_config.get("format")
     if fmt != PACK_QUANTIZED:
         raise ValueError(f"expected compressed-tensors format {PACK_QUANTIZED!r}, got {fmt!r}")
-    if group.get("input_activations"):
-        raise ValueError("the checkpoint quantizes activations; the squeezeserve method is weight-only")
-    # "weight" and "static" orders change only the order GPTQ quantized the columns in: the groups stay
-    # contiguous, so the stored weights dequantize as usual. "group" needs a g_idx, which we do not read.
-    if (group.get("weights") or {}).get("actorder") not in (None, "static", "weight", False):
-        raise ValueError("activation reordering (actorder=group) is not supported by quant_matmul")
     if scheme.bits not in (4, 8):
         raise ValueError(f"quant_matmul serves 4- and 8-bit weights, the checkpoint has {scheme.bits}")
     return WeightOnlyScheme(scheme.bits, scheme.group_size, scheme.symmetric, parsed.ignore)

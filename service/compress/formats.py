@@ -20,17 +20,15 @@ from __future__ import annotations
 
 import json
 import shutil
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from squeezeserve.kernels.checkpoint_format import FLOAT_QUANTIZED, PACK_QUANTIZED
 from squeezeserve.kernels.quant_layout import pack_int32
 from squeezeserve.service.compress.quantize import QuantizedWeight, QuantScheme
 
-PACK_QUANTIZED = "pack-quantized"
-FLOAT_QUANTIZED = "float-quantized"
 IGNORED = ["lm_head"]
 # Files of the source checkpoint that are weights or our own records: never copied into the output.
 NOT_COPIED_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
@@ -90,44 +88,6 @@ def compressed_tensors_for(name: str, quantized: QuantizedWeight) -> dict[str, t
     if quantized.zero_point is not None:
         tensors[f"{name}.weight_zero_point"] = pack_int32(quantized.zero_point, scheme.bits, packed_dim=0)
     return tensors
-
-
-@dataclass(frozen=True)
-class CheckpointQuant:
-    """A checkpoint's quantization as the loader needs it (parsed without compressed-tensors)."""
-
-    scheme: QuantScheme
-    ignore: tuple[str, ...]
-
-
-def read_quantization(config: dict[str, Any]) -> CheckpointQuant:
-    """Parse the ``quantization_config`` that ``quantization_config`` writes; refuse anything else."""
-    quant = config.get("quantization_config") or {}
-    if quant.get("quant_method") != "compressed-tensors":
-        raise ValueError(
-            f"unsupported quant_method {quant.get('quant_method')!r}: expected compressed-tensors"
-        )
-    groups = list((quant.get("config_groups") or {}).values())
-    if len(groups) != 1:
-        raise ValueError(f"expected one compressed-tensors config group, found {len(groups)}")
-    weights = groups[0].get("weights") or {}
-    fmt = groups[0].get("format") or quant.get("format")
-    if fmt not in (PACK_QUANTIZED, FLOAT_QUANTIZED):
-        raise ValueError(f"unsupported compressed-tensors format {fmt!r}")
-    strategy = weights.get("strategy")
-    if strategy not in ("channel", "group"):
-        raise ValueError(f"unsupported weight strategy {strategy!r}: expected channel or group")
-    if weights.get("actorder") in ("group", "dynamic"):
-        raise ValueError("actorder 'group' checkpoints need a g_idx permutation, which we do not read")
-    kind = weights.get("type", "int")
-    scheme = QuantScheme(
-        kind=kind,
-        bits=int(weights["num_bits"]),
-        group_size=int(weights["group_size"]) if strategy == "group" else None,
-        symmetric=bool(weights.get("symmetric", True)),
-        scale_dtype=torch.float32 if kind == "float" else torch.float16,
-    )
-    return CheckpointQuant(scheme=scheme, ignore=tuple(quant.get("ignore") or ()))
 
 
 def copy_side_files(source: Path, out: Path) -> list[str]:

@@ -37,8 +37,8 @@ from squeezeserve.service.compress.options import CompressOptions
 from squeezeserve.service.compress.prune import enforce_mask, prune_mask, prune_scores
 from squeezeserve.service.compress.quantize import QuantizedWeight, QuantScheme, package, quantize_rtn
 from squeezeserve.service.compress.structured import write_config_updates
+from squeezeserve.service.models.size import checkpoint_bytes
 from squeezeserve.service.paths import atomic_directory
-from squeezeserve.service.validate.size import checkpoint_bytes
 
 log = logging.getLogger(__name__)
 

@@ -23,43 +23,12 @@ FP8 (E4M3) is symmetric per channel: ``s = absmax / 448``, ``q = fp8(W / s)``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 
+from squeezeserve.kernels.checkpoint_format import QuantScheme
+
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
-
-
-@dataclass(frozen=True)
-class QuantScheme:
-    """How one weight is quantized: integer (``bits``) or fp8, per channel or per group."""
-
-    kind: Literal["int", "float"]
-    bits: int
-    group_size: int | None  # None: one scale per output channel
-    symmetric: bool
-    scale_dtype: torch.dtype = torch.float16
-
-    @property
-    def qmin(self) -> int:
-        return -(1 << (self.bits - 1))
-
-    @property
-    def qmax(self) -> int:
-        return (1 << (self.bits - 1)) - 1
-
-    def groups_for(self, in_features: int) -> int:
-        return 1 if self.group_size is None else in_features // self.group_size
-
-    def group_width(self, in_features: int) -> int:
-        return in_features if self.group_size is None else self.group_size
-
-    def check_shape(self, name: str, in_features: int) -> None:
-        if self.group_size is not None and in_features % self.group_size:
-            raise ValueError(
-                f"group size {self.group_size} does not divide the input width {in_features} of {name}; "
-                f"choose a group size that divides every layer's input width"
-            )
 
 
 @dataclass

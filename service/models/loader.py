@@ -2,7 +2,7 @@
 
 Every worker loads models through ``load_model``. A plain checkpoint goes through transformers; one with a
 compressed-tensors ``quantization_config`` (written by ``squeezeserve compress``) goes through
-``squeezeserve.service.compress.loading``. Either way the result then runs on our ops
+``squeezeserve.service.models.compressed``. Either way the result then runs on our ops
 (``squeezeserve.kernels.hf.patch_model``), so the same kernels serve on a laptop and on a GPU.
 """
 
@@ -109,7 +109,7 @@ def load_model(
     tokenizer = AutoTokenizer.from_pretrained(source)
     quant = config.get("quantization_config")
     if quant:
-        from squeezeserve.service.compress.loading import load_compressed_model
+        from squeezeserve.service.models.compressed import load_compressed_model
 
         model = load_compressed_model(source, dtype=torch_dtype, device=torch_device)
         quantization = str(quant.get("quant_method") or quant.get("format") or "compressed")

@@ -14,7 +14,8 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from squeezeserve.service.validate import data, gates, metrics, plots, report, size
+from squeezeserve.service.models import size
+from squeezeserve.service.validate import data, gates, metrics, plots, report
 from squeezeserve.service.validate.latency import LoadSettings, sweep
 from squeezeserve.service.validate.specs import ModelSpec, UsageError
 

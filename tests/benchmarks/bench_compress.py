@@ -36,9 +36,9 @@ from torch.nn import functional as F  # noqa: N812
 from squeezeserve.service.compress.options import build_options
 from squeezeserve.service.compress.pipeline import compress, versions
 from squeezeserve.service.models.loader import load_model
+from squeezeserve.service.models.size import checkpoint_bytes
 from squeezeserve.service.validate import data
 from squeezeserve.service.validate.accuracy import KL_CHUNK, LocalScorer, compare
-from squeezeserve.service.validate.size import checkpoint_bytes
 
 RESULTS = Path(__file__).parent / "results" / "compress.csv"
 WIKITEXT = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "wikitext-2"

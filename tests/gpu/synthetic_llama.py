@@ -56,8 +56,8 @@ def main() -> None:
     if args.w4a16:
         import torch
 
+        from squeezeserve.kernels.checkpoint_format import QuantScheme
         from squeezeserve.service.compress.formats import quantization_config
-        from squeezeserve.service.compress.quantize import QuantScheme
 
         scheme = QuantScheme(kind="int", bits=4, group_size=128, symmetric=True, scale_dtype=torch.bfloat16)
         config["quantization_config"] = quantization_config(scheme)

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from squeezeserve.kernels import quant_layout, reference, registry, vllm_ops
+from squeezeserve.kernels.checkpoint_format import QuantScheme
 from squeezeserve.service.compress.formats import quantization_config
-from squeezeserve.service.compress.quantize import QuantScheme
 
 PATHS = ["reference", "triton"]
 

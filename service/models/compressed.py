@@ -1,4 +1,5 @@
 """Load a checkpoint written by ``squeezeserve compress`` (compressed-tensors) into a transformers model.
+Serving code: it reads the format through ``squeezeserve.kernels.checkpoint_format``, never the compressor.
 
 ``squeezeserve.service.models.loader.load_model`` calls ``load_compressed_model`` for any checkpoint whose
 config.json has a ``quantization_config``. Integer (pack-quantized) Linears become
@@ -16,8 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from squeezeserve.service.compress.formats import read_quantization
-from squeezeserve.service.compress.quantize import QuantizedWeight
+from squeezeserve.kernels.checkpoint_format import read_quantization
 
 QUANT_SUFFIXES = ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point")
 
@@ -61,11 +61,9 @@ def load_compressed_model(path: str | Path, dtype: torch.dtype = torch.float32, 
             raise ValueError(
                 f"{path}: {name} is quantized in the checkpoint but is not a Linear in the model"
             )
-        if scheme.kind == "float":
-            fp8 = QuantizedWeight(
-                tensors.pop(f"{name}.weight"), tensors.pop(f"{name}.weight_scale"), None, scheme
-            )
-            state[f"{name}.weight"] = fp8.dequantize(dtype)
+        if scheme.kind == "float":  # per-channel fp8: CPUs have no fp8 matmul, so expand once
+            fp8, scale = tensors.pop(f"{name}.weight"), tensors.pop(f"{name}.weight_scale")
+            state[f"{name}.weight"] = (fp8.to(torch.float32) * scale.to(torch.float32)).to(dtype)
             continue
         quant = QuantLinear(
             linear.in_features,
