@@ -1,6 +1,7 @@
 """Fixtures shared across the suite: the bundled baseline and a real embedded worker on loopback.
 
-The text the tests read ships with the package (``squeezeserve.service.datasets``), never from ``../shared``.
+The text the tests read ships with the package (``squeezeserve.service.datasets``): nothing outside the
+clone is read.
 The baseline is exported once into ``$SQUEEZESERVE_HOME`` (default ``~/.cache/squeezeserve``) and reused by
 later runs; ``$SQUEEZESERVE_TEST_MODEL`` points the suite at another checkpoint instead.
 """
