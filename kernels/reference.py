@@ -132,6 +132,19 @@ def check_reduction(reduction: str) -> None:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
 
 
+def _masked(
+    loss: torch.Tensor, grad: torch.Tensor, valid: torch.Tensor, reduction: str, n_valid: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Zero the ignored rows of per-row losses and their logit gradients; for ``mean`` divide both by the
+    valid count (``n_valid`` when the rows are one chunk of a longer batch)."""
+    loss = torch.where(valid, loss, 0.0)
+    grad = grad * valid[:, None]
+    if reduction == "mean":
+        count = valid.sum() if n_valid is None else n_valid
+        loss, grad = loss / count, grad / count
+    return loss, grad
+
+
 def cross_entropy_loss_and_grad(
     logits: torch.Tensor,
     target: torch.Tensor,
@@ -157,12 +170,7 @@ def cross_entropy_loss_and_grad(
     loss = lse - (1 - label_smoothing) * z_t - label_smoothing / n_vocab * z.sum(-1)
     grad = torch.exp(z - lse[:, None]) - label_smoothing / n_vocab
     grad.scatter_add_(1, safe_target[:, None], torch.full_like(z_t[:, None], -(1 - label_smoothing)))
-    loss = torch.where(valid, loss, 0.0)
-    grad = grad * valid[:, None]
-    if reduction == "mean":
-        count = valid.sum() if n_valid is None else n_valid
-        loss, grad = loss / count, grad / count
-    return loss, grad
+    return _masked(loss, grad, valid, reduction, n_valid)
 
 
 def cross_entropy(
@@ -248,12 +256,7 @@ def kd_loss_and_grad(
         if lm_weight > 0:
             lm_loss, lm_grad = cross_entropy_loss_and_grad(zs, target, ignore_index, 0.0, "sum")
             loss, grad = loss + lm_weight * lm_loss, grad + lm_weight * lm_grad
-    loss = torch.where(valid, loss, 0.0)
-    grad = grad * valid[:, None]
-    if reduction == "mean":
-        count = valid.sum() if n_valid is None else n_valid
-        loss, grad = loss / count, grad / count
-    return loss, grad
+    return _masked(loss, grad, valid, reduction, n_valid)
 
 
 def linear_kd(

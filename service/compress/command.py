@@ -107,13 +107,8 @@ def run(args: argparse.Namespace) -> int:
     from squeezeserve.service.compress.pipeline import compress
     from squeezeserve.service.compress.summary import format_summary
 
-    if args.threads is not None and args.threads < 1:
-        print(f"error: --threads must be at least 1, got {args.threads}", file=sys.stderr)
+    if not set_threads(args.threads):
         return 2
-    if args.threads:
-        import torch
-
-        torch.set_num_threads(args.threads)
     try:
         options = build_options(
             method=args.method,
@@ -145,3 +140,15 @@ def run(args: argparse.Namespace) -> int:
         return 2
     print(format_summary(result))
     return 0
+
+
+def set_threads(threads: int | None) -> bool:
+    """Apply ``--threads`` (None: torch's default); False, after saying why, for a value below 1."""
+    if threads is not None and threads < 1:
+        print(f"error: --threads must be at least 1, got {threads}", file=sys.stderr)
+        return False
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
+    return True

@@ -21,16 +21,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from squeezeserve.service.compress.command import set_threads
     from squeezeserve.service.compress.recipes import RecipeError, run_recipe
     from squeezeserve.service.validate.specs import UsageError
 
-    if args.threads is not None and args.threads < 1:
-        print(f"error: --threads must be at least 1, got {args.threads}", file=sys.stderr)
+    if not set_threads(args.threads):
         return 2
-    if args.threads:
-        import torch
-
-        torch.set_num_threads(args.threads)
     try:
         code, record = run_recipe(args.recipe, args.model, args.out, device=args.device)
     except (RecipeError, UsageError, FileNotFoundError, MemoryError) as exc:

@@ -26,12 +26,12 @@ from __future__ import annotations
 
 import bisect
 import hashlib
-import itertools
 import math
 from collections.abc import Sequence
 from typing import Any
 
 from squeezeserve.service.gateway.routing.base import RouteRequest
+from squeezeserve.service.gateway.routing.least_outstanding import LeastOutstanding
 from squeezeserve.service.gateway.upstreams import Upstream
 
 VNODES = 64  # points per upstream: with 2-8 upstreams, each owns a share within a few % of 1/n
@@ -77,7 +77,7 @@ class PrefixAffinity:
         self.prefix_chars = prefix_chars
         self.load_factor = load_factor
         self._rings: dict[tuple[str, ...], tuple[list[int], list[str]]] = {}
-        self._counter = itertools.count()
+        self._least_loaded = LeastOutstanding()  # for requests with no key
 
     def key(self, request: RouteRequest) -> str:
         if request.session_id:
@@ -101,9 +101,7 @@ class PrefixAffinity:
             return candidates[0]
         key = self.key(request)
         if not key:
-            fewest = min(u.in_flight for u in candidates)
-            tied = [u for u in candidates if u.in_flight == fewest]
-            return tied[next(self._counter) % len(tied)]
+            return await self._least_loaded.select(candidates, request)
         by_url = {u.url: u for u in candidates}
         points, owners = self._ring(tuple(sorted(by_url)))
         total = sum(u.in_flight for u in candidates) + 1
