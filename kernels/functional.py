@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 
 from squeezeserve.kernels import registry
+from squeezeserve.kernels.ops import cross_entropy as _cross_entropy
+from squeezeserve.kernels.ops import fused_linear_ce as _fused_linear_ce
 from squeezeserve.kernels.ops import fused_linear_kd as _fused_linear_kd
 from squeezeserve.kernels.ops import rmsnorm as _rmsnorm
 from squeezeserve.kernels.ops import softmax as _softmax
@@ -62,29 +64,6 @@ def softmax(x: torch.Tensor) -> torch.Tensor:
     return _ops.softmax(x)
 
 
-class _CrossEntropy(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, logits, target, ignore_index, label_smoothing, reduction):
-        # The kernel writes d(loss)/d(logits) over the logits buffer: no second [N, V] tensor.
-        loss = _ops.cross_entropy_(logits, target, ignore_index, label_smoothing, reduction, True)
-        # Saved detached: the gradient returned in the backward must not be the leaf itself, or autograd
-        # copies it when accumulating (a second [N, V] tensor).
-        ctx.save_for_backward(logits.detach())
-        ctx.reduction = reduction
-        return loss
-
-    @staticmethod
-    def backward(ctx, grad_loss):
-        (grad_logits,) = ctx.saved_tensors
-        if ctx.reduction == "none":
-            grad_logits.mul_(grad_loss[:, None].to(grad_logits.dtype))
-        elif not bool(grad_loss == 1):
-            # loss.backward() passes 1: skip a full read-and-write pass over [N, V] then (as Liger does, at
-            # the price of one host sync).
-            grad_logits.mul_(grad_loss.to(grad_logits.dtype))
-        return grad_logits, None, None, None, None
-
-
 def cross_entropy(
     logits: torch.Tensor,
     target: torch.Tensor,
@@ -94,29 +73,7 @@ def cross_entropy(
 ) -> torch.Tensor:
     """F.cross_entropy for [N, V] logits, Liger-style. When logits require grad, their buffer is
     overwritten by the gradient during the forward (do not reuse the logits afterwards)."""
-    if torch.is_grad_enabled() and logits.requires_grad:
-        return _CrossEntropy.apply(logits, target, ignore_index, label_smoothing, reduction)
-    return _ops.cross_entropy_(logits.clone(), target, ignore_index, label_smoothing, reduction, False)
-
-
-class _FusedLinearCrossEntropy(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, hidden, weight, target, bias, ignore_index, label_smoothing, reduction):
-        loss, grad_hidden, grad_weight, grad_bias = _ops.fused_linear_cross_entropy(
-            hidden, weight, target, bias, ignore_index, label_smoothing, reduction, True
-        )
-        ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
-        ctx.has_bias = bias is not None
-        return loss
-
-    @staticmethod
-    def backward(ctx, grad_loss):
-        # In place: the saved gradients are private buffers, and a scaled copy of grad_weight would
-        # double the largest allocation of the backward (so this graph cannot be backpropagated twice).
-        grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
-        g = grad_loss.to(grad_hidden.dtype)
-        d_bias = grad_bias.mul_(g) if ctx.has_bias else None
-        return grad_hidden.mul_(g), grad_weight.mul_(g), None, d_bias, None, None, None
+    return _cross_entropy.cross_entropy(logits, target, ignore_index, label_smoothing, reduction)
 
 
 def fused_linear_cross_entropy(
@@ -133,13 +90,10 @@ def fused_linear_cross_entropy(
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (hidden, weight, bias)
     )
-    if needs_grad:
-        return _FusedLinearCrossEntropy.apply(
-            hidden, weight, target, bias, ignore_index, label_smoothing, reduction
-        )
-    return _ops.fused_linear_cross_entropy(
-        hidden, weight, target, bias, ignore_index, label_smoothing, reduction, False
-    )[0]
+    args = (hidden, weight, target, bias, ignore_index, label_smoothing, reduction, needs_grad)
+    if registry.eager(hidden, weight, target, bias):
+        return _fused_linear_ce.fused_linear_cross_entropy_eager(*args)[0]
+    return _ops.fused_linear_cross_entropy(*args)[0]
 
 
 def fused_linear_kd(

@@ -3,8 +3,9 @@
 ``cross_entropy_`` (the registered, mutating op) takes [N, V] logits and targets [N]; each program owns a
 row, streams it once with an online softmax (running max m, running sum d, and the row sum for label
 smoothing), then streams it again writing d(loss)/d(logits) into the logits buffer. The autograd wrapper
-(``functional.cross_entropy``) saves that buffer and only scales it in the backward, so peak memory stays
-about one logits tensor. The caller's logits are overwritten when a gradient is computed.
+(:func:`cross_entropy`, behind ``functional.cross_entropy``) saves that buffer and only scales it in the
+backward, so peak memory stays about one logits tensor. The caller's logits are overwritten when a
+gradient is computed.
 
 Math, eps = label_smoothing, V = vocab, t = target, lse = m + log d:
     loss = lse - (1 - eps) z_t - eps / V * sum_j z_j
@@ -148,3 +149,37 @@ def _(logits, target, ignore_index, label_smoothing, reduction, write_grad):
     check_inputs(logits, target, reduction)
     shape = (logits.shape[0],) if reduction == "none" else ()
     return logits.new_empty(shape, dtype=torch.float32)
+
+
+class _CrossEntropy(torch.autograd.Function):
+    """Loss forward; the gradient, already written over the logits by the forward, scaled in the backward."""
+
+    @staticmethod
+    def forward(ctx, logits, target, ignore_index, label_smoothing, reduction):
+        # The kernel writes d(loss)/d(logits) over the logits buffer: no second [N, V] tensor.
+        loss = cross_entropy_(logits, target, ignore_index, label_smoothing, reduction, True)
+        # Saved detached: the gradient returned in the backward must not be the leaf itself, or autograd
+        # copies it when accumulating (a second [N, V] tensor).
+        ctx.save_for_backward(logits.detach())
+        ctx.reduction = reduction
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        (grad_logits,) = ctx.saved_tensors
+        if ctx.reduction == "none":
+            grad_logits.mul_(grad_loss[:, None].to(grad_logits.dtype))
+        elif not bool(grad_loss == 1):
+            # loss.backward() passes 1: skip a full read-and-write pass over [N, V] then (as Liger does, at
+            # the price of one host sync).
+            grad_logits.mul_(grad_loss.to(grad_logits.dtype))
+        return grad_logits, None, None, None, None
+
+
+def cross_entropy(
+    logits: torch.Tensor, target: torch.Tensor, ignore_index: int, label_smoothing: float, reduction: str
+) -> torch.Tensor:
+    """The autograd-aware entry: the gradient is computed in the forward only when logits require it."""
+    if torch.is_grad_enabled() and logits.requires_grad:
+        return _CrossEntropy.apply(logits, target, ignore_index, label_smoothing, reduction)
+    return cross_entropy_(logits.clone(), target, ignore_index, label_smoothing, reduction, False)

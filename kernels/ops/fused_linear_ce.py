@@ -18,11 +18,14 @@ gradient. Reductions 'mean' and 'sum' only ('none' would need per-token scales i
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from torch.library import triton_op
 
 from squeezeserve.kernels.ops.cross_entropy import launch_cross_entropy
 from squeezeserve.kernels.ops.launch import cdiv, next_power_of_2
+from squeezeserve.kernels.registry import EagerOp
 
 
 def chunk_tokens(n_tokens: int, hidden_size: int, vocab_size: int) -> int:
@@ -105,17 +108,22 @@ def _setup(ctx, inputs, output):
     ctx.has_bias = inputs[3] is not None
 
 
-def _grad(ctx, grad_loss, *_unused):
+def _grad(ctx, grad_loss, *_unused, in_place=False):
+    """The gradients were computed in the forward: scale them by the incoming scalar. Out of place for the
+    registered op (torch.compile partitions it); in place on the eager path, where the saved gradients are
+    private buffers and a scaled copy of grad_weight would double the largest allocation of the backward
+    (so an eager graph cannot be backpropagated twice)."""
     grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
     if grad_hidden.numel() == 0 and grad_weight.numel() == 0:
         raise RuntimeError(
             "fused_linear_cross_entropy: backward called on a forward run with compute_grad=False"
         )
-    # Out of place, so that torch.compile can partition it; functional.fused_linear_cross_entropy scales
-    # in place instead (eager), saving a copy of grad_weight.
+    scale = torch.Tensor.mul_ if in_place else torch.mul
     g = grad_loss.to(grad_hidden.dtype)
-    d_bias = grad_bias * g if ctx.has_bias else None
-    return grad_hidden * g, grad_weight * g, None, d_bias, None, None, None, None
+    d_bias = scale(grad_bias, g) if ctx.has_bias else None
+    return scale(grad_hidden, g), scale(grad_weight, g), None, d_bias, None, None, None, None
 
 
 fused_linear_cross_entropy_.register_autograd(_grad, setup_context=_setup)
+# The same body and formula for eager calls, without the dispatcher (registry.EagerOp).
+fused_linear_cross_entropy_eager = EagerOp(_fused_linear_cross_entropy, _setup, partial(_grad, in_place=True))

@@ -68,11 +68,15 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (cached per device)."""
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def persistent_programs(device: torch.device, n_rows: int) -> int:
     """Programs for a kernel that loops over rows: one per SM on a GPU, a few under the interpreter."""
     if device.type == "cuda":
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        return max(1, min(n_rows, _sm_count(index)))
+        return max(1, min(n_rows, sm_count(device)))
     return max(1, min(n_rows, 4))
 
 

@@ -39,19 +39,16 @@ small part of the time.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 from torch.library import triton_op
 
 from squeezeserve.kernels import quant_layout, reference
-from squeezeserve.kernels.ops.launch import cdiv, next_power_of_2, traceable
+from squeezeserve.kernels.ops.launch import cdiv, next_power_of_2, sm_count, traceable
 from squeezeserve.kernels.registry import eager, interpreting, use_reference
 
 SKINNY_MAX_M = 64
-SELF_RESET = True  # split-K through the self-cleaning workspace (False: zeroed fp32 y + cast)
 GEMV_MAX_M = 1  # rows up to which the FMA kernel beats the tensor-core one (sweep: 2 rows already lose)
 # bf16: 0x4300 is 128.0 with a 7-bit mantissa (integers 128..255 exact); fp16: 0x6400 is 1024.0 with a
 # 10-bit mantissa (1024..2047 exact).
@@ -520,11 +517,6 @@ def check_inputs(
         )
 
 
-@functools.cache
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 _WORKSPACES: dict[tuple[str, int | None], tuple[torch.Tensor, torch.Tensor]] = {}
 _RETIRED: list[tuple[torch.Tensor, torch.Tensor]] = []
 
@@ -579,9 +571,8 @@ def tuning(kernel: str, m: int, n_out: int, k_in: int, block_k: int, device: tor
     tiles = cdiv(k_in, block_k)
     if interpreting():  # small tiles; split-K whenever there are two tiles, so the tests cover both paths
         return {"BLOCK_N": 16, "split": min(2, tiles), "num_warps": 4, "num_stages": 1}
-    index = device.index if device.index is not None else torch.cuda.current_device()
     block_n = 128
-    few_tiles = cdiv(n_out, block_n) * 8 < 2 * _sm_count(index)
+    few_tiles = cdiv(n_out, block_n) * 8 < 2 * sm_count(device)
     split = 16 if few_tiles and tiles >= 64 else 8
     return {"BLOCK_N": block_n, "split": max(1, min(split, tiles)), "num_warps": 4, "num_stages": 3}
 
@@ -629,7 +620,7 @@ def _quant_matmul(
     grid = (cdiv(n_out, cfg["BLOCK_N"]), cdiv(m, block_m), split)
     # Split-K partials meet in a self-cleaning workspace (one launch) unless torch may be tracing the
     # launch (the workspace is state outside the op's inputs): then in a zeroed fp32 y, cast afterwards.
-    mode = 0 if split == 1 else (2 if SELF_RESET and eager(x, qweight, scales, zeros) else 1)
+    mode = 0 if split == 1 else (2 if eager(x, qweight, scales, zeros) else 1)
     y = (torch.zeros if mode == 1 else torch.empty)((m, n_out), dtype=torch.float32 if mode == 1 else x.dtype,
                                                      device=x.device)  # fmt: skip
     ws, counts = _workspace(x.device, m * n_out, grid[0] * grid[1]) if mode == 2 and m else (y, y)

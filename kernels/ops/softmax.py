@@ -2,24 +2,22 @@
 
 Rows up to ``SINGLE_BLOCK_COLS`` (65536, Liger's limit) sit in one block, several narrow rows per
 program: one read, one write. Wider rows (a 128k vocabulary; no limit on the width) take one of two
-paths, chosen by ``WIDE_PATH``:
+paths:
 
-- ``"split"``: the row is cut into ``SPLIT_CHUNK``-column chunks, one program each, the chunk held in
-  registers. Every program reduces its chunk to partial statistics (forward: m_c = max x,
-  d_c = sum exp(x - m_c); backward: sum dy y), stores them and counts itself in with an atomic, then
-  polls until the row's other chunks are in, merges the partials (m = max m_c, d = sum d_c exp(m_c - m))
-  and writes its own chunk: one read and one write of every element, the floor. A program that has
-  polled ``SPLIT_SPINS`` times without seeing its row complete leaves instead, flagging its chunk in the
-  row's state word by compare-and-swap, and the row's last arrival writes the flagged chunks, re-reading
-  them (:func:`_join_row`): no program waits unboundedly, and under the interpreter, which runs programs
-  one at a time, every program but the last leaves. H100, 4096 x 131072 bf16: 0.82 ms forward (87% of
-  copy bandwidth), 1.93 ms forward + backward (92%); leaving at once (``SPLIT_SPINS = 0``) measured the
-  same (0.81 / 1.92 ms), the earlier kernel (no chunk kept in registers, two exponentials per element,
-  16384-column chunks) 0.98 ms.
-- ``"online"``: one program per row streams it once keeping a running max m and a running sum
+- split, up to ``MAX_SPLIT_CHUNKS`` chunks: the row is cut into ``SPLIT_CHUNK``-column chunks, one program
+  each, the chunk held in registers. Every program reduces its chunk to partial statistics (forward: m_c =
+  max x, d_c = sum exp(x - m_c); backward: sum dy y), stores them and counts itself in with an atomic, then
+  polls until the row's other chunks are in, merges the partials (m = max m_c, d = sum d_c exp(m_c - m)) and
+  writes its own chunk: one read and one write of every element, the floor. A program that has polled
+  ``WAIT_POLLS`` times without seeing its row complete leaves instead, flagging its chunk in the row's state
+  word by compare-and-swap, and the row's last arrival writes the flagged chunks, re-reading them
+  (:func:`_join_row`): no program waits unboundedly, and under the interpreter, which runs programs one at a
+  time, every program but the last leaves. Waiting measured as fast as leaving at once, and its bytes do not
+  depend on the left chunk still being in L2; the split path beat the online one at every width measured
+  (tests/benchmarks/NOTES.md).
+- online, for wider rows: one program per row streams it once keeping a running max m and a running sum
   d = sum exp(x - m) (rescaled by exp(m_old - m_new) when the max grows), then reads it again and writes
-  exp(x - m) / d. Measured 1.09 ms at 4096 x 131072 on the H100, the 3-pass floor (a persistent
-  one-program-per-SM variant was 34% slower).
+  exp(x - m) / d: three passes over the row.
 """
 
 from __future__ import annotations
@@ -45,10 +43,9 @@ from squeezeserve.kernels.registry import EagerOp, interpreting, use_reference
 SINGLE_BLOCK_COLS = 65536
 ONLINE_BLOCK = 8192
 SPLIT_CHUNK = 8192
-SPLIT_WARPS = 8  # H100 sweep, 4096 / 1024 x 131072: 8192-column chunks on 8 warps beat 16384 / 32768
+SPLIT_WARPS = 8  # from the H100 sweep of chunk width x warps (tests/benchmarks/NOTES.md)
 MAX_SPLIT_CHUNKS = 24  # chunk bits 8..31 of the row's int32 state word (196608 columns)
-SPLIT_SPINS = 1 << 16  # 0: every chunk leaves its output to the row's last arrival (the earlier path)
-WIDE_PATH = "split"  # "split" or "online" (see the module docstring); the benchmark times both
+WAIT_POLLS = 1 << 16  # polls before a chunk leaves its output to the row's last arrival
 
 
 @triton.jit
@@ -122,7 +119,7 @@ def _softmax_fwd(
         y = e / tl.sum(e, axis=1)[:, None]
         tl.store(y_ptr + rows * y_row_stride + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
     else:
-        # One program per row (a persistent one-program-per-SM loop measured 34% slower at 4096 x 131072).
+        # One program per row (a persistent one-program-per-SM loop measured slower).
         for row in range(tl.program_id(0).to(tl.int64), n_rows, tl.num_programs(0)):
             x_row = x_ptr + row * x_row_stride
             y_row = y_ptr + row * y_row_stride
@@ -276,15 +273,15 @@ def _softmax_bwd_split(
 
 
 def _split(n_cols: int) -> bool:
-    """The split path serves rows of up to MAX_SPLIT_CHUNKS chunks (the state word's bits); wider rows and
-    ``WIDE_PATH = "online"`` take the online path."""
-    return WIDE_PATH == "split" and cdiv(n_cols, SPLIT_CHUNK) <= MAX_SPLIT_CHUNKS
+    """The split path serves rows of up to MAX_SPLIT_CHUNKS chunks (the state word's bits); wider rows take
+    the online path."""
+    return cdiv(n_cols, SPLIT_CHUNK) <= MAX_SPLIT_CHUNKS
 
 
 def _spins() -> int:
     """Polls a chunk makes before leaving its output to the row's last arrival: the interpreter runs
     programs one at a time (waiting is pointless), on a GPU the row's programs run together."""
-    return 1 if interpreting() else SPLIT_SPINS
+    return 1 if interpreting() else WAIT_POLLS
 
 
 def launch_config(n_cols: int) -> tuple[int, bool, int]:

@@ -20,7 +20,6 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import Recorder, compiled, liger, peaks  # noqa: E402
 
 import squeezeserve.kernels as K  # noqa: E402
-from squeezeserve.kernels.ops import softmax as softmax_op  # noqa: E402
 
 DTYPE = torch.bfloat16
 ROW_SHAPES = [(1, 4096), (16, 4096), (4096, 4096), (16384, 4096), (16, 14336), (4096, 14336), (16384, 14336)]
@@ -108,13 +107,6 @@ def softmax(rec):
         e = m * n * 2
         make = lambda m=m, n=n: [torch.randn(m, n, device="cuda", dtype=DTYPE) * 3]  # noqa: E731
         _bench(rec, providers, make, (m, n), 2 * e, 3 * e)
-        if n > softmax_op.SINGLE_BLOCK_COLS:  # the split path (default) against the ones it replaced
-            softmax_op.WIDE_PATH = "online"
-            _bench(rec, {"squeezeserve.online": K.softmax}, make, (m, n), 2 * e, 3 * e)
-            softmax_op.WIDE_PATH = "split"
-            spins, softmax_op.SPLIT_SPINS = softmax_op.SPLIT_SPINS, 0  # every row written by its last chunk
-            _bench(rec, {"squeezeserve.last-writes": K.softmax}, make, (m, n), 2 * e, 3 * e)
-            softmax_op.SPLIT_SPINS = spins
 
 
 if __name__ == "__main__":

@@ -17,16 +17,15 @@ def test_softmax_matches_reference(shape, dtype, device, check):
 
 
 @pytest.mark.parametrize(
-    ("wide_path", "spins", "max_chunks"),
+    ("spins", "max_chunks"),
     # split: chunks wait for their row (on a GPU) or leave their output to its last arrival (spins 0, and
     # always under the interpreter); a row of more chunks than the state word holds goes online.
-    [("split", None, None), ("split", 0, None), ("split", None, 2), ("online", None, None)],
+    [(None, None), (0, None), (None, 2)],
 )
-def test_softmax_wide_row_paths(wide_path, spins, max_chunks, device, check, monkeypatch):
+def test_softmax_wide_row_paths(spins, max_chunks, device, check, monkeypatch):
     # Rows wider than one block, and a row whose first chunk is all -inf (a zero partial sum).
-    monkeypatch.setattr(softmax_op, "WIDE_PATH", wide_path)
     if spins is not None:
-        monkeypatch.setattr(softmax_op, "SPLIT_SPINS", spins)
+        monkeypatch.setattr(softmax_op, "WAIT_POLLS", spins)
     if max_chunks is not None:
         monkeypatch.setattr(softmax_op, "MAX_SPLIT_CHUNKS", max_chunks)
         assert not softmax_op._split(softmax_op.SINGLE_BLOCK_COLS + 3616)
