@@ -16,8 +16,8 @@ MAX_FUSED_COLS = 65536
 
 
 # Host-side launch arithmetic. triton.cdiv / triton.next_power_of_2 are constexpr functions in Triton
-# >= 3.4: called from Python each unwraps its arguments as constexprs (~3 us a call on the 2-core CI box,
-# timeit), and launchers make several per launch.
+# >= 3.4: called from Python each unwraps its arguments as constexprs (microseconds a call; figures in
+# tests/benchmarks/NOTES.md), and launchers make several per launch.
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -29,7 +29,7 @@ def next_power_of_2(n: int) -> int:
 def traceable(kernel: triton.JITFunction):
     """``kernel`` to index with a grid: wrapped by ``wrap_triton`` where torch may be tracing the launch
     (torch.compile's decomposition of a triton_op), the JIT function itself on eager paths, where
-    ``wrap_triton`` would only launch it after building two wrapper objects (~5-15 us of host time)."""
+    ``wrap_triton`` would only launch it after building two wrapper objects (host time per launch)."""
     return wrap_triton(kernel) if is_wrap_triton_enabled() else kernel
 
 

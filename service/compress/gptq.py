@@ -46,9 +46,8 @@ SWEEP = 32
 def one_thread() -> Iterator[None]:
     """Run torch ops on one thread. The column sweep is thousands of ops on vectors of ``out`` floats:
     splitting those across threads only adds a barrier per op, and on a busy machine each barrier can wait
-    for a descheduled thread. Measured on the shared 2-core box under load: the sweep ran 10-30x slower on
-    2 threads than on 1, and with only the sweep on 1 thread the block matmuls and the factorisation still
-    made the whole 3x slower than all on 1 thread (they are too small to gain from a second thread)."""
+    for a descheduled thread. On a shared machine under load the sweep ran many times slower on 2 threads
+    than on 1, and the block matmuls and the factorisation are too small to gain from a second thread."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

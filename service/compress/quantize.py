@@ -75,8 +75,8 @@ def compute_qparams(
     return scale, zero
 
 
-# Scale ratios tried by search_qparams: measured on the bundled model's weights, 0.85-1.10 in 26 steps
-# removed 29% of min/max's squared error; 101 ratios over 0.7-1.2 and zero points +-2 only 31%.
+# Scale ratios tried by search_qparams: on the bundled model's weights this narrow grid removed nearly as
+# much of min/max's squared error as a denser, wider one with zero-point shifts, at a fraction of the cost.
 SEARCH_RATIOS = tuple(round(0.85 + 0.01 * i, 2) for i in range(26))
 SEARCH_ZERO_SHIFTS = (-1, 0, 1)
 

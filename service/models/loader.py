@@ -59,9 +59,8 @@ def resolve_dtype(dtype: str, config: dict, device: Any) -> Any:
     """``auto`` keeps the checkpoint's dtype (float32 if it names none), except float16 on CPU.
 
     CPUs without native fp16 matrix units run float16 GEMMs through a slow path whose cost grows with
-    every extra row (measured on this project's AVX-512 machine: a 1536x576 linear takes 77 us at one
-    row and 2.4 ms at 16, against 80 us and 136 us in bfloat16), so batched decode and prefill would
-    crawl. ``auto`` serves float16 checkpoints in bfloat16 on CPU; ask for ``float16`` to override.
+    every extra row (the README's CPU section has the figures), so batched decode and prefill would crawl.
+    ``auto`` serves float16 checkpoints in bfloat16 on CPU; ask for ``float16`` to override.
     """
     import torch
 
@@ -91,8 +90,8 @@ def load_model(
     ``quantized_linear`` says how weight-only quantized Linears run: ``kernel`` keeps the packed weights and
     calls ``torch.ops.squeezeserve.quant_matmul`` (the Triton kernel on CUDA; on CPU its reference, which
     dequantizes the whole weight on every call); ``dequantize`` expands them once at load into plain
-    Linears; ``auto`` is ``kernel`` on CUDA and ``dequantize`` on CPU, where per-call dequantization made
-    decode about 8x slower than the dense baseline.
+    Linears; ``auto`` is ``kernel`` on CUDA and ``dequantize`` on CPU, where per-call dequantization makes
+    decode several times slower than the dense baseline.
     """
     if quantized_linear not in QUANTIZED_LINEAR_MODES:
         raise ValueError(f"quantized_linear must be one of {', '.join(QUANTIZED_LINEAR_MODES)}")

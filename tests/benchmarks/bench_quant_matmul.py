@@ -27,6 +27,7 @@ from triton.testing import do_bench_cudagraph  # noqa: E402
 import squeezeserve.kernels as K  # noqa: E402
 from squeezeserve.kernels import quant_layout  # noqa: E402
 from squeezeserve.kernels.ops import quant_matmul as qm  # noqa: E402
+from squeezeserve.kernels.ops import quant_matmul_kernels as qk  # noqa: E402
 
 DTYPE = torch.bfloat16
 KN = [(4096, 4096), (4096, 14336), (14336, 4096), (14336, 14336)]
@@ -135,7 +136,7 @@ def dump(out: Path, group=128, bits=4):
         x = torch.randn(m, k, device="cuda", dtype=DTYPE)
         K.quant_matmul(x, qw, sc, None, group, bits)
     for name in ("_gemv_int4_kernel", "_skinny_kernel"):
-        kernel = getattr(qm, name)
+        kernel = getattr(qk, name)
         for device_cache in kernel.device_caches.values():
             for i, compiled in enumerate(device_cache[0].values()):
                 for ir in ("ttgir", "ptx"):

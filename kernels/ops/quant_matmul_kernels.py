@@ -1,0 +1,473 @@
+"""quant_matmul's Triton kernels: ``y = x @ dequantize(W).T`` over compressed-tensors' pack-quantized layout.
+
+How they are chosen, tuned, launched and registered is in ``quant_matmul.py``.
+
+The layout is defined once, in ``kernels/quant_layout.py``: ``qweight`` int32 [N, ceil(K / P)] packed
+along K (P = 32 // bits, lowest bits first, offset-binary), ``scales`` [N, ceil(K / G)], optional
+``zeros`` int32 [ceil(N / P), ceil(K / G)] packed along N.
+
+Decode and batched decode (M <= SKINNY_MAX_M) stream the packed weight with as little arithmetic per
+weight as possible: one row (M <= GEMV_MAX_M) on the FMA units (:func:`_gemv_int4_kernel` for int4,
+:func:`_gemv_kernel` for int8), more rows on tensor cores (:func:`_skinny_kernel`):
+
+- Wide, pipelined loads: when K is a multiple of the tile (``EVEN_K``) no K mask is applied, so the weight
+  tile loads are 16-byte vectors that Triton turns into multi-stage ``cp.async`` pipelines (with a mask of
+  unknown alignment they were one int16 per instruction and not pipelined). The activation tile is loaded
+  contiguously and split by position within a word in registers (:func:`_deinterleave`).
+- Swapped operands: each program computes ``acc[BLOCK_N, BLOCK_M] = W_tile @ x_tile.T``, so the weight,
+  the big operand, is the MMA's A operand in its stored K-major order, and the few activation rows are B.
+- No unpacking reshape: the packed words are read as int16 (4 int4 / 2 int8 values each, value k of a row
+  at int16 ``k // V``, position ``k % V``). Position ``i`` of every int16 in a tile is one [BLOCK_N, T]
+  operand whose columns are k = 4t + i; it meets the activations at the same k. V dots of depth
+  T = BLOCK_K / V replace one dot of depth BLOCK_K.
+- No conversion instructions (int-to-float runs at 1/8 of the FMA rate and would bound the kernel): a value
+  q is turned into the float ``BIAS + q`` by OR-ing it into the mantissa of ``BIAS`` (0x4300 = 128.0 in
+  bf16, 0x6400 = 1024.0 in fp16; exact since q < 2**7 resp. 2**10), then bitcast. The int4 FMA kernel does
+  two values per instruction (``0x43004300`` over an int32 word). int8 with bf16 activations (q up to 255
+  does not fit) goes through the fp32 magic 2**23 and one conversion.
+- Scale and zero point after the dot: a tile is one quantization group, so
+  ``sum_k (q - z) s x = s * (sum_k (BIAS + q) x - (BIAS + z) * sum_k x)``; the correction is per (row, group).
+  Groups narrower than a dot's minimum depth (int4 with G < 64, or G not a multiple of V) take the PRESCALE
+  form instead: w = (q - z) * s per weight, then the dot. Scales are loaded one tile ahead, as one
+  [BLOCK_N, groups per tile] block when groups tile the K tile (:func:`_tile_params`).
+- Split-K across programs when N alone gives too few programs to fill the GPU: partial tiles meet in a
+  self-cleaning fp32 workspace (:func:`_write_tile`).
+
+Prefill (M > SKINNY_MAX_M) is compute-bound: :func:`_dequantize_kernel` expands W to the activation dtype
+once (bit-exact, as compressed-tensors dequantizes) and cuBLAS does the matmul. The transient weight
+costs N x K x 2 bytes; at 4096 rows it is read 4096 times, so the expansion (a memory-bound pass) is a
+small part of the time.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+# The kernels keep their leading underscore: it is the name profilers show and tests/gpu/vllm_ab.py counts.
+
+
+@triton.jit
+def _group_params(scale_ptr, zero_ptr, rows, g, mask, scale_row_stride, zero_row_stride, BITS: tl.constexpr,
+                  HAS_ZERO: tl.constexpr):  # fmt: skip
+    """(scale, zero point) in fp32 of output rows ``rows`` in groups ``g`` (broadcast against each other).
+
+    Zero points are packed along N (``32 // BITS`` rows per int32); without them the zero point is the
+    offset-binary midpoint ``2**(BITS-1)``.
+    """
+    PACK: tl.constexpr = 32 // BITS
+    s = tl.load(scale_ptr + rows.to(tl.int64) * scale_row_stride + g, mask=mask, other=0.0).to(tl.float32)
+    if HAS_ZERO:
+        zw = tl.load(zero_ptr + (rows // PACK) * zero_row_stride + g, mask=mask, other=0)
+        z = ((zw >> ((rows % PACK) * BITS)) & ((1 << BITS) - 1)).to(tl.float32)
+    else:
+        z = tl.zeros_like(s) + (1 << (BITS - 1))
+    return s, z
+
+
+@triton.jit
+def _tile_params(scale_ptr, zero_ptr, offs_n, mask_n, tile, K, scale_row_stride, zero_row_stride,
+                 BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, BLOCK_K: tl.constexpr,
+                 GPT: tl.constexpr):  # fmt: skip
+    """(scale, zero point) [BLOCK_N, GPT] of the GPT groups that K tile ``tile`` spans (groups aligned to
+    tiles: GPT = BLOCK_K / GROUP, or 1 when a group holds whole tiles)."""
+    groups = (tile * BLOCK_K) // GROUP + tl.arange(0, GPT)
+    mask = mask_n[:, None] & (groups < tl.cdiv(K, GROUP))[None, :]
+    return _group_params(scale_ptr, zero_ptr, offs_n[:, None], groups[None, :], mask, scale_row_stride,
+                         zero_row_stride, BITS, HAS_ZERO)  # fmt: skip
+
+
+@triton.jit
+def _per_word(v, BLOCK_N: tl.constexpr, GPT: tl.constexpr, W: tl.constexpr):
+    """[BLOCK_N, GPT] per-group values -> [BLOCK_N, W] per word (a tile's W words in GPT equal runs)."""
+    if GPT == 1:
+        return v
+    else:
+        return tl.reshape(tl.broadcast_to(v[:, :, None], [BLOCK_N, GPT, W // GPT]), [BLOCK_N, W])
+
+
+@triton.jit
+def _write_tile(acc, y_ptr, ws_ptr, count_ptr, offs_n, offs_m, mask_n, mask_m, y_row_stride, n_splits,
+                MODE: tl.constexpr):  # fmt: skip
+    """y[m, n] = acc[n, m]. MODE 0: stored in y's dtype (one program per tile). MODE 1: added in fp32 into a
+    zeroed y (split-K; the launcher casts). MODE 2: added into the fp32 workspace; the tile's last split
+    (counted with an atomic) stores the sum in y's dtype and zeroes its workspace tile and counter again,
+    so the next call finds them clean: one launch, no memset and no cast kernel."""
+    y_ptrs = y_ptr + offs_m[None, :].to(tl.int64) * y_row_stride + offs_n[:, None]
+    y_mask = mask_n[:, None] & mask_m[None, :]
+    if MODE == 0:
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=y_mask)
+    elif MODE == 1:
+        tl.atomic_add(y_ptrs, acc, mask=y_mask, sem="relaxed")
+    else:
+        ws_ptrs = ws_ptr + offs_m[None, :].to(tl.int64) * y_row_stride + offs_n[:, None]
+        tl.atomic_add(ws_ptrs, acc, mask=y_mask, sem="relaxed")
+        tl.debug_barrier()  # every thread's partial is in before the (releasing) count below
+        tile = count_ptr + tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
+        if tl.atomic_add(tile, 1, sem="acq_rel") == n_splits - 1:
+            total = tl.load(ws_ptrs, mask=y_mask, other=0.0, cache_modifier=".cg")  # L2, where atomics add
+            tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=y_mask)
+            tl.store(ws_ptrs, tl.zeros_like(total), mask=y_mask)
+            tl.store(tile, 0)
+
+
+@triton.jit
+def _deinterleave(x, R: tl.constexpr, T: tl.constexpr, V: tl.constexpr):
+    """Split x [R, V * T] by position within a word: piece i [R, T] holds columns V t + i (V = 2 or 4;
+    for V = 2 the pieces are returned twice). Register shuffles only: the tile is loaded contiguously."""
+    if V == 4:
+        even, odd = tl.split(tl.reshape(x, [R, T, 2, 2]))  # column V t + 2 a + b -> [t, a, b]
+        x0, x2 = tl.split(even)
+        x1, x3 = tl.split(odd)
+        return x0, x1, x2, x3
+    else:
+        x0, x1 = tl.split(tl.reshape(x, [R, T, 2]))
+        return x0, x1, x0, x1
+
+
+@triton.jit
+def _magic(h, i: tl.constexpr, BITS: tl.constexpr, MAGIC: tl.constexpr, dtype: tl.constexpr):
+    """Value i of every int16 in h as the float ``BIAS + q`` (OR-ed into BIAS's mantissa, no conversion)."""
+    return (((h >> (i * BITS)) & ((1 << BITS) - 1)) | MAGIC).to(tl.int16).to(dtype, bitcast=True)
+
+
+@triton.jit
+def _skinny_kernel(
+    x_ptr,  # [M, K] activations (fp16/bf16)
+    qw_ptr,  # [N, ceil(K / V)] int16 view of the packed int32 weight
+    scale_ptr,  # [N, ceil(K / GROUP)]
+    zero_ptr,  # [ceil(N / (32 // BITS)), ceil(K / GROUP)] int32 packed zero points (only when HAS_ZERO)
+    y_ptr,  # [M, N]: the output dtype, or fp32 partial sums (MODE 1)
+    ws_ptr,  # fp32 workspace, zero between calls (MODE 2)
+    count_ptr,  # int32 arrivals per output tile, zero between calls (MODE 2)
+    M,
+    N,
+    K,
+    x_row_stride,
+    qw_row_stride,
+    scale_row_stride,
+    zero_row_stride,
+    y_row_stride,
+    tiles_per_split,
+    n_splits,
+    BITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    HAS_ZERO: tl.constexpr,
+    MAGIC: tl.constexpr,  # bit pattern of BIAS in the activation dtype; 0: convert q (BIAS 0)
+    BIAS: tl.constexpr,
+    PRESCALE: tl.constexpr,  # dequantize each weight before the dot (groups narrower than a dot)
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    MODE: tl.constexpr,  # how partial tiles meet: see _write_tile
+    EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no mask along K, so the weight loads vectorize
+    GPT: tl.constexpr,  # groups per K tile when groups align to tiles (1 for groups of whole tiles), else 0
+    DOT_FP32: tl.constexpr,  # upcast the dot operands (Triton's interpreter gets bf16 tl.dot wrong)
+):
+    """y[m, n] = sum_k x[m, k] (q[n, k] - z[n, g]) s[n, g],  g = k // GROUP."""
+    V: tl.constexpr = 16 // BITS  # values per int16
+    T: tl.constexpr = BLOCK_K // V  # int16 per row of a tile
+    MASK: tl.constexpr = (1 << BITS) - 1
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_t = tl.arange(0, T)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_n = offs_n < N
+    mask_m = offs_m < M
+    n_words = tl.cdiv(K, V)
+    qw_rows = qw_ptr + offs_n[:, None].to(tl.int64) * qw_row_stride
+    x_rows = x_ptr + offs_m[:, None].to(tl.int64) * x_row_stride
+    dtype = x_ptr.dtype.element_ty
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    tile_begin = pid_k * tiles_per_split
+    tile_end = tl.minimum(tile_begin + tiles_per_split, tl.cdiv(K, BLOCK_K))
+    if GPT > 0:  # the next tile's scales are loaded one iteration ahead (too small for the pipeliner)
+        s_next, z_next = _tile_params(scale_ptr, zero_ptr, offs_n, mask_n, tile_begin, K, scale_row_stride,
+                                      zero_row_stride, BITS, GROUP, HAS_ZERO, BLOCK_K, GPT)  # fmt: skip
+    for tile in range(tile_begin, tile_end):
+        k0 = tile * BLOCK_K
+        words = k0 // V + offs_t
+        ks = k0 + offs_k
+        if GPT > 0:
+            s, z = _per_word(s_next, BLOCK_N, GPT, T), _per_word(z_next, BLOCK_N, GPT, T)  # [BN, 1 or T]
+            following = tl.minimum(tile + 1, tile_end - 1)
+            s_next, z_next = _tile_params(scale_ptr, zero_ptr, offs_n, mask_n, following, K, scale_row_stride,
+                                          zero_row_stride, BITS, GROUP, HAS_ZERO, BLOCK_K, GPT)  # fmt: skip
+        if EVEN_K:
+            h = tl.load(qw_rows + words[None, :], mask=mask_n[:, None], other=0)
+            xt = tl.load(x_rows + ks[None, :], mask=mask_m[:, None], other=0.0)
+        else:
+            h = tl.load(qw_rows + words[None, :], mask=mask_n[:, None] & (words < n_words)[None, :], other=0)
+            xt = tl.load(x_rows + ks[None, :], mask=mask_m[:, None] & (ks < K)[None, :], other=0.0)
+        xs = _deinterleave(xt, BLOCK_M, T, V)  # xs[i][:, t] = x[:, k0 + V t + i]
+        part = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        for i in tl.static_range(V):
+            xi = tl.trans(xs[i])  # [T, BLOCK_M]
+            if MAGIC != 0:
+                w = _magic(h, i, BITS, MAGIC, dtype)  # BIAS + q, exactly
+            else:  # q through the fp32 magic 2**23 (exact), then one conversion
+                q = (h.to(tl.int32) >> (i * BITS)) & MASK
+                w = ((q | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0).to(dtype)
+            if PRESCALE:
+                if GPT == 0:  # groups not aligned to tiles: the group of each value
+                    k = k0 + offs_t * V + i
+                    s, z = _group_params(scale_ptr, zero_ptr, offs_n[:, None], (k // GROUP)[None, :],
+                                         mask_n[:, None] & (k < K)[None, :], scale_row_stride,
+                                         zero_row_stride, BITS, HAS_ZERO)  # fmt: skip
+                w = ((w.to(tl.float32) - (BIAS + z)) * s).to(dtype)
+            if DOT_FP32:
+                part = tl.dot(w.to(tl.float32), xi.to(tl.float32), part, input_precision="ieee")
+            else:
+                part = tl.dot(w, xi, part)
+        if PRESCALE:
+            acc += part
+        else:  # the whole tile is in one group: s, z are [BLOCK_N, 1]
+            xsum = tl.sum(xt.to(tl.float32), axis=1)
+            acc += s * (part - (BIAS + z) * xsum[None, :])
+    _write_tile(acc, y_ptr, ws_ptr, count_ptr, offs_n, offs_m, mask_n, mask_m, y_row_stride, n_splits, MODE)
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr,  # [M, K] activations
+    qw_ptr,  # [N, ceil(K / V)] int16 view of the packed int32 weight
+    scale_ptr,  # [N, ceil(K / GROUP)]
+    zero_ptr,  # [ceil(N / (32 // BITS)), ceil(K / GROUP)] int32 packed zero points (only when HAS_ZERO)
+    y_ptr,  # [M, N]: the output dtype, or fp32 partial sums (MODE 1)
+    ws_ptr,  # fp32 workspace, zero between calls (MODE 2)
+    count_ptr,  # int32 arrivals per output tile, zero between calls (MODE 2)
+    M,
+    N,
+    K,
+    x_row_stride,
+    qw_row_stride,
+    scale_row_stride,
+    zero_row_stride,
+    y_row_stride,
+    tiles_per_split,
+    n_splits,
+    BITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    HAS_ZERO: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    MODE: tl.constexpr,  # how partial tiles meet: see _write_tile
+    EVEN_K: tl.constexpr,
+    STAGES: tl.constexpr,  # software-pipeline depth of the weight loads (1: none)
+):
+    """The skinny product on the FMA units, for a few rows: no tensor-core round trips, all in registers.
+
+    A value q becomes the fp32 ``q`` with one OR (into the mantissa of 2**23) and one subtract; products
+    accumulate per (row, output, word) in fp32 and the group's scale and zero point are applied per tile
+    (``sum (q - z) s x = s (sum q x - z sum x)``); the word axis is summed once at the end.
+    """
+    V: tl.constexpr = 16 // BITS
+    T: tl.constexpr = BLOCK_K // V
+    MASK: tl.constexpr = (1 << BITS) - 1
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_t = tl.arange(0, T)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_n = offs_n < N
+    mask_m = offs_m < M
+    n_words = tl.cdiv(K, V)
+    qw_rows = qw_ptr + offs_n[:, None].to(tl.int64) * qw_row_stride
+    x_rows = x_ptr + offs_m[:, None].to(tl.int64) * x_row_stride
+    acc = tl.zeros([BLOCK_N, BLOCK_M, T], dtype=tl.float32)
+    tile_begin = pid_k * tiles_per_split
+    tile_end = tl.minimum(tile_begin + tiles_per_split, tl.cdiv(K, BLOCK_K))
+    for tile in tl.range(tile_begin, tile_end, num_stages=STAGES):
+        k0 = tile * BLOCK_K
+        words = k0 // V + offs_t
+        if EVEN_K:
+            h = tl.load(qw_rows + words[None, :], mask=mask_n[:, None], other=0)
+        else:
+            h = tl.load(qw_rows + words[None, :], mask=mask_n[:, None] & (words < n_words)[None, :], other=0)
+        h = h.to(tl.int32)
+        ks = k0 + offs_k
+        if EVEN_K:
+            xt = tl.load(x_rows + ks[None, :], mask=mask_m[:, None], other=0.0)
+        else:
+            xt = tl.load(x_rows + ks[None, :], mask=mask_m[:, None] & (ks < K)[None, :], other=0.0)
+        xs = _deinterleave(xt.to(tl.float32), BLOCK_M, T, V)  # xs[i][:, t] = x[:, k0 + V t + i]
+        part = tl.zeros([BLOCK_N, BLOCK_M, T], dtype=tl.float32)
+        xsum = tl.zeros([BLOCK_M, T], dtype=tl.float32)
+        for i in tl.static_range(V):
+            q = (((h >> (i * BITS)) & MASK) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+            part += q[:, None, :] * xs[i][None, :, :]
+            xsum += xs[i]
+        if GROUP % BLOCK_K == 0:  # one group for the whole tile: per-row scalars
+            s, z = _group_params(scale_ptr, zero_ptr, offs_n[:, None], k0 // GROUP, mask_n[:, None],
+                                 scale_row_stride, zero_row_stride, BITS, HAS_ZERO)  # fmt: skip
+        else:  # several groups in the tile: the group of each word
+            word_groups = ((k0 + offs_t * V) // GROUP)[None, :]
+            word_mask = mask_n[:, None] & (words < n_words)[None, :]
+            s, z = _group_params(scale_ptr, zero_ptr, offs_n[:, None], word_groups, word_mask,
+                                 scale_row_stride, zero_row_stride, BITS, HAS_ZERO)  # fmt: skip
+        acc += (part - z[:, None, :] * xsum[None, :, :]) * s[:, None, :]
+    _write_tile(
+        tl.sum(acc, axis=2),
+        y_ptr,
+        ws_ptr,
+        count_ptr,
+        offs_n,
+        offs_m,
+        mask_n,
+        mask_m,
+        y_row_stride,
+        n_splits,
+        MODE,
+    )
+
+
+@triton.jit
+def _deinterleave8(x, R: tl.constexpr, W: tl.constexpr):
+    """Split x [R, 8 W] by position within an int32 word: piece j [R, W] holds columns 8 t + j."""
+    even, odd = tl.split(tl.reshape(x, [R, W, 2, 2, 2]))  # column 8 t + 4 c + 2 a + b -> [t, c, a, b]
+    e0, e1 = tl.split(even)
+    o0, o1 = tl.split(odd)
+    x0, x4 = tl.split(e0)
+    x2, x6 = tl.split(e1)
+    x1, x5 = tl.split(o0)
+    x3, x7 = tl.split(o1)
+    return x0, x1, x2, x3, x4, x5, x6, x7
+
+
+@triton.jit
+def _gemv_int4_kernel(
+    x_ptr,  # [M, K] activations
+    qw_ptr,  # [N, ceil(K / 8)] packed int32 weight
+    scale_ptr,  # [N, ceil(K / GROUP)]
+    zero_ptr,  # [ceil(N / 8), ceil(K / GROUP)] int32 packed zero points (only when HAS_ZERO)
+    y_ptr,  # [M, N]: the output dtype, or fp32 partial sums (MODE 1)
+    ws_ptr,  # fp32 workspace, zero between calls (MODE 2)
+    count_ptr,  # int32 arrivals per output tile, zero between calls (MODE 2)
+    M,
+    N,
+    K,
+    x_row_stride,
+    qw_row_stride,
+    scale_row_stride,
+    zero_row_stride,
+    y_row_stride,
+    tiles_per_split,
+    n_splits,
+    GROUP: tl.constexpr,  # a multiple of 8: a word's values share a group
+    GPT: tl.constexpr,  # groups per K tile when groups align to tiles (1 for groups of whole tiles), else 0
+    HAS_ZERO: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    MODE: tl.constexpr,  # how partial tiles meet: see _write_tile
+    EVEN_K: tl.constexpr,
+    STAGES: tl.constexpr,  # software-pipeline depth of the weight loads (1: none)
+):
+    """int4 on the FMA units, two values per integer instruction.
+
+    Shifting a word by 4 i and masking with 0x000F000F leaves values i and i + 4 in the low bits of its
+    two halves; OR-ing 0x43004300 makes each half the bf16 ``128 + q``, and each half becomes an fp32
+    operand with one shift or mask (bf16 is the top half of fp32). Products ``(128 + q) x`` accumulate
+    per (row, output, word) in fp32; per tile, ``sum (q - z) s x = s (sum (128 + q) x - (128 + z) sum x)``.
+    """
+    W: tl.constexpr = BLOCK_K // 8  # words per row of a tile
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_w = tl.arange(0, W)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_n = offs_n < N
+    mask_m = offs_m < M
+    n_words = tl.cdiv(K, 8)
+    qw_rows = qw_ptr + offs_n[:, None].to(tl.int64) * qw_row_stride
+    x_rows = x_ptr + offs_m[:, None].to(tl.int64) * x_row_stride
+    acc = tl.zeros([BLOCK_N, BLOCK_M, W], dtype=tl.float32)
+    tile_begin = pid_k * tiles_per_split
+    tile_end = tl.minimum(tile_begin + tiles_per_split, tl.cdiv(K, BLOCK_K))
+    if GPT > 0:  # the next tile's scales are loaded one iteration ahead (too small for the pipeliner)
+        s_next, z_next = _tile_params(scale_ptr, zero_ptr, offs_n, mask_n, tile_begin, K, scale_row_stride,
+                                      zero_row_stride, 4, GROUP, HAS_ZERO, BLOCK_K, GPT)  # fmt: skip
+    for tile in tl.range(tile_begin, tile_end, num_stages=STAGES):
+        k0 = tile * BLOCK_K
+        words = k0 // 8 + offs_w
+        ks = k0 + offs_k
+        if GPT > 0:
+            s, z = _per_word(s_next, BLOCK_N, GPT, W), _per_word(z_next, BLOCK_N, GPT, W)
+            following = tl.minimum(tile + 1, tile_end - 1)
+            s_next, z_next = _tile_params(scale_ptr, zero_ptr, offs_n, mask_n, following, K, scale_row_stride,
+                                          zero_row_stride, 4, GROUP, HAS_ZERO, BLOCK_K, GPT)  # fmt: skip
+        else:  # groups not aligned to tiles: the group of each word
+            word_groups = ((k0 + offs_w * 8) // GROUP)[None, :]
+            word_mask = mask_n[:, None] & (words < n_words)[None, :]
+            s, z = _group_params(scale_ptr, zero_ptr, offs_n[:, None], word_groups, word_mask,
+                                 scale_row_stride, zero_row_stride, 4, HAS_ZERO)  # fmt: skip
+        if EVEN_K:
+            h = tl.load(qw_rows + words[None, :], mask=mask_n[:, None], other=0)
+            xt = tl.load(x_rows + ks[None, :], mask=mask_m[:, None], other=0.0)
+        else:
+            h = tl.load(qw_rows + words[None, :], mask=mask_n[:, None] & (words < n_words)[None, :], other=0)
+            xt = tl.load(x_rows + ks[None, :], mask=mask_m[:, None] & (ks < K)[None, :], other=0.0)
+        xs = _deinterleave8(xt.to(tl.float32), BLOCK_M, W)  # xs[j][:, t] = x[:, k0 + 8 t + j]
+        part = tl.zeros([BLOCK_N, BLOCK_M, W], dtype=tl.float32)
+        for i in tl.static_range(4):
+            pair = ((h >> (4 * i)) & 0x000F000F) | 0x43004300
+            lo = (pair << 16).to(tl.float32, bitcast=True)  # 128 + value i
+            hi = (pair & -65536).to(tl.float32, bitcast=True)  # 128 + value i + 4
+            part += lo[:, None, :] * xs[i][None, :, :]
+            part += hi[:, None, :] * xs[i + 4][None, :, :]
+        xsum = xs[0] + xs[1] + xs[2] + xs[3] + xs[4] + xs[5] + xs[6] + xs[7]
+        acc += (part - (128.0 + z)[:, None, :] * xsum[None, :, :]) * s[:, None, :]
+    _write_tile(
+        tl.sum(acc, axis=2),
+        y_ptr,
+        ws_ptr,
+        count_ptr,
+        offs_n,
+        offs_m,
+        mask_n,
+        mask_m,
+        y_row_stride,
+        n_splits,
+        MODE,
+    )
+
+
+@triton.jit
+def _dequantize_kernel(
+    qw_ptr,  # [N, ceil(K / PACK)] int32
+    scale_ptr,
+    zero_ptr,
+    w_ptr,  # [N, K] out, activation dtype
+    N,
+    K,
+    qw_row_stride,
+    scale_row_stride,
+    zero_row_stride,
+    w_row_stride,
+    BITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    HAS_ZERO: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """W[n, k] = ((q - z) * s) in fp32, rounded once to the output dtype (compressed-tensors' formula)."""
+    PACK: tl.constexpr = 32 // BITS
+    MASK: tl.constexpr = (1 << BITS) - 1
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask = (offs_n < N)[:, None] & (offs_k < K)[None, :]
+    rows = offs_n[:, None].to(tl.int64)
+    word = tl.load(qw_ptr + rows * qw_row_stride + (offs_k // PACK)[None, :], mask=mask, other=0)
+    q = (word >> ((offs_k % PACK) * BITS)[None, :]) & MASK
+    s, z = _group_params(scale_ptr, zero_ptr, offs_n[:, None], (offs_k // GROUP)[None, :], mask,
+                         scale_row_stride, zero_row_stride, BITS, HAS_ZERO)  # fmt: skip
+    w = (q.to(tl.float32) - z) * s
+    tl.store(w_ptr + rows * w_row_stride + offs_k[None, :], w.to(w_ptr.dtype.element_ty), mask=mask)
