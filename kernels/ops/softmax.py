@@ -300,53 +300,43 @@ def _split_scratch(rows: int, n_cols: int, per_chunk: int, device: torch.device)
     return n_chunks, partials, torch.zeros(rows, dtype=torch.int32, device=device)
 
 
+def _launch(split_kernel, row_kernel, inputs: tuple[torch.Tensor, ...], out: torch.Tensor, per_chunk: int):
+    """Launch the forward or backward over [rows, n] views: ``inputs`` then ``out`` (and their row strides)
+    go to ``split_kernel`` for rows the split path serves, else to ``row_kernel``; ``per_chunk`` is the
+    split path's fp32 partials per chunk (forward 2: m_c, d_c; backward 1: sum dy y)."""
+    rows, n = out.shape
+    block, single, warps = launch_config(n)
+    if not rows:
+        return
+    strides = [t.stride(0) for t in (*inputs, out)]
+    if not single and _split(n):
+        n_chunks, partials, arrivals = _split_scratch(rows, n, per_chunk, out.device)
+        traceable(split_kernel)[(rows * n_chunks,)](
+            *inputs, out, partials, arrivals, *strides, n, n_chunks,
+            CHUNK=SPLIT_CHUNK, MAX_CHUNKS=next_power_of_2(n_chunks), SPINS=_spins(), num_warps=SPLIT_WARPS,
+        )  # fmt: skip
+    else:
+        block_r = block_rows(rows, block) if single else 1
+        traceable(row_kernel)[(cdiv(rows, block_r),)](
+            *inputs, out, *strides, n, rows, BLOCK_R=block_r, BLOCK=block, SINGLE=single, num_warps=warps
+        )  # fmt: skip
+
+
 def _softmax(x: torch.Tensor) -> torch.Tensor:
     if use_reference(x):
         return reference.softmax(x)
-    x2 = rows_2d(x)
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    y2 = y.view(-1, x.shape[-1])
-    n = x.shape[-1]
-    block, single, warps = launch_config(n)
-    rows = x2.shape[0]
-    if rows and not single and _split(n):
-        n_chunks, stats, arrivals = _split_scratch(rows, n, 2, x.device)
-        traceable(_softmax_fwd_split)[(rows * n_chunks,)](
-            x2, y2, stats, arrivals, x2.stride(0), y2.stride(0), n, n_chunks,
-            CHUNK=SPLIT_CHUNK, MAX_CHUNKS=next_power_of_2(n_chunks), SPINS=_spins(),
-            num_warps=SPLIT_WARPS,
-        )  # fmt: skip
-    elif rows:
-        block_r = block_rows(rows, block) if single else 1
-        traceable(_softmax_fwd)[(cdiv(rows, block_r),)](
-            x2, y2, x2.stride(0), y2.stride(0), n, rows,
-            BLOCK_R=block_r, BLOCK=block, SINGLE=single, num_warps=warps,
-        )  # fmt: skip
+    _launch(_softmax_fwd_split, _softmax_fwd, (rows_2d(x),), y.view(-1, x.shape[-1]), per_chunk=2)
     return y
 
 
 def _softmax_backward(grad: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     if use_reference(y):
         return reference.softmax_backward(grad, y)
-    g2, y2 = rows_2d(grad), rows_2d(y)
     dx = torch.empty(y.shape, dtype=y.dtype, device=y.device)
-    dx2 = dx.view(-1, y.shape[-1])
-    n = y.shape[-1]
-    block, single, warps = launch_config(n)
-    rows = y2.shape[0]
-    if rows and not single and _split(n):
-        n_chunks, partials, arrivals = _split_scratch(rows, n, 1, y.device)
-        traceable(_softmax_bwd_split)[(rows * n_chunks,)](
-            g2, y2, dx2, partials, arrivals, g2.stride(0), y2.stride(0), dx2.stride(0), n, n_chunks,
-            CHUNK=SPLIT_CHUNK, MAX_CHUNKS=next_power_of_2(n_chunks), SPINS=_spins(),
-            num_warps=SPLIT_WARPS,
-        )  # fmt: skip
-    elif rows:
-        block_r = block_rows(rows, block) if single else 1
-        traceable(_softmax_bwd)[(cdiv(rows, block_r),)](
-            g2, y2, dx2, g2.stride(0), y2.stride(0), dx2.stride(0), n, rows,
-            BLOCK_R=block_r, BLOCK=block, SINGLE=single, num_warps=warps,
-        )  # fmt: skip
+    _launch(
+        _softmax_bwd_split, _softmax_bwd, (rows_2d(grad), rows_2d(y)), dx.view(-1, y.shape[-1]), per_chunk=1
+    )
     return dx
 
 
