@@ -114,6 +114,7 @@ def _kill_group(process: subprocess.Popen) -> None:
     """A second Ctrl-C: the worker (its own session) goes at once, with whatever it was generating."""
     with contextlib.suppress(ProcessLookupError):
         os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout=10)  # a second Ctrl-C exits once the worker is gone, not before
 
 
 def _serve_gateway(
