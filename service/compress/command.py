@@ -6,10 +6,42 @@ import argparse
 import logging
 import sys
 
+from squeezeserve.service.compress.options import (
+    ALGORITHMS,
+    DEFAULTS,
+    METHODS,
+    PRUNE_METHODS,
+    RECOVER_LOSSES,
+    STRUCTURES,
+)
+
 log = logging.getLogger(__name__)
 
-# Kept equal to options.METHODS (that module imports torch).
-METHODS = ("int8", "int4", "fp8", "prune", "distill")
+# Flags whose value goes to build_options under the same name (defaults: options.DEFAULTS, or decided there).
+OPTION_FLAGS = (
+    "method",
+    "algorithm",
+    "group_size",
+    "symmetric",
+    "actorder",
+    "scale_search",
+    "damp",
+    "sparsity",
+    "prune_method",
+    "calibration",
+    "calibration_samples",
+    "calibration_seq_len",
+    "recover_steps",
+    "recover_lr",
+    "recover_batch_size",
+    "seed",
+    "structure",
+    "ratio",
+    "recover_loss",
+    "temperature",
+    "kd_lm_weight",
+    "teacher",
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -17,6 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--method",
         required=True,
+        metavar="{" + ",".join(METHODS) + "}",  # checked by build_options, which says why a choice is wrong
         help="int8 (W8A16 per-channel), int4 (W4A16 group-wise), fp8 (E4M3 W8A8 dynamic), "
         "prune (dense, needs --sparsity, or --structure and --ratio: a smaller dense model), "
         "distill (fine-tune --model towards --teacher)",
@@ -26,9 +59,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     parser.add_argument(
-        "--algorithm", help="int8/int4: gptq (calibrated; int4 default) or rtn (int8 default)"
+        "--algorithm",
+        choices=ALGORITHMS,
+        help="int8/int4: gptq (calibrated; int4 default) or rtn (int8 default)",
     )
-    parser.add_argument("--group-size", type=int, help="int4: input columns per scale (default 32)")
+    parser.add_argument(
+        "--group-size", type=int, help=f"int4: input columns per scale (default {DEFAULTS.group_size})"
+    )
     symmetry = parser.add_mutually_exclusive_group()
     symmetry.add_argument(
         "--symmetric", dest="symmetric", action="store_true", default=None, help="int4: no zero point"
@@ -49,47 +86,68 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(default on; off: min/max)",
     )
     parser.add_argument(
-        "--damp", type=float, default=0.01, help="GPTQ damping, fraction of the mean Hessian diagonal"
+        "--damp",
+        type=float,
+        default=DEFAULTS.damp,
+        help="GPTQ damping, fraction of the mean Hessian diagonal (default %(default)s)",
     )
     parser.add_argument("--sparsity", help="prune first: a fraction (0.5) or N:M (2:4)")
-    parser.add_argument("--prune-method", default="wanda", help="magnitude or wanda (calibrated; default)")
     parser.add_argument(
-        "--calibration",
-        help="UTF-8 text file for GPTQ, Wanda and recovery (or sample:wikitext-2-calibration, shipped)",
+        "--prune-method",
+        metavar="{" + ",".join(PRUNE_METHODS) + "}",
+        default=DEFAULTS.prune_method,
+        help="wanda is calibrated (default %(default)s)",
+    )
+    parser.add_argument("--calibration", help="UTF-8 text file for GPTQ, Wanda and recovery (or sample:wikitext-2-calibration, shipped)")
+    parser.add_argument(
+        "--calibration-samples",
+        type=int,
+        default=DEFAULTS.calibration_samples,
+        help="calibration windows (default %(default)s)",
     )
     parser.add_argument(
-        "--calibration-samples", type=int, default=128, help="calibration windows (default 128)"
+        "--calibration-seq-len",
+        type=int,
+        default=DEFAULTS.calibration_seq_len,
+        help="tokens per window (default %(default)s)",
     )
     parser.add_argument(
-        "--calibration-seq-len", type=int, default=512, help="tokens per window (default 512)"
+        "--recover-steps",
+        type=int,
+        default=DEFAULTS.recover_steps,
+        help="fine-tune steps after pruning (mask kept; default %(default)s)",
     )
     parser.add_argument(
-        "--recover-steps", type=int, default=0, help="fine-tune steps after pruning (mask kept)"
+        "--recover-lr", type=float, default=DEFAULTS.recover_lr, help="recovery learning rate (AdamW)"
     )
-    parser.add_argument("--recover-lr", type=float, default=2e-5, help="recovery learning rate (AdamW)")
-    parser.add_argument("--recover-batch-size", type=int, default=4, help="windows per recovery step")
+    parser.add_argument(
+        "--recover-batch-size",
+        type=int,
+        default=DEFAULTS.recover_batch_size,
+        help="windows per recovery step (default %(default)s)",
+    )
     structured = parser.add_argument_group("structured pruning and distillation")
     structured.add_argument(
         "--structure",
-        choices=("mlp-width", "heads", "layers"),
+        choices=STRUCTURES,
         help="--method prune: remove whole MLP neurons, query heads (per KV group) or decoder layers, "
         "scored on calibration activations; writes a smaller plain checkpoint",
     )
     structured.add_argument("--ratio", type=float, help="structured pruning: fraction removed (0 < R < 1)")
     structured.add_argument(
         "--recover-loss",
-        choices=("kd", "lm"),
+        choices=RECOVER_LOSSES,
         help="recovery loss: kd (forward KL to the unpruned model; default after --structure and for "
         "--method distill) or lm (next-token cross-entropy; default after --sparsity)",
     )
     structured.add_argument(
-        "--temperature", type=float, default=1.0, help="kd: softmax temperature (loss scaled by T^2)"
+        "--temperature", type=float, default=DEFAULTS.temperature, help="kd: softmax temperature (loss scaled by T^2)"
     )
     structured.add_argument(
-        "--kd-lm-weight", type=float, default=0.0, help="kd: weight of the LM loss mixed in (0..1)"
+        "--kd-lm-weight", type=float, default=DEFAULTS.kd_lm_weight, help="kd: weight of the LM loss mixed in (0..1)"
     )
     structured.add_argument("--teacher", help="--method distill: teacher checkpoint (e.g. the baseline)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=DEFAULTS.seed)
     parser.add_argument("--device", default="cpu", help="where to compress: cpu (default) or cuda[:N]")
     parser.add_argument(
         "--threads",
@@ -100,9 +158,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.method not in METHODS:
-        print(f"error: unknown method {args.method!r}: choose one of {', '.join(METHODS)}", file=sys.stderr)
-        return 2
     from squeezeserve.service.compress.options import build_options
     from squeezeserve.service.compress.pipeline import compress
     from squeezeserve.service.compress.summary import format_summary
@@ -110,30 +165,7 @@ def run(args: argparse.Namespace) -> int:
     if not set_threads(args.threads):
         return 2
     try:
-        options = build_options(
-            method=args.method,
-            algorithm=args.algorithm,
-            group_size=args.group_size,
-            symmetric=args.symmetric,
-            actorder=args.actorder,
-            scale_search=args.scale_search,
-            damp=args.damp,
-            sparsity=args.sparsity,
-            prune_method=args.prune_method,
-            calibration=args.calibration,
-            calibration_samples=args.calibration_samples,
-            calibration_seq_len=args.calibration_seq_len,
-            recover_steps=args.recover_steps,
-            recover_lr=args.recover_lr,
-            recover_batch_size=args.recover_batch_size,
-            seed=args.seed,
-            structure=args.structure,
-            ratio=args.ratio,
-            recover_loss=args.recover_loss,
-            temperature=args.temperature,
-            kd_lm_weight=args.kd_lm_weight,
-            teacher=args.teacher,
-        )
+        options = build_options(**{name: getattr(args, name) for name in OPTION_FLAGS})
         result = compress(args.model, args.out, options, overwrite=args.overwrite, device=args.device)
     except (ValueError, FileNotFoundError, FileExistsError, MemoryError) as exc:
         print(f"error: {exc}", file=sys.stderr)

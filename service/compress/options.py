@@ -1,18 +1,44 @@
-"""What a compression run does, validated before any weight is touched."""
+"""What a compression run does, validated before any weight is touched: the one definition of the
+compress options, their choices and defaults (``command.py`` builds its flags from it). No torch here, so
+``squeezeserve --help`` stays quick.
+"""
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from squeezeserve.service.compress.prune import PRUNE_METHODS, Sparsity, parse_sparsity
 from squeezeserve.service.datasets import resolve
+
+if TYPE_CHECKING:
+    from squeezeserve.service.compress.prune import Sparsity
 
 METHODS = ("int8", "int4", "fp8", "prune", "distill")
 RECOVER_LOSSES = ("kd", "lm")
+STRUCTURES = ("mlp-width", "heads", "layers")
 ALGORITHMS = ("gptq", "rtn")
-DEFAULT_GROUP_SIZE = 32
-DEFAULT_DAMP = 0.01
+PRUNE_METHODS = ("magnitude", "wanda")
+
+
+@dataclass(frozen=True)
+class Defaults:
+    """What an option is when the user does not say (method-dependent ones are decided in build_options)."""
+
+    group_size: int = 32  # int4
+    damp: float = 0.01  # GPTQ, fraction of the mean Hessian diagonal
+    prune_method: str = "wanda"
+    calibration_samples: int = 128
+    calibration_seq_len: int = 512
+    recover_steps: int = 0
+    recover_lr: float = 2e-5
+    recover_batch_size: int = 4
+    seed: int = 0
+    temperature: float = 1.0  # kd: softmax temperature
+    kd_lm_weight: float = 0.0  # kd: share of the LM loss
+
+
+DEFAULTS = Defaults()
+DEFAULT_GROUP_SIZE = DEFAULTS.group_size
 
 
 @dataclass(frozen=True)
@@ -63,24 +89,26 @@ def build_options(
     symmetric: bool | None = None,
     actorder: bool | None = None,
     scale_search: bool | None = None,
-    damp: float = DEFAULT_DAMP,
+    damp: float = DEFAULTS.damp,
     sparsity: str | None = None,
-    prune_method: str = "wanda",
+    prune_method: str = DEFAULTS.prune_method,
     calibration: str | None = None,
-    calibration_samples: int = 128,
-    calibration_seq_len: int = 512,
-    recover_steps: int = 0,
-    recover_lr: float = 2e-5,
-    recover_batch_size: int = 4,
-    seed: int = 0,
+    calibration_samples: int = DEFAULTS.calibration_samples,
+    calibration_seq_len: int = DEFAULTS.calibration_seq_len,
+    recover_steps: int = DEFAULTS.recover_steps,
+    recover_lr: float = DEFAULTS.recover_lr,
+    recover_batch_size: int = DEFAULTS.recover_batch_size,
+    seed: int = DEFAULTS.seed,
     structure: str | None = None,
     ratio: float | None = None,
     recover_loss: str | None = None,
-    temperature: float = 1.0,
-    kd_lm_weight: float = 0.0,
+    temperature: float = DEFAULTS.temperature,
+    kd_lm_weight: float = DEFAULTS.kd_lm_weight,
     teacher: str | None = None,
 ) -> CompressOptions:
     """Fill in defaults and refuse impossible combinations with a sentence saying why."""
+    from squeezeserve.service.compress.prune import parse_sparsity
+
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}: choose one of {', '.join(METHODS)}")
     if algorithm is not None and algorithm not in ALGORITHMS:
@@ -106,7 +134,7 @@ def build_options(
     if algorithm is None:
         algorithm = "gptq" if method == "int4" else "rtn"
     gptq = algorithm == "gptq"
-    if not gptq and (actorder or scale_search or damp != DEFAULT_DAMP):
+    if not gptq and (actorder or scale_search or damp != DEFAULTS.damp):
         raise ValueError("--actorder, --scale-search and --damp apply to GPTQ (--algorithm gptq) only")
     if gptq and not 0 < damp < 1:
         raise ValueError(f"--damp is a fraction of the mean Hessian diagonal: 0 < damp < 1, got {damp}")
@@ -115,7 +143,7 @@ def build_options(
     if group_size is not None and method != "int4":
         raise ValueError(f"--group-size applies to int4 only ({method} is per-channel)")
     if method == "int4":
-        group_size = DEFAULT_GROUP_SIZE if group_size is None else group_size
+        group_size = DEFAULTS.group_size if group_size is None else group_size
         if group_size < 1:
             raise ValueError(f"--group-size must be positive, got {group_size}")
     if symmetric is not None and method != "int4":

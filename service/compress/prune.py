@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-PRUNE_METHODS = ("magnitude", "wanda")
+from squeezeserve.service.compress.options import PRUNE_METHODS
 
 
 @dataclass(frozen=True)

@@ -49,8 +49,8 @@ import torch
 from torch import nn
 
 from squeezeserve.service.compress.calibration import decoder_layers, layerwise
+from squeezeserve.service.compress.options import STRUCTURES
 
-STRUCTURES = ("mlp-width", "heads", "layers")
 WIDTH_MULTIPLE = 32
 
 
