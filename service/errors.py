@@ -54,6 +54,16 @@ def invalid_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, "invalid_request_error", "invalid_request", param)
 
 
+def model_not_found(model: str, detail: str = "does not exist") -> APIError:
+    return APIError(
+        404, f"The model '{model}' {detail}.", "invalid_request_error", "model_not_found", "model"
+    )
+
+
+def server_error(message: str, code: str) -> APIError:
+    return APIError(500, message, "server_error", code)
+
+
 def install_error_handlers(
     app: FastAPI, on_error: Callable[[Request, APIError], Awaitable[None] | None] | None = None
 ) -> None:

@@ -1,7 +1,8 @@
 """``squeezeserve up``: the whole local stack in one command.
 
 Prepares the bundled baseline if needed, starts one worker (a child process) and the gateway in front of
-it (this process), prints where to send requests, and on Ctrl-C / SIGTERM stops both.
+it (this process), prints where to send requests, and on Ctrl-C / SIGTERM stops both: the first Ctrl-C
+drains the open requests, a second stops everything at once.
 """
 
 from __future__ import annotations
@@ -15,7 +16,10 @@ import subprocess
 import sys
 from collections.abc import Callable
 
+from pydantic import ValidationError
+
 from squeezeserve.service.processes import stop_process, wait_until_healthy
+from squeezeserve.service.worker.settings import WorkerSettings, add_engine_arguments, engine_options
 
 log = logging.getLogger(__name__)
 
@@ -32,21 +36,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--model", default=None, help="checkpoint dir or HF id (default: the bundled baseline)"
     )
     parser.add_argument("--served-model-name", default=None)
-    parser.add_argument("--engine", choices=["local", "vllm"], default="local")
+    add_engine_arguments(parser)
     parser.add_argument("--api-key", action="append", default=[], help="require this key at the gateway")
-    parser.add_argument(
-        "--threads",
-        type=int,
-        default=None,
-        help="worker's torch CPU threads (default: the cores this process may use)",
-    )
 
 
-def _prepare_model(args: argparse.Namespace) -> tuple[str, str]:
+def _prepare_model(args: argparse.Namespace) -> tuple[str, str | None]:
     if args.model:
-        from squeezeserve.service.worker.command import served_name
-
-        return args.model, served_name(args.model, args.served_model_name)
+        return args.model, args.served_model_name
     from squeezeserve.service.models import bundled
 
     result = bundled.export_baseline()
@@ -67,37 +63,28 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         model, name = _prepare_model(args)
+        worker_settings = WorkerSettings(
+            model=model,
+            served_model_name=name,
+            host="127.0.0.1",
+            port=args.worker_port or args.port + 1,
+            **engine_options(args),
+        )
     except BundledModelMissing as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    worker_port = args.worker_port or args.port + 1
-    worker_url = f"http://127.0.0.1:{worker_port}"
-    cmd = [
-        sys.executable,
-        "-m",
-        "squeezeserve.service.cli",
-        "--log-level",
-        args.log_level,
-        "worker",
-        "--engine",
-        args.engine,
-        "--model",
-        model,
-        "--served-model-name",
-        name,
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(worker_port),
-    ]
-    if args.threads is not None and args.engine == "local":
-        cmd += ["--threads", str(args.threads)]
-    worker = subprocess.Popen(cmd, start_new_session=True)  # our Ctrl-C must not reach it before we stop it
+    except ValidationError as exc:
+        print(f"error: invalid worker settings: {exc}", file=sys.stderr)
+        return 2
+    worker_url = f"http://127.0.0.1:{worker_settings.port}"
+    cmd = [sys.executable, "-m", "squeezeserve.service.cli", "--log-level", args.log_level, "worker"]
+    worker = subprocess.Popen(cmd + worker_settings.flags(), start_new_session=True)  # Ctrl-C is ours
     # SIGTERM (docker stop, systemd) takes the same clean path as Ctrl-C. uvicorn re-raises the signal
     # once the gateway has shut down, which lands here.
     signal.signal(signal.SIGTERM, _interrupt)
     try:
-        print(f"starting worker ({args.engine}) for {name} on {worker_url} ...", flush=True)
+        engine, name = worker_settings.engine, worker_settings.served_name
+        print(f"starting worker ({engine}) for {name} on {worker_url} ...", flush=True)
         wait_until_healthy(worker_url, WORKER_START_TIMEOUT_S, worker)
         return _serve_gateway(args, worker_url, name, lambda: _kill_group(worker))
     except KeyboardInterrupt:

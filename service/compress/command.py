@@ -98,7 +98,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=DEFAULTS.prune_method,
         help="wanda is calibrated (default %(default)s)",
     )
-    parser.add_argument("--calibration", help="UTF-8 text file for GPTQ, Wanda and recovery (or sample:wikitext-2-calibration, shipped)")
+    parser.add_argument(
+        "--calibration",
+        help="UTF-8 text file for GPTQ, Wanda and recovery (or sample:wikitext-2-calibration, shipped)",
+    )
     parser.add_argument(
         "--calibration-samples",
         type=int,
@@ -141,10 +144,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--method distill) or lm (next-token cross-entropy; default after --sparsity)",
     )
     structured.add_argument(
-        "--temperature", type=float, default=DEFAULTS.temperature, help="kd: softmax temperature (loss scaled by T^2)"
+        "--temperature",
+        type=float,
+        default=DEFAULTS.temperature,
+        help="kd: softmax temperature (loss scaled by T^2)",
     )
     structured.add_argument(
-        "--kd-lm-weight", type=float, default=DEFAULTS.kd_lm_weight, help="kd: weight of the LM loss mixed in (0..1)"
+        "--kd-lm-weight",
+        type=float,
+        default=DEFAULTS.kd_lm_weight,
+        help="kd: weight of the LM loss mixed in (0..1)",
     )
     structured.add_argument("--teacher", help="--method distill: teacher checkpoint (e.g. the baseline)")
     parser.add_argument("--seed", type=int, default=DEFAULTS.seed)

@@ -11,13 +11,17 @@ from __future__ import annotations
 import json
 import logging
 import time
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 log = logging.getLogger(__name__)
 
-DTYPES = ("auto", "float16", "bfloat16", "float32")
+Dtype = Literal["auto", "float16", "bfloat16", "float32"]
+DTYPES: tuple[str, ...] = typing.get_args(Dtype)
+QuantizedLinear = Literal["auto", "kernel", "dequantize"]
+QUANTIZED_LINEAR_MODES: tuple[str, ...] = typing.get_args(QuantizedLinear)
 
 
 @dataclass
@@ -73,9 +77,6 @@ def resolve_dtype(dtype: str, config: dict, device: Any) -> Any:
     if resolved == torch.float16 and torch.device(device).type == "cpu":
         return torch.bfloat16
     return resolved
-
-
-QUANTIZED_LINEAR_MODES = ("auto", "kernel", "dequantize")
 
 
 def load_model(

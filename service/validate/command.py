@@ -13,6 +13,9 @@ import os
 import sys
 from pathlib import Path
 
+from squeezeserve.service.models.loader import DTYPES
+from squeezeserve.service.worker.settings import ENGINES
+
 log = logging.getLogger(__name__)
 
 API_KEY_ENV = "SQUEEZESERVE_API_KEY"
@@ -96,8 +99,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     latency.add_argument("--slo-tpot-ms", type=float, help="goodput SLO on time per output token")
     latency.add_argument("--skip-latency", action="store_true")
     local = parser.add_argument_group("local checkpoints")
-    local.add_argument("--engine", choices=["local", "vllm"], default="local", help="worker for latency runs")
-    local.add_argument("--dtype", default="auto", choices=["auto", "float16", "bfloat16", "float32"])
+    local.add_argument("--engine", choices=ENGINES, default="local", help="worker for latency runs")
+    local.add_argument("--dtype", default="auto", choices=DTYPES)
     local.add_argument("--device", default="cpu", help="device for local accuracy (cpu, cuda, cuda:1)")
 
 

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from squeezeserve.service.processes import free_port, stop_process, wait_until_healthy
+from squeezeserve.service.worker.settings import WorkerSettings
 
 START_TIMEOUT_S = 600.0  # model load on a busy CPU, or vLLM's compile and warm-up
 
@@ -29,11 +30,16 @@ class WorkerProcess:
         self.port = free_port()
         self.name = name
         self.url = f"http://127.0.0.1:{self.port}"
+        settings = WorkerSettings(
+            model=str(model),
+            served_model_name=name,
+            engine=engine,
+            port=self.port,
+            dtype=dtype,
+            max_batch_size=max_batch_size,
+        )
         self.command = [sys.executable, "-m", "squeezeserve.service.cli", "--log-level", "WARNING", "worker"]
-        self.command += ["--engine", engine, "--model", str(model), "--port", str(self.port)]
-        self.command += ["--served-model-name", name, "--dtype", dtype]
-        if engine == "local":
-            self.command += ["--max-batch-size", str(max_batch_size)]
+        self.command += settings.flags()
         self.process: subprocess.Popen | None = None
         self.peak_rss: int | None = None
 

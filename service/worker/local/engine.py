@@ -112,8 +112,8 @@ class Engine:
         model: Any,
         tokenizer: Any,
         eos_token_ids: set[int],
-        max_batch_size: int = 16,
-        max_waiting: int = 256,
+        max_batch_size: int,
+        max_waiting: int,
     ) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be at least 1, not {max_batch_size}")
@@ -134,6 +134,11 @@ class Engine:
     # -- called from the event loop ------------------------------------------------------------------
     def start(self) -> None:
         self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        """The engine thread is running (``/health`` fails when it is not)."""
+        return self._thread.is_alive()
 
     def stop(self) -> None:
         self._stop.set()

@@ -67,12 +67,14 @@ def test_worker_command_passes_vllm_arguments_through():
     parser = argparse.ArgumentParser()
     command.add_arguments(parser)
     args = parser.parse_args(
-        ["--engine", "vllm", "--model", "/models/int4", "--port", "8101", "--dtype", "float16",
+        ["--engine", "vllm", "--model", "/models/int4", "--served-model-name", "int4", "--port", "8101",
+         "--dtype", "float16",
          "--", "--quantization", "squeezeserve", "--max-model-len", "2048"]
     )  # fmt: skip
     extra = [a for a in args.vllm_args if a != "--"]
+    settings = command.settings_from_args(args)
     cmd = launch.vllm_command(
-        args.model, command.served_name(args.model, "int4"), args.host, args.port, args.dtype, extra
+        settings.model, settings.served_name, settings.host, settings.port, settings.dtype, extra
     )
     serve = cmd.index("serve")
     assert cmd[serve:] == [

@@ -240,6 +240,12 @@ def test_the_workers_own_errors_are_openai_shaped(baseline_worker: str) -> None:
     assert "detail" not in missing.json()
 
 
+def test_docs_work_offline(baseline_worker: str) -> None:
+    page = httpx.get(f"{baseline_worker}/docs")
+    assert page.status_code == 200 and "https://" not in page.text
+    assert httpx.get(f"{baseline_worker}/docs/assets/swagger-ui-bundle.js").status_code == 200
+
+
 def test_sse_frames_are_well_formed(baseline_worker: str) -> None:
     body = {"model": MODEL, "prompt": "Hello", "max_tokens": 3, "stream": True}
     with httpx.stream("POST", f"{baseline_worker}/v1/completions", json=body, timeout=60) as response:
