@@ -121,5 +121,13 @@ def _serve_gateway(
         f"  metrics: {base}/metrics   (Ctrl-C drains and stops both; twice exits at once)\n",
         flush=True,
     )
-    serve(create_app(settings), "gateway", args.host, args.port, on_force_exit, log_level="warning")
+    serve(
+        create_app(settings),
+        "gateway",
+        args.host,
+        args.port,
+        on_force_exit,
+        grace_seconds=args.grace_seconds,
+        log_level="warning",
+    )
     return 0

@@ -21,6 +21,7 @@ from squeezeserve.service.gateway.config import (
     SettingsError,
     build_settings,
 )
+from squeezeserve.service.serving import DEFAULT_GRACE_SECONDS
 
 # Settings fields with a flag of the same name (``dest``); ``--config`` is the file they override.
 SETTINGS_FLAGS = (
@@ -39,6 +40,7 @@ SETTINGS_FLAGS = (
     "unhealthy_threshold",
     "max_inflight_per_upstream",
     "retry_after_seconds",
+    "grace_seconds",
     "workers",
 )
 
@@ -96,6 +98,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--retry-after-seconds", type=int, metavar="SECONDS", help="in 429 answers (default 1)"
     )
     parser.add_argument(
+        "--grace-seconds",
+        type=float,
+        metavar="SECONDS",
+        help="after SIGTERM / Ctrl-C: readiness and new requests answer 503 while the running ones get up "
+        f"to this long to finish (default {DEFAULT_GRACE_SECONDS:g})",
+    )
+    parser.add_argument(
         "--workers", type=int, metavar="N", help="processes sharing the port; metrics aggregate (default 1)"
     )
 
@@ -146,7 +155,9 @@ def run(args: argparse.Namespace) -> int:
         from squeezeserve.service.gateway.app import create_app
         from squeezeserve.service.serving import serve
 
-        serve(create_app(settings), "gateway", log_config=None, **server)
+        serve(
+            create_app(settings), "gateway", log_config=None, grace_seconds=settings.grace_seconds, **server
+        )
         return 0
     # Several processes: each builds its app from the environment, and shares metrics through a directory
     # (the operator's PROMETHEUS_MULTIPROC_DIR, else a fresh one removed at exit).

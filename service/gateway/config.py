@@ -22,6 +22,8 @@ import yaml
 from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from squeezeserve.service.serving import DEFAULT_GRACE_SECONDS
+
 # The values are the CLI choices and the routing factory's keys.
 RoutingName = Literal["least_outstanding", "round_robin", "prefix_affinity"]
 ENV_PREFIX = "SQUEEZESERVE_GATEWAY_"
@@ -63,6 +65,7 @@ class GatewaySettings(BaseSettings):
     unhealthy_threshold: Annotated[int, Field(ge=1)] = 3
     max_inflight_per_upstream: Annotated[int, Field(ge=1)] = 64
     retry_after_seconds: Annotated[int, Field(ge=1)] = 1
+    grace_seconds: Annotated[float, Field(ge=0)] = DEFAULT_GRACE_SECONDS  # drain on SIGTERM / Ctrl-C
     # Processes sharing the port; more than one serves metrics in Prometheus multiprocess mode.
     workers: Annotated[int, Field(ge=1)] = 1
 

@@ -151,6 +151,10 @@ class Proxy:
         upstream.in_flight += 1
         return upstream
 
+    def _elsewhere(self, request: RouteRequest, upstream: Upstream) -> bool:
+        """Whether another healthy upstream serves ``request``'s model."""
+        return any(u is not upstream for u in self._upstreams.candidates(request.model))
+
     @staticmethod
     def _release(upstream: Upstream) -> None:
         upstream.in_flight -= 1
@@ -176,11 +180,21 @@ class Proxy:
         upstream = await self._reserve(request)
         for attempt in range(2):
             try:
-                return await self._pool.request("POST", upstream.url, path, headers, body), upstream
+                response = await self._pool.request("POST", upstream.url, path, headers, body)
+                if response.status_code != 503 or attempt == 1 or not self._elsewhere(request, upstream):
+                    return response, upstream
+                # 503: the upstream took no work (it is draining or not ready): eject it until the health
+                # loop sees it ready again, and send the request elsewhere.
+                await response.aclose()
+                self._release(upstream)
+                self._upstreams.eject(upstream, "answered 503")
+                log.warning("request %s: %s answered 503; retrying", request.request_id, upstream.url)
+                self._metrics.retries.labels(upstream.url).inc()
+                upstream = await self._reserve(request, failed=upstream)
             except (UpstreamUnreachable, UpstreamBroken) as exc:
                 self._release(upstream)
                 if isinstance(exc, UpstreamUnreachable):
-                    self._upstreams.mark_unreachable(upstream)
+                    self._upstreams.eject(upstream, "unreachable")
                 log.warning(
                     "request %s: upstream %s failed before answering (%s)",
                     request.request_id,

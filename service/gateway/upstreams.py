@@ -105,10 +105,11 @@ class UpstreamRegistry:
 
     # -- state changes ---------------------------------------------------------------------------------
 
-    def mark_unreachable(self, upstream: Upstream) -> None:
-        """A request could not connect: eject now; the health loop re-admits it when it answers again."""
+    def eject(self, upstream: Upstream, why: str) -> None:
+        """A request found ``upstream`` unusable (unreachable, or answering 503): eject it now; the health
+        loop re-admits it when it answers its probes again."""
         if upstream.healthy:
-            log.warning("upstream %s unreachable; ejected", upstream.url)
+            log.warning("upstream %s %s; ejected", upstream.url, why)
         upstream.healthy = False
         upstream.consecutive_failures = max(upstream.consecutive_failures, self._threshold)
 

@@ -104,5 +104,7 @@ def serve_local(settings: WorkerSettings) -> int:
     log.info(
         "serving %s as %r on http://%s:%d", settings.model, settings.served_name, settings.host, settings.port
     )
-    serve(app, "worker", settings.host, settings.port, log_level="warning", timeout_graceful_shutdown=10)
+    serve(
+        app, "worker", settings.host, settings.port, grace_seconds=settings.grace_seconds, log_level="warning"
+    )
     return 0

@@ -14,6 +14,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from squeezeserve.service.models.loader import DTYPES, Dtype, QuantizedLinear
+from squeezeserve.service.serving import DEFAULT_GRACE_SECONDS
 
 Engine = Literal["local", "vllm"]
 ENGINES: tuple[str, ...] = typing.get_args(Engine)
@@ -45,6 +46,7 @@ class WorkerSettings(BaseModel):
     threads: Annotated[int, Field(ge=1)] = Field(default_factory=available_cores)  # torch intra-op threads
     use_custom_ops: bool = True
     quantized_linear: QuantizedLinear = "auto"
+    grace_seconds: Annotated[float, Field(ge=0)] = DEFAULT_GRACE_SECONDS  # drain on SIGTERM / Ctrl-C
 
     @property
     def served_name(self) -> str:
@@ -58,6 +60,7 @@ class WorkerSettings(BaseModel):
         """``squeezeserve worker`` flags that recreate these settings in a child process."""
         flags = ["--engine", self.engine, "--model", self.model, "--served-model-name", self.served_name]
         flags += ["--host", self.host, "--port", str(self.port), "--dtype", self.dtype]
+        flags += ["--grace-seconds", f"{self.grace_seconds:g}"]
         if self.engine == "local":
             flags += ["--max-batch-size", str(self.max_batch_size), "--max-waiting", str(self.max_waiting)]
             flags += ["--threads", str(self.threads), "--quantized-linear", self.quantized_linear]
@@ -100,8 +103,17 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"local: torch CPU threads (default: the cores this process may use, {available_cores()} here)",
     )
 
+    parser.add_argument(
+        "--grace-seconds",
+        type=float,
+        default=_default("grace_seconds"),
+        metavar="SECONDS",
+        help="after SIGTERM / Ctrl-C: readiness and new requests answer 503 while the running ones get up to "
+        "this long to finish (default %(default)g)",
+    )
 
-ENGINE_FLAGS = ("engine", "dtype", "max_batch_size", "max_waiting", "threads")
+
+ENGINE_FLAGS = ("engine", "dtype", "max_batch_size", "max_waiting", "threads", "grace_seconds")
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, object]:

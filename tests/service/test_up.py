@@ -81,7 +81,7 @@ def test_ctrl_c_drains_a_stream_and_a_second_one_exits_at_once(
         servers.stop_process(process, signal.SIGKILL)
     assert process.returncode == 130
     assert "torch threads: 1" in output
-    assert "gateway draining: 1 open connection(s)" in output and "second interrupt, exiting now" in output
+    assert "gateway draining: 1 request(s) in flight" in output and "second interrupt, exiting now" in output
     assert "Traceback" not in output
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"http://127.0.0.1:{worker_port}/health", timeout=2)

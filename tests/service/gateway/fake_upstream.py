@@ -8,6 +8,9 @@ know):
 - ``chunks``: content chunks to stream (default 3), ``chunk_delay`` seconds between them;
 - ``hang_after``: stream this many chunks, then wait forever (until the client goes away).
 
+``app.state.status`` set: every completion answers that status, whatever the body says (e.g. 503, as a
+draining server does); ``app.state.healthy`` false: ``/health`` answers 503.
+
 Every answer names the upstream in ``system_fingerprint``; ``app.state.received`` keeps each request's
 headers, body (parsed, and its raw bytes) and the client's port (one per connection);
 ``app.state.cancelled_streams`` counts streams ended by the client going away.
@@ -33,6 +36,7 @@ def create_fake(name: str, models: list[str]) -> FastAPI:
     app.state.received = []
     app.state.cancelled_streams = 0
     app.state.healthy = True
+    app.state.status = None
 
     @app.get("/health")
     async def health() -> Response:
@@ -51,6 +55,8 @@ def create_fake(name: str, models: list[str]) -> FastAPI:
             {"headers": dict(request.headers), "body": body, "raw": raw, "kind": kind, "peer_port": peer_port}
         )
         fake = body.get("fake") or {}
+        if app.state.status is not None:
+            fake = {**fake, "status": app.state.status}
         await asyncio.sleep(fake.get("delay", 0))
         if "status" in fake:
             if fake.get("raw_error"):
