@@ -41,6 +41,13 @@ def draining_error() -> APIError:
     )
 
 
+async def until_disconnected(receive: Receive) -> None:
+    """Return as soon as the client of a request whose body has been read hangs up. The server wakes this
+    on the disconnect itself, unlike Starlette's ``Request.is_disconnected``, which has to be polled."""
+    while (await receive())["type"] != "http.disconnect":
+        pass  # body the caller did not read; not expected once it has been
+
+
 class DrainGate:
     """ASGI wrapper that counts the HTTP requests in flight and, once ``draining``, turns new ones away."""
 

@@ -67,26 +67,23 @@ _NOT_SENT_UPSTREAM = HOP_BY_HOP | {
 _NOT_RETURNED = HOP_BY_HOP | {"content-length", "content-encoding", "date", "server", "x-request-id"}
 
 
-_DISCONNECT_POLL_S = 0.25
-
-
 class ClientGone(Exception):
     """The client disconnected while we waited for the upstream."""
 
 
-async def _unless_gone(work: Awaitable[bytes], client_gone: Callable[[], Awaitable[bool]] | None) -> bytes:
-    """Await ``work``, or raise ``ClientGone`` (cancelling it) as soon as ``client_gone()`` says so."""
+async def _unless_gone(work: Awaitable[Any], client_gone: Callable[[], Awaitable[None]] | None) -> Any:
+    """Await ``work``, or raise ``ClientGone`` (cancelling it) as soon as ``client_gone()`` returns."""
     task = asyncio.ensure_future(work)
     if client_gone is None:
         return await task
+    gone = asyncio.ensure_future(client_gone())
     try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
-            if done:
-                return task.result()
-            if await client_gone() and not task.done():  # done while we asked: use the result
-                raise ClientGone
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():  # also when both are: use the result
+            return task.result()
+        raise ClientGone
     finally:
+        gone.cancel()
         task.cancel()  # no-op once done; otherwise the work's own cleanup runs (e.g. releasing its slot)
 
 
@@ -217,12 +214,13 @@ class Proxy:
         client_headers: Iterable[tuple[str, str]],
         path: str,
         client_wants_usage: bool,
-        client_gone: Callable[[], Awaitable[bool]] | None = None,
+        client_gone: Callable[[], Awaitable[None]] | None = None,
     ) -> Response:
         """Send ``request`` upstream and return the response to give the client.
 
-        ``client_gone`` (Starlette's ``request.is_disconnected``) is polled while a non-streaming answer is
-        awaited: when the client hangs up, the upstream connection is closed, so the worker stops.
+        ``client_gone()`` returns when the client hangs up; it is watched while a non-streaming answer is
+        awaited: then the upstream connection is closed, so the worker stops, and the client is logged
+        and counted with status 499.
         """
         loop = asyncio.get_running_loop()
         started = loop.time()

@@ -17,6 +17,7 @@ from squeezeserve.service.protocol import (
     SamplingFields,
     validation_message,
 )
+from squeezeserve.service.serving import until_disconnected
 
 router = APIRouter(prefix="/v1", dependencies=[ApiKeyDep])
 # Per-request routing: a strategy name other than the deployment's, and a session key for prefix_affinity.
@@ -62,7 +63,7 @@ async def _proxy(
         request.headers.items(),
         path,
         parsed.include_usage_in_stream,
-        client_gone=request.is_disconnected,
+        client_gone=lambda: until_disconnected(request.receive),
     )
 
 

@@ -15,12 +15,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from squeezeserve.service.errors import APIError, server_error
 from squeezeserve.service.protocol import ChatCompletionRequest, CompletionRequest
+from squeezeserve.service.serving import until_disconnected
 from squeezeserve.service.worker.local import openai_format as fmt
 from squeezeserve.service.worker.local.engine import Event
 from squeezeserve.service.worker.local.engine import Request as EngineRequest
 from squeezeserve.service.worker.local.service import WorkerService
-
-_DISCONNECT_POLL_S = 0.25
 
 
 @dataclass
@@ -258,11 +257,8 @@ class _EngineStream(StreamingResponse):
 
 
 async def _cancel_on_disconnect(http: Request, request: EngineRequest) -> None:
-    while not request.cancelled:
-        if await http.is_disconnected():
-            request.cancel()
-            return
-        await asyncio.sleep(_DISCONNECT_POLL_S)
+    await until_disconnected(http.receive)
+    request.cancel()
 
 
 async def respond(http: Request, builder: ResponseBuilder, stream: bool) -> Response:
