@@ -65,4 +65,6 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     app.include_router(openai.router)
     app.include_router(models.router)
     app.include_router(health.router)
+    build_openapi = app.openapi
+    app.openapi = lambda: app.openapi_schema or openai.document_bodies(build_openapi())  # type: ignore[method-assign]
     return app

@@ -6,6 +6,7 @@ client asked for.
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from fastapi import FastAPI, Request
 
@@ -96,3 +97,28 @@ def _count_and_log(request: Request, error: APIError) -> None:
 
 def install_error_handlers(app: FastAPI) -> None:
     install_shared_handlers(app, _count_and_log)
+
+
+# OpenAI's error shape as an OpenAPI schema, for the statuses each route documents.
+ERROR_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {
+        "error": {
+            "type": "object",
+            "required": ["message", "type", "param", "code"],
+            "properties": {
+                "message": {"type": "string"},
+                "type": {"type": "string"},
+                "param": {"type": ["string", "null"]},
+                "code": {"type": ["string", "null"]},
+            },
+        }
+    },
+}
+
+
+def documented(statuses: dict[int, str]) -> dict[int | str, dict[str, Any]]:
+    """FastAPI ``responses=`` for ``statuses`` (status: description), each with the error body."""
+    content = {"application/json": {"schema": ERROR_SCHEMA}}
+    return {status: {"description": text, "content": content} for status, text in statuses.items()}

@@ -9,7 +9,11 @@ from fastapi import APIRouter
 from squeezeserve.service.gateway import errors
 from squeezeserve.service.gateway.deps import ApiKeyDep, UpstreamsDep
 
-router = APIRouter(prefix="/v1", dependencies=[ApiKeyDep])
+router = APIRouter(
+    prefix="/v1",
+    dependencies=[ApiKeyDep],
+    responses=errors.documented({401: "Missing or wrong API key", 404: "Unknown model"}),
+)
 
 
 @router.get("/models")

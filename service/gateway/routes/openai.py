@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import orjson
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from pydantic import ValidationError
+from pydantic.json_schema import models_json_schema
 
 from squeezeserve.service.gateway import errors
 from squeezeserve.service.gateway.deps import ApiKeyDep, ProxyDep, UpstreamsDep
@@ -20,6 +23,29 @@ from squeezeserve.service.protocol import (
 from squeezeserve.service.serving import until_disconnected
 
 router = APIRouter(prefix="/v1", dependencies=[ApiKeyDep])
+# The body is read raw (forwarded as sent), so FastAPI cannot infer its schema: named here, defined in the
+# components by ``document_bodies``, with the OpenAI-shaped error every failure answers.
+REQUEST_SCHEMAS: tuple[type[SamplingFields], ...] = (CompletionRequest, ChatCompletionRequest)
+ERROR_RESPONSES = errors.documented(
+    {400: "Invalid request", 401: "Missing or wrong API key", 404: "Unknown model", 413: "Body too large"}
+    | {429: "Overloaded", 502: "Upstream failed", 503: "No upstream ready", 504: "Upstream timed out"}
+)
+
+
+def _body(schema: type[SamplingFields]) -> dict[str, Any]:
+    ref = {"$ref": f"#/components/schemas/{schema.__name__}"}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
+
+
+def document_bodies(openapi: dict[str, Any]) -> dict[str, Any]:
+    """``openapi`` with the request schemas ``_body`` refers to added to its components."""
+    _, defs = models_json_schema(
+        [(schema, "validation") for schema in REQUEST_SCHEMAS], ref_template="#/components/schemas/{model}"
+    )
+    openapi.setdefault("components", {}).setdefault("schemas", {}).update(defs["$defs"])
+    return openapi
+
+
 # Per-request routing: a strategy name other than the deployment's, and a session key for prefix_affinity.
 ROUTING_HEADER = "x-squeezeserve-routing"
 SESSION_HEADER = "x-session-id"
@@ -67,11 +93,18 @@ async def _proxy(
     )
 
 
-@router.post("/completions", response_class=Response)
+@router.post(
+    "/completions", response_class=Response, openapi_extra=_body(CompletionRequest), responses=ERROR_RESPONSES
+)
 async def completions(request: Request, proxy: ProxyDep, upstreams: UpstreamsDep) -> Response:
     return await _proxy(request, proxy, upstreams, CompletionRequest, "/v1/completions")
 
 
-@router.post("/chat/completions", response_class=Response)
+@router.post(
+    "/chat/completions",
+    response_class=Response,
+    openapi_extra=_body(ChatCompletionRequest),
+    responses=ERROR_RESPONSES,
+)
 async def chat_completions(request: Request, proxy: ProxyDep, upstreams: UpstreamsDep) -> Response:
     return await _proxy(request, proxy, upstreams, ChatCompletionRequest, "/v1/chat/completions")
