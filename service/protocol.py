@@ -13,7 +13,12 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-Stop = str | list[str] | None
+# OpenAI's limit on stop sequences; their length is bounded too, so a body cannot make every decode step
+# scan megabytes.
+MAX_STOP_SEQUENCES = 4
+MAX_STOP_CHARS = 1024
+StopString = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
+Stop = StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_SEQUENCES)] | None
 
 
 class StreamOptions(BaseModel):
@@ -131,7 +136,9 @@ def error_body(message: str, type_: str, code: str | None = None, param: str | N
 
 # pydantic names the union member that failed inside `loc` ("prompt", "list[str]", 0); those tags are not
 # part of the field's path.
-_SCALAR_TAGS = frozenset({"str", "int", "float", "bool", "none", "constrained-int", "constrained-float"})
+_SCALAR_TAGS = frozenset(
+    {"str", "int", "float", "bool", "none", "constrained-int", "constrained-float", "constrained-str"}
+)
 
 
 def _is_union_tag(part: object) -> bool:

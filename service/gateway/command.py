@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from squeezeserve.service.gateway.config import (
+    DEFAULT_MAX_BODY_BYTES,
     ENV_PREFIX,
     GatewaySettings,
     RoutingName,
@@ -39,6 +40,7 @@ SETTINGS_FLAGS = (
     "health_timeout",
     "unhealthy_threshold",
     "max_inflight_per_upstream",
+    "max_body_bytes",
     "retry_after_seconds",
     "grace_seconds",
     "workers",
@@ -93,6 +95,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--max-inflight-per-upstream", type=int, metavar="N", help="beyond it, 429 Retry-After (default 64)"
+    )
+    parser.add_argument(
+        "--max-body-bytes",
+        type=int,
+        metavar="N",
+        help=f"larger request bodies get 413 (default {DEFAULT_MAX_BODY_BYTES})",
     )
     parser.add_argument(
         "--retry-after-seconds", type=int, metavar="SECONDS", help="in 429 answers (default 1)"

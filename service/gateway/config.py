@@ -39,6 +39,9 @@ def _split_list(value: Any) -> Any:
     return [part.strip() for part in text.split(",") if part.strip()]
 
 
+DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
+
+
 class GatewaySettings(BaseSettings):
     """Everything the gateway can be told. Bad values fail at startup with one sentence naming the field."""
 
@@ -64,6 +67,7 @@ class GatewaySettings(BaseSettings):
     health_timeout: Annotated[float, Field(gt=0)] = 2.0
     unhealthy_threshold: Annotated[int, Field(ge=1)] = 3
     max_inflight_per_upstream: Annotated[int, Field(ge=1)] = 64
+    max_body_bytes: Annotated[int, Field(ge=1)] = DEFAULT_MAX_BODY_BYTES  # larger request bodies get 413
     retry_after_seconds: Annotated[int, Field(ge=1)] = 1
     grace_seconds: Annotated[float, Field(ge=0)] = DEFAULT_GRACE_SECONDS  # drain on SIGTERM / Ctrl-C
     # Processes sharing the port; more than one serves metrics in Prometheus multiprocess mode.

@@ -24,6 +24,11 @@ def invalid_request(message: str, param: str | None = None) -> GatewayError:
     return GatewayError(400, message, "invalid_request_error", "invalid_request", param)
 
 
+def body_too_large(limit: int) -> GatewayError:
+    message = f"The request body is larger than this gateway accepts ({limit} bytes)."
+    return GatewayError(413, message, "invalid_request_error", "request_too_large")
+
+
 def unauthorized() -> GatewayError:
     return GatewayError(
         401,

@@ -126,6 +126,10 @@ class Proxy:
         self._metrics = metrics
         self._settings = settings
 
+    @property
+    def max_body_bytes(self) -> int:
+        return self._settings.max_body_bytes
+
     # -- choosing ----------------------------------------------------------------------------------
 
     async def _reserve(self, request: RouteRequest, failed: Upstream | None = None) -> Upstream:

@@ -51,10 +51,25 @@ ROUTING_HEADER = "x-squeezeserve-routing"
 SESSION_HEADER = "x-session-id"
 
 
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The body, or 413 as soon as it is known to exceed ``limit`` bytes (from its length header, or while
+    it arrives), so an oversized one is never held in memory whole."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise errors.body_too_large(limit)
+    parts, size = [], 0
+    async for part in request.stream():
+        size += len(part)
+        if size > limit:
+            raise errors.body_too_large(limit)
+        parts.append(part)
+    return b"".join(parts)
+
+
 async def _proxy(
     request: Request, proxy: ProxyDep, upstreams: UpstreamsDep, schema: type[SamplingFields], path: str
 ) -> Response:
-    raw = await request.body()
+    raw = await _read_body(request, proxy.max_body_bytes)
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
