@@ -22,6 +22,13 @@ BODY = {"model": MODEL, "prompt": "Write a very long essay.", "max_tokens": 4000
 STOP_WITHIN_S = 1.0
 
 
+@pytest.fixture(scope="module", autouse=True)
+def warm_worker(baseline_worker: str) -> None:
+    """The first steps of a fresh worker take seconds each; the 1 s bounds are about a warm one."""
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 8, "ignore_eos": True}
+    assert httpx.post(f"{baseline_worker}/v1/completions", json=body, timeout=300).status_code == 200
+
+
 def _worker_sample(worker: str, name: str) -> float:
     for line in httpx.get(f"{worker}/metrics").text.splitlines():
         if line.startswith(f"{name} "):
