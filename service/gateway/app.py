@@ -44,6 +44,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
                 health_timeout=settings.health_timeout,
                 unhealthy_threshold=settings.unhealthy_threshold,
                 headers=probe_headers,
+                on_unresponsive=pool.abort,
             )
             metrics = GatewayMetrics()
             metrics.watch_upstreams(upstreams)

@@ -135,8 +135,9 @@ class Proxy:
         """Pick an upstream and count the request against its in-flight limit."""
         candidates = self._upstreams.candidates(request.model)
         if failed is not None:
-            # Retry elsewhere; the failed one again only when there is nowhere else.
-            candidates = [u for u in candidates if u is not failed] or [failed]
+            # Retry elsewhere; the failed one again only when there is nowhere else and it is not ejected
+            # (a keep-alive connection it closed just as we reused it, rather than a dead or hung upstream).
+            candidates = [u for u in candidates if u is not failed] or ([failed] if failed.healthy else [])
         if not candidates:
             if self._upstreams.is_known(request.model) or not self._upstreams.healthy():
                 raise errors.no_healthy_upstream(request.model)
