@@ -253,6 +253,12 @@ class Proxy:
 
     # -- answering ---------------------------------------------------------------------------------
 
+    def _record_usage(self, request: RouteRequest, usage: object) -> None:
+        """Token metrics, and the tokens charged to the client's key when it has a tokens-per-minute limit."""
+        self._metrics.record_usage(request.model, usage)
+        if request.key_limits is not None:
+            request.key_limits.charge(usage)
+
     def _answer(self, request: RouteRequest, response: UpstreamResponse, content: bytes) -> Response:
         """A complete upstream answer: its original bytes with its status; errors are kept OpenAI-shaped."""
         try:
@@ -260,7 +266,7 @@ class Proxy:
         except orjson.JSONDecodeError:
             payload = None
         if response.status_code == 200 and isinstance(payload, dict):
-            self._metrics.record_usage(request.model, payload.get("usage"))
+            self._record_usage(request, payload.get("usage"))
         if response.status_code >= 400 and not (isinstance(payload, dict) and "error" in payload):
             status = response.status_code
             text = content.decode(errors="replace").strip()[:500] or HTTPStatus(status).phrase
@@ -328,7 +334,7 @@ class Proxy:
                                 asyncio.get_running_loop().time() - started
                             )
                         if sse.is_usage_only(chunk):
-                            self._metrics.record_usage(request.model, chunk["usage"])
+                            self._record_usage(request, chunk["usage"])
                             if strip_usage:
                                 continue
                     out.append(event)

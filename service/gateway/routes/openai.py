@@ -27,6 +27,9 @@ SESSION_HEADER = "x-session-id"
 async def _proxy(
     request: Request, proxy: ProxyDep, upstreams: UpstreamsDep, schema: type[SamplingFields], path: str
 ) -> Response:
+    limits = request.scope["state"].get("rate_limits")  # the client's key has limits
+    if limits is not None:
+        limits.admit()
     raw = await request.body()
     try:
         body = orjson.loads(raw)
@@ -55,6 +58,7 @@ async def _proxy(
         body=body,
         session_id=request.headers.get(SESSION_HEADER) or None,
         routing=routing,
+        key_limits=limits,
     )
     return await proxy.forward(
         route,

@@ -95,28 +95,36 @@ async def one_request(client: httpx.AsyncClient, gateway: str, job: Job, model: 
 
 
 async def run_load(
-    gateway: str, jobs: Iterable[Job], concurrency: int, timeout: float = 120.0, model: str = MODEL
+    gateway: str,
+    jobs: Iterable[Job],
+    concurrency: int,
+    timeout: float = 120.0,
+    model: str = MODEL,
+    stop_at: float | None = None,
 ) -> list[Outcome]:
-    """Send ``jobs`` with at most ``concurrency`` in flight; every outcome, in the order they ended."""
-    queue: asyncio.Queue[Job] = asyncio.Queue()
-    for job in jobs:
-        queue.put_nowait(job)
+    """Send ``jobs`` with at most ``concurrency`` in flight, until they run out or ``time.monotonic()``
+    passes ``stop_at`` (requests under way then finish); every outcome, in the order they ended."""
+    pending = iter(jobs)  # shared by the client loops: the event loop runs one at a time
     outcomes: list[Outcome] = []
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     async with httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False) as client:
 
         async def client_loop() -> None:
-            while not queue.empty():
-                outcomes.append(await one_request(client, gateway, queue.get_nowait(), model))
+            for job in pending:
+                outcomes.append(await one_request(client, gateway, job, model))
+                if stop_at is not None and time.monotonic() >= stop_at:
+                    return
 
         await asyncio.gather(*(client_loop() for _ in range(concurrency)))
     return outcomes
 
 
-def mixed_jobs(count: int, stream_tokens: int, plain_tokens: int) -> list[Job]:
-    """``count`` jobs in the pattern stream, stream, plain, plain (so that round robin over two upstreams
+def mixed_job(index: int, stream_tokens: int, plain_tokens: int) -> Job:
+    """Job ``index`` of the pattern stream, stream, plain, plain (so that round robin over two upstreams
     gives each both kinds), every fourth one a chat request."""
-    return [
-        Job(i, stream=i % 4 < 2, max_tokens=stream_tokens if i % 4 < 2 else plain_tokens, chat=i % 4 == 3)
-        for i in range(count)
-    ]
+    stream = index % 4 < 2
+    return Job(index, stream, stream_tokens if stream else plain_tokens, chat=index % 4 == 3)
+
+
+def mixed_jobs(count: int, stream_tokens: int, plain_tokens: int) -> list[Job]:
+    return [mixed_job(i, stream_tokens, plain_tokens) for i in range(count)]
