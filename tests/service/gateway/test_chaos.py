@@ -121,6 +121,17 @@ def _summary(outcomes: list) -> Counter:
     return Counter((o.job.stream, o.result, o.code) for o in outcomes)
 
 
+def _report(test: str, outcomes: list, retried: float | None = None, **seconds: float) -> None:
+    """One line per test with what happened (``pytest -s`` shows it; a failure shows it anyway)."""
+    kinds = ", ".join(
+        f"{'stream' if stream else 'plain'} {result}{'/' + code if code else ''}: {count}"
+        for (stream, result, code), count in sorted(_summary(outcomes).items(), key=str)
+    )
+    timings = ", ".join(f"{name} {value:.2f} s" for name, value in seconds.items())
+    retries = "" if retried is None else f"; {retried:g} retried on the other worker"
+    print(f"\n{test}: {len(outcomes)} requests ({kinds}){retries}; {timings}")
+
+
 def _assert_none_lost(outcomes: list, gateway: str, victim: Worker, metric: Callable[..., float]) -> None:
     """Every non-streamed request completed; every stream completed or ended with an error event; and the
     victim had work in flight that was cut or retried (else the test proved nothing)."""
@@ -146,13 +157,21 @@ def test_worker_killed_mid_load_loses_no_request(running, start_gateway, metric)
 
     outcomes, killed, ejected = _signal_mid_load(gateway, victim, signal.SIGKILL, jobs, metric)
 
-    assert len(outcomes) == len(jobs)
-    _assert_none_lost(outcomes, gateway, victim, metric)
-    assert ejected - killed <= HEALTH_INTERVAL + SLACK, f"ejected {ejected - killed:.2f} s after the kill"
-
     victim.launch()  # back on the same port
     back = _until(victim.healthy, timeout=300)
     readmitted = _until(lambda: _healthy_upstreams(gateway) == 2, timeout=30)
+    retried = metric(gateway, "squeezeserve_gateway_upstream_retries_total", upstream=victim.url)
+    _report(
+        "SIGKILL",
+        outcomes,
+        retried=retried,
+        ejected_after=ejected - killed,
+        readmitted_after=readmitted - back,
+    )
+
+    assert len(outcomes) == len(jobs)
+    _assert_none_lost(outcomes, gateway, victim, metric)
+    assert ejected - killed <= HEALTH_INTERVAL + SLACK, f"ejected {ejected - killed:.2f} s after the kill"
     assert readmitted - back <= HEALTH_INTERVAL + SLACK, f"re-admitted {readmitted - back:.2f} s after"
 
 
@@ -184,6 +203,13 @@ def test_frozen_worker_requests_end_at_the_deadline(running, start_gateway):
     readmitted = _until(lambda: _healthy_upstreams(gateway) == 2, timeout=30)
 
     timed_out = [o for o in outcomes if o.result != "complete"]
+    _report(
+        "SIGSTOP, deadline 4 s",
+        outcomes + after,
+        slowest_timed_out=max((o.seconds for o in timed_out), default=0.0),
+        ejected_after=ejected - frozen_at,
+        readmitted_after=readmitted - continued,
+    )
     assert timed_out, "round robin sent requests to the frozen worker: they cannot have completed"
     assert all(o.code == "upstream_timeout" for o in timed_out), _summary(outcomes)
     assert all(o.result in ("http_error", "error_event") for o in timed_out), _summary(outcomes)
@@ -217,8 +243,17 @@ def test_frozen_worker_requests_fail_over_when_its_health_check_times_out(runnin
     finally:
         frozen.process.send_signal(signal.SIGCONT)
 
+    slowest_after_ejection = max(o.started + o.seconds for o in outcomes) - ejected
+    retried = metric(gateway, "squeezeserve_gateway_upstream_retries_total", upstream=frozen.url)
+    _report(
+        "SIGSTOP, deadline 120 s",
+        outcomes,
+        retried=retried,
+        ejected_after=ejected - frozen_at,
+        last_answer_after_ejection=slowest_after_ejection,
+    )
     _assert_none_lost(outcomes, gateway, frozen, metric)
     # One interval and one probe timeout.
     assert ejected - frozen_at <= HEALTH_INTERVAL + 1.0 + SLACK, f"ejected after {ejected - frozen_at:.2f} s"
     # Nothing waited for the 120 s deadline: the slowest request ended a few seconds after the ejection.
-    assert max(o.started + o.seconds for o in outcomes) - ejected < 30
+    assert slowest_after_ejection < 30
