@@ -191,6 +191,7 @@ def main() -> None:
 
         args.model = str(export_baseline().path)
 
+    commit = _commit()  # the code that runs: read before the run, not after it
     cpu_model, flags = _cpu_info()
     machine = {
         "cpu_model": cpu_model,
@@ -210,7 +211,7 @@ def main() -> None:
     rows = per_minute(outcomes, samples, started, args.minutes)
     result = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "commit": _commit(),
+        "commit": commit,
         "command": " ".join(["python", "tests/benchmarks/soak.py", *sys.argv[1:]]),
         "config": {k: v for k, v in vars(args).items() if k not in ("out",)},
         "machine": machine,

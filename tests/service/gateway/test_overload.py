@@ -65,6 +65,12 @@ def test_full_waiting_queue_answers_429_with_retry_after_at_once(small_queue_wor
 
     served = [a for a in answers if a.status == 200]
     rejected = [a for a in answers if a.status == 429]
+    print(  # pytest -s shows it
+        f"\noverload: {len(answers)} at once, {len(served)} served (slowest "
+        f"{max((a.seconds for a in served), default=0):.2f} s), {len(rejected)} got 429 (slowest "
+        f"{max((a.seconds for a in rejected), default=0):.3f} s, Retry-After "
+        f"{sorted({a.headers.get('retry-after') for a in rejected})})"
+    )
     assert len(served) + len(rejected) == len(answers), [a.status for a in answers]
     assert 2 <= len(served) < len(answers)  # one decoding and one waiting at least; the rest turned away
     for answer in rejected:  # streamed or not: an OpenAI error before any event, and when to come back
