@@ -24,13 +24,22 @@ from squeezeserve.service.processes import free_port, stop_process, wait_until_h
 SERVED_NAME = "smollm2-135m-instruct"
 
 
-def start_worker(model: Path | str, name: str, *extra: str) -> tuple[str, subprocess.Popen]:
-    """Start ``squeezeserve worker --engine local`` in a subprocess and wait until it is healthy."""
-    port = free_port()
+def launch_worker(
+    model: Path | str, name: str, *extra: str, port: int | None = None
+) -> tuple[str, subprocess.Popen]:
+    """Start ``squeezeserve worker --engine local`` in a subprocess (on ``port``, else a free one); it is
+    not ready yet."""
+    port = free_port() if port is None else port
     command = [sys.executable, "-m", "squeezeserve.service.cli", "--log-level", "WARNING", "worker"]
     command += ["--engine", "local", "--model", str(model), "--port", str(port), "--served-model-name", name]
-    process = subprocess.Popen([*command, *extra])
-    url = f"http://127.0.0.1:{port}"
+    return f"http://127.0.0.1:{port}", subprocess.Popen([*command, *extra])
+
+
+def start_worker(
+    model: Path | str, name: str, *extra: str, port: int | None = None
+) -> tuple[str, subprocess.Popen]:
+    """:func:`launch_worker`, then wait until it is healthy."""
+    url, process = launch_worker(model, name, *extra, port=port)
     try:
         wait_until_healthy(url, timeout=300, process=process)  # model load on 2 busy CPU cores
     except BaseException:
@@ -73,5 +82,6 @@ def servers() -> SimpleNamespace:
         free_port=free_port,
         wait_until_healthy=wait_until_healthy,
         stop_process=stop_process,
+        launch_worker=launch_worker,
         start_worker=start_worker,
     )

@@ -15,6 +15,7 @@ from squeezeserve.service.gateway.errors import install_error_handlers
 from squeezeserve.service.gateway.metrics import GatewayMetrics
 from squeezeserve.service.gateway.middleware import RequestContextMiddleware
 from squeezeserve.service.gateway.proxy import Proxy
+from squeezeserve.service.gateway.ratelimit import build_key_limits
 from squeezeserve.service.gateway.routes import health, models, openai
 from squeezeserve.service.gateway.routing import build_strategy
 from squeezeserve.service.gateway.upstream_http import UpstreamPool
@@ -44,6 +45,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
                 health_timeout=settings.health_timeout,
                 unhealthy_threshold=settings.unhealthy_threshold,
                 headers=probe_headers,
+                on_unresponsive=pool.abort,
             )
             metrics = GatewayMetrics()
             metrics.watch_upstreams(upstreams)
@@ -60,6 +62,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
 
     app = create_app_with_offline_docs(title="squeezeserve gateway", version=__version__, lifespan=lifespan)
     app.state.settings = settings
+    app.state.key_limits = build_key_limits(settings)
     install_error_handlers(app)
     app.add_middleware(RequestContextMiddleware)
     app.include_router(openai.router)

@@ -33,6 +33,8 @@ SETTINGS_FLAGS = (
     "affinity_prefix_chars",
     "affinity_load_factor",
     "api_keys",
+    "requests_per_minute",
+    "tokens_per_minute",
     "upstream_api_key",
     "request_timeout",
     "connect_timeout",
@@ -84,6 +86,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="append",
         metavar="KEY",
         help="accept this key (repeatable; off if none)",
+    )
+    parser.add_argument(
+        "--requests-per-minute",
+        type=int,
+        metavar="N",
+        help="per API key, for keys without their own limit in --config (429 + Retry-After beyond it)",
+    )
+    parser.add_argument(
+        "--tokens-per-minute",
+        type=int,
+        metavar="N",
+        help="per API key, prompt + completion tokens as the upstream reports them (same rules)",
     )
     parser.add_argument("--upstream-api-key", metavar="KEY", help="Bearer key to send to the upstreams")
     parser.add_argument("--request-timeout", type=float, metavar="SECONDS", help="per request (default 600)")
@@ -156,6 +170,13 @@ def run(args: argparse.Namespace) -> int:
     except SettingsError as exc:
         sys.stderr.write(f"error: invalid gateway settings: {exc}\n")
         return 2
+    if settings.workers > 1 and settings.has_rate_limits:
+        logging.getLogger(__name__).warning(
+            "each of the %d gateway processes keeps its own rate-limit buckets: a key may get up to %d "
+            "times its limits",
+            settings.workers,
+            settings.workers,
+        )
     # Our middleware logs one line per request (with model, status, latency, request id): uvicorn's own
     # access log would be a second one.
     server = {"host": settings.host, "port": settings.port, "access_log": False}

@@ -19,7 +19,15 @@ from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
 import yaml
-from pydantic import Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PositiveInt,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from squeezeserve.service.serving import DEFAULT_GRACE_SECONDS
@@ -42,6 +50,16 @@ def _split_list(value: Any) -> Any:
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 
 
+class ApiKey(BaseModel):
+    """One key clients may send, and its own limits (None: the gateway-wide default, if any)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    key: str = Field(repr=False)
+    requests_per_minute: PositiveInt | None = None
+    tokens_per_minute: PositiveInt | None = None
+
+
 class GatewaySettings(BaseSettings):
     """Everything the gateway can be told. Bad values fail at startup with one sentence naming the field."""
 
@@ -58,8 +76,12 @@ class GatewaySettings(BaseSettings):
     # prefix_affinity: how much of the prompt is the key, and how far above the mean load one upstream may go
     affinity_prefix_chars: Annotated[int, Field(ge=1)] = 256
     affinity_load_factor: Annotated[float, Field(gt=0)] = 0.25
-    # repr=False: keys never show up in logs or tracebacks that print the settings.
-    api_keys: Annotated[list[str], NoDecode] = Field(default_factory=list, repr=False)
+    # repr=False: keys never show up in logs or tracebacks that print the settings. Each entry is a key, or
+    # a mapping {key, requests_per_minute, tokens_per_minute} for a key with limits of its own.
+    api_keys: Annotated[list[ApiKey], NoDecode] = Field(default_factory=list, repr=False)
+    # Limits for every key that sets none of its own (per key, per gateway process: see ratelimit.py).
+    requests_per_minute: PositiveInt | None = None
+    tokens_per_minute: PositiveInt | None = None
     upstream_api_key: str | None = Field(default=None, repr=False, description="sent upstream as Bearer")
     request_timeout: Annotated[float, Field(gt=0)] = 600.0
     connect_timeout: Annotated[float, Field(gt=0)] = 5.0
@@ -73,7 +95,15 @@ class GatewaySettings(BaseSettings):
     # Processes sharing the port; more than one serves metrics in Prometheus multiprocess mode.
     workers: Annotated[int, Field(ge=1)] = 1
 
-    @field_validator("upstreams", "api_keys", mode="before")
+    @property
+    def has_rate_limits(self) -> bool:
+        """Whether any key has a request or token limit (its own or the default)."""
+        defaults = self.requests_per_minute or self.tokens_per_minute
+        return bool(self.api_keys) and bool(
+            defaults or any(e.requests_per_minute or e.tokens_per_minute for e in self.api_keys)
+        )
+
+    @field_validator("upstreams", mode="before")
     @classmethod
     def _parse_list(cls, value: Any) -> Any:
         return _split_list(value)
@@ -94,12 +124,29 @@ class GatewaySettings(BaseSettings):
             raise ValueError("each upstream may be listed only once")
         return cleaned
 
+    @field_validator("api_keys", mode="before")
+    @classmethod
+    def _keys_as_entries(cls, values: Any) -> Any:
+        values = _split_list(values)
+        if not isinstance(values, list):
+            return values
+        entries = [{"key": value} if isinstance(value, str) else value for value in values]
+        if any(isinstance(entry, dict) and not entry.get("key") for entry in entries):
+            raise ValueError("API keys must not be empty strings")
+        return entries
+
     @field_validator("api_keys")
     @classmethod
-    def _check_keys(cls, keys: list[str]) -> list[str]:
-        if any(not key for key in keys):
-            raise ValueError("API keys must not be empty strings")
+    def _check_keys(cls, keys: list[ApiKey]) -> list[ApiKey]:
+        if len({entry.key for entry in keys}) != len(keys):
+            raise ValueError("each API key may be listed only once")
         return keys
+
+    @model_validator(mode="after")
+    def _limits_need_keys(self) -> GatewaySettings:
+        if (self.requests_per_minute or self.tokens_per_minute) and not self.api_keys:
+            raise ValueError("requests_per_minute and tokens_per_minute are limits per API key: set api_keys")
+        return self
 
 
 class SettingsError(ValueError):

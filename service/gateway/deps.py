@@ -42,17 +42,27 @@ MetricsDep = Annotated[GatewayMetrics, Depends(_metrics)]
 
 
 async def require_api_key(
-    settings: SettingsDep, authorization: Annotated[str | None, Header()] = None
+    request: Request, settings: SettingsDep, authorization: Annotated[str | None, Header()] = None
 ) -> None:
-    """401 unless API keys are off or ``Authorization: Bearer <key>`` names one (constant-time compare)."""
+    """401 unless API keys are off or ``Authorization: Bearer <key>`` names one (constant-time compare).
+
+    A key with limits is noted in the request's state (``rate_limits``): the middleware puts its
+    ``x-ratelimit-*`` headers on the response, and the completion routes count the request against it."""
     if not settings.api_keys:
         return
     scheme, _, token = (authorization or "").partition(" ")
     token_bytes = token.strip().encode()
-    if scheme.lower() != "bearer" or not any(
-        hmac.compare_digest(token_bytes, key.encode()) for key in settings.api_keys
-    ):
+    matched = next(
+        (entry.key for entry in settings.api_keys if hmac.compare_digest(token_bytes, entry.key.encode())),
+        None,
+    )
+    if scheme.lower() != "bearer" or matched is None:
         raise unauthorized()
+    key_limits = request.app.state.key_limits
+    if key_limits:
+        limits = key_limits.get(matched)
+        if limits is not None:
+            request.scope["state"]["rate_limits"] = limits
 
 
 ApiKeyDep = Depends(require_api_key)

@@ -59,6 +59,18 @@ def overloaded(retry_after_seconds: int) -> GatewayError:
     )
 
 
+def rate_limited(kind: str, limit: int, retry_after_seconds: int) -> GatewayError:
+    """A key over its limit; ``kind`` is ``requests`` or ``tokens``, OpenAI's error type for each."""
+    return GatewayError(
+        429,
+        f"Rate limit reached for {kind} per minute (limit {limit}) on this API key; "
+        f"retry in {retry_after_seconds} s.",
+        kind,
+        "rate_limit_exceeded",
+        headers={"Retry-After": str(retry_after_seconds)},
+    )
+
+
 def no_healthy_upstream(model: str) -> GatewayError:
     return GatewayError(
         503,

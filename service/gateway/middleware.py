@@ -4,7 +4,8 @@ request metrics.
 ``X-Request-Id`` is taken from the client when it is sane (printable, at most 128 characters), else made
 here; routes read it from ``request.state.request_id``, it goes upstream and comes back on every response.
 For the OpenAI routes the middleware counts requests by route, model and status and times them to the
-last byte; routes name the model in ``request.state.model`` once they know it.
+last byte; routes name the model in ``request.state.model`` once they know it. A request made with a key
+that has limits gets the key's ``x-ratelimit-*`` headers on its response, whatever the status.
 """
 
 from __future__ import annotations
@@ -49,7 +50,12 @@ class RequestContextMiddleware:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
-                MutableHeaders(scope=message)["x-request-id"] = request_id
+                headers = MutableHeaders(scope=message)
+                headers["x-request-id"] = request_id
+                limits = state.get("rate_limits")  # set for a key with limits (deps.require_api_key)
+                if limits is not None:
+                    for name, value in limits.headers():
+                        headers[name] = value
             await send(message)
 
         try:

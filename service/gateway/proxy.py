@@ -136,8 +136,9 @@ class Proxy:
         """Pick an upstream and count the request against its in-flight limit."""
         candidates = self._upstreams.candidates(request.model)
         if failed is not None:
-            # Retry elsewhere; the failed one again only when there is nowhere else.
-            candidates = [u for u in candidates if u is not failed] or [failed]
+            # Retry elsewhere; the failed one again only when there is nowhere else and it is not ejected
+            # (a keep-alive connection it closed just as we reused it, rather than a dead or hung upstream).
+            candidates = [u for u in candidates if u is not failed] or ([failed] if failed.healthy else [])
         if not candidates:
             if self._upstreams.is_known(request.model) or not self._upstreams.healthy():
                 raise errors.no_healthy_upstream(request.model)
@@ -268,6 +269,12 @@ class Proxy:
 
     # -- answering ---------------------------------------------------------------------------------
 
+    def _record_usage(self, request: RouteRequest, usage: object) -> None:
+        """Token metrics, and the tokens charged to the client's key when it has a tokens-per-minute limit."""
+        self._metrics.record_usage(request.model, usage)
+        if request.key_limits is not None:
+            request.key_limits.charge(usage)
+
     def _answer(self, request: RouteRequest, response: UpstreamResponse, content: bytes) -> Response:
         """A complete upstream answer: its original bytes with its status; errors are kept OpenAI-shaped."""
         try:
@@ -275,7 +282,7 @@ class Proxy:
         except orjson.JSONDecodeError:
             payload = None
         if response.status_code == 200 and isinstance(payload, dict):
-            self._metrics.record_usage(request.model, payload.get("usage"))
+            self._record_usage(request, payload.get("usage"))
         if response.status_code >= 400 and not (isinstance(payload, dict) and "error" in payload):
             status = response.status_code
             text = content.decode(errors="replace").strip()[:500] or HTTPStatus(status).phrase
@@ -343,7 +350,7 @@ class Proxy:
                                 asyncio.get_running_loop().time() - started
                             )
                         if sse.is_usage_only(chunk):
-                            self._metrics.record_usage(request.model, chunk["usage"])
+                            self._record_usage(request, chunk["usage"])
                             if strip_usage:
                                 continue
                     out.append(event)

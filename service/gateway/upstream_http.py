@@ -11,6 +11,8 @@ Failures are told apart the way the proxy acts on them: :class:`UpstreamUnreacha
 connection: eject the upstream) and :class:`UpstreamBroken` (the connection broke: retry when it broke
 before the answer started). Deadlines are the caller's: cancel the awaiting task, or give a streamed body
 one with :meth:`UpstreamResponse.expire_at`; the connection is then closed, never reused.
+:meth:`UpstreamPool.abort` breaks every connection to one upstream at once (one that hangs: its requests
+then fail over instead of waiting out their deadline).
 """
 
 from __future__ import annotations
@@ -201,6 +203,8 @@ class UpstreamPool:
     def __init__(self, connect_timeout: float) -> None:
         self._connect_timeout = connect_timeout
         self._idle: dict[str, list[_Connection]] = collections.defaultdict(list)
+        # Connections carrying a request now, so that abort() can reach them.
+        self._busy: dict[str, set[_Connection]] = collections.defaultdict(set)
         self._targets: dict[str, tuple[str, int, ssl.SSLContext | None, bytes]] = {}
         self._closed = False
 
@@ -241,6 +245,8 @@ class UpstreamPool:
                 break
         if connection is None:
             connection = await self._connect(base_url)
+        busy = self._busy[base_url]
+        busy.add(connection)
         lines = [f"{method} {path} HTTP/1.1\r\n".encode(), b"host: %s\r\n" % self._target(base_url)[3]]
         lines += [f"{name}: {value}\r\n".encode("latin-1") for name, value in headers]
         lines.append(b"content-length: %d\r\n\r\n" % len(body))
@@ -248,16 +254,27 @@ class UpstreamPool:
         try:
             status, response_headers = await connection.start(b"".join(lines))
         except BaseException:
+            busy.discard(connection)
             connection.close()
             raise
         return UpstreamResponse(self, base_url, connection, status, response_headers)
 
     def release(self, base_url: str, connection: _Connection) -> None:
+        self._busy[base_url].discard(connection)
         idle = self._idle[base_url]
         if not self._closed and connection.keeps_alive() and len(idle) < _MAX_IDLE_PER_UPSTREAM:
             idle.append(connection)
         else:
             connection.close()
+
+    def abort(self, base_url: str, reason: str = "the gateway cut the connection: the upstream hangs") -> int:
+        """Break every connection to ``base_url``, busy or idle: a request waiting for its answer fails with
+        :class:`UpstreamBroken` (``reason``) at once. Returns how many requests were cut."""
+        busy = self._busy.pop(base_url, set())
+        for connection in [*busy, *self._idle.pop(base_url, [])]:
+            connection.fail(UpstreamBroken(reason))
+            connection.close()
+        return len(busy)
 
     async def aclose(self) -> None:
         self._closed = True

@@ -5,6 +5,12 @@ A background loop probes every upstream each ``health_interval`` seconds: ``GET 
 once when a proxied request cannot connect to it (nothing listens there: waiting for more probes would only
 send more requests into the void). One successful probe re-admits it.
 
+An ejected upstream that does not even answer its probe in time (``health_timeout``) is hung (SIGSTOP, a
+wedged event loop, a network partition): ``on_unresponsive(url)`` (the proxy's pool) breaks the requests
+still waiting on it, so they fail over (or end with an error event) now instead of at their deadline. A
+refused probe does not count as hung: a draining worker stops listening while it finishes its requests, and
+a dead one has broken its connections itself.
+
 Discovery: an upstream written ``dns+http://NAME:PORT`` stands for every address NAME resolves to, each an
 upstream of its own (``http://ADDRESS:PORT``), resolved again before every round of probes. With a
 Kubernetes headless Service as NAME, every worker Pod is routed to on its own (least outstanding, prefix
@@ -70,6 +76,7 @@ class UpstreamRegistry:
         unhealthy_threshold: int,
         headers: dict[str, str] | None = None,
         resolver: Resolver = resolve_addresses,
+        on_unresponsive: Callable[[str], int] | None = None,
     ) -> None:
         self._discovered = [url for url in urls if url.startswith(DISCOVERY_SCHEME)]
         self.upstreams = [Upstream(url) for url in urls if not url.startswith(DISCOVERY_SCHEME)]
@@ -80,6 +87,7 @@ class UpstreamRegistry:
         self._timeout = health_timeout
         self._threshold = unhealthy_threshold
         self._headers = headers or {}
+        self._on_unresponsive = on_unresponsive
         self._task: asyncio.Task[None] | None = None
 
     # -- queries -------------------------------------------------------------------------------------
@@ -133,6 +141,12 @@ class UpstreamRegistry:
                 log.warning(
                     "upstream %s ejected after %d failed checks (%s)", upstream.url, self._threshold, exc
                 )
+            if not upstream.healthy and isinstance(exc, httpx.TimeoutException) and self._on_unresponsive:
+                cut = self._on_unresponsive(upstream.url)
+                if cut:
+                    log.warning(
+                        "upstream %s does not answer: cut the %d requests waiting on it", upstream.url, cut
+                    )
             return
         if not upstream.healthy:
             log.info("upstream %s healthy, serving %s", upstream.url, sorted(models))

@@ -69,6 +69,9 @@ async def _read_body(request: Request, limit: int) -> bytes:
 async def _proxy(
     request: Request, proxy: ProxyDep, upstreams: UpstreamsDep, schema: type[SamplingFields], path: str
 ) -> Response:
+    limits = request.scope["state"].get("rate_limits")  # the client's key has limits
+    if limits is not None:
+        limits.admit()
     raw = await _read_body(request, proxy.max_body_bytes)
     try:
         body = orjson.loads(raw)
@@ -97,6 +100,7 @@ async def _proxy(
         body=body,
         session_id=request.headers.get(SESSION_HEADER) or None,
         routing=routing,
+        key_limits=limits,
     )
     return await proxy.forward(
         route,

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from squeezeserve.service.gateway.upstreams import Upstream
+
+if TYPE_CHECKING:
+    from squeezeserve.service.gateway.ratelimit import KeyLimits
 
 
 @dataclass(frozen=True)
@@ -22,6 +25,7 @@ class RouteRequest:
     routing: str | None = (
         None  # the X-Squeezeserve-Routing header: this request's strategy, if not the default
     )
+    key_limits: KeyLimits | None = None  # the client key's limits, charged with the answer's usage
 
 
 class RoutingStrategy(Protocol):

@@ -36,7 +36,7 @@ def test_env_lists_accept_commas_or_json(monkeypatch, value):
     settings = GatewaySettings()
 
     assert settings.upstreams == ["http://a:1", "http://b:2"]
-    assert settings.api_keys == ["k1", "k2"]
+    assert [entry.key for entry in settings.api_keys] == ["k1", "k2"]
     assert settings.routing == "round_robin"
 
 
@@ -79,6 +79,22 @@ def test_yaml_file_sits_under_cli_flags_and_over_env(tmp_path, monkeypatch):
             {"upstreams": ["http://a:1"], "api_keys": ["k", ""]},
             "api_keys: API keys must not be empty strings",
         ),
+        (
+            {"upstreams": ["http://a:1"], "api_keys": ["k", "k"]},
+            "api_keys: each API key may be listed only once",
+        ),
+        (
+            {"upstreams": ["http://a:1"], "api_keys": [{"key": "k", "requests_per_minute": 0}]},
+            "api_keys.0.requests_per_minute: Input should be greater than 0",
+        ),
+        (
+            {"upstreams": ["http://a:1"], "api_keys": [{"key": "k", "tokens_per_min": 5}]},
+            "api_keys.0.tokens_per_min: Extra inputs are not permitted",
+        ),
+        (
+            {"upstreams": ["http://a:1"], "requests_per_minute": 60},
+            "settings: requests_per_minute and tokens_per_minute are limits per API key: set api_keys",
+        ),
         ({"upstreams": ["http://a:1"], "retries": 3}, "retries: Extra inputs are not permitted"),
     ],
 )
@@ -87,6 +103,33 @@ def test_bad_settings_fail_with_a_sentence_naming_the_field(values, message):
         build_settings(**values)
 
     assert str(caught.value).startswith(message)
+
+
+def test_keys_take_limits_of_their_own_in_the_config_file(tmp_path):
+    config = tmp_path / "gateway.yaml"
+    config.write_text(
+        "upstreams: [http://a:1]\n"
+        "tokens-per-minute: 1000\n"
+        "api-keys:\n"
+        "  - plain\n"
+        "  - {key: batch, requests_per_minute: 10, tokens_per_minute: 50000}\n"
+    )
+
+    settings = build_settings(config)
+
+    plain, batch = settings.api_keys
+    assert (plain.key, plain.requests_per_minute, plain.tokens_per_minute) == ("plain", None, None)
+    assert (batch.key, batch.requests_per_minute, batch.tokens_per_minute) == ("batch", 10, 50000)
+    assert settings.tokens_per_minute == 1000  # the default for keys without their own (plain)
+    assert "batch" not in repr(settings) and "plain" not in repr(settings)
+
+
+def test_keys_with_limits_come_through_the_environment_as_json(monkeypatch):
+    monkeypatch.setenv("SQUEEZESERVE_GATEWAY_API_KEYS", '["k1", {"key": "k2", "requests_per_minute": 3}]')
+
+    settings = GatewaySettings(upstreams=["http://a:1"])
+
+    assert [(e.key, e.requests_per_minute) for e in settings.api_keys] == [("k1", None), ("k2", 3)]
 
 
 def test_bad_config_file_is_a_clear_error(tmp_path):
@@ -122,7 +165,8 @@ def test_cli_flags_map_onto_the_settings():
     settings = build_settings(args.config, **{name: getattr(args, name) for name in command.SETTINGS_FLAGS})
 
     assert settings.upstreams == ["http://a:1", "http://b:2"]
-    assert (settings.port, settings.routing, settings.api_keys) == (9000, "round_robin", ["k1", "k2"])
+    assert (settings.port, settings.routing) == (9000, "round_robin")
+    assert [entry.key for entry in settings.api_keys] == ["k1", "k2"]
     assert (settings.request_timeout, settings.max_inflight_per_upstream) == (12.5, 4)
 
 

@@ -120,3 +120,30 @@ def test_client_leaving_a_stream_closes_the_upstream_stream(fake_upstream, start
 
     eventually(lambda: upstream.app.state.cancelled_streams == 1)
     eventually(lambda: metric(gateway, "squeezeserve_gateway_upstream_in_flight", upstream=upstream.url) == 0)
+
+
+def test_requests_on_a_frozen_upstream_fail_over_when_its_health_check_times_out(
+    fake_process, start_gateway, openai_client, metric
+):
+    (frozen_url, frozen), (live_url, _) = fake_process(), fake_process()
+    gateway = start_gateway(
+        [frozen_url, live_url],
+        routing="round_robin",
+        health_interval=0.2,
+        health_timeout=0.5,
+        unhealthy_threshold=1,
+        request_timeout=60,
+    )
+    client = openai_client(gateway, timeout=30.0)
+    frozen.send_signal(signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        # Round robin sends one of the two to the frozen one; it waits there until the gateway cuts it.
+        replies = [client.completions.create(model="fake-model", prompt="x") for _ in range(2)]
+        elapsed = time.monotonic() - started
+    finally:
+        frozen.send_signal(signal.SIGCONT)
+
+    assert [reply.choices[0].text for reply in replies] == ["w0 w1 w2 "] * 2  # none lost
+    assert metric(gateway, "squeezeserve_gateway_upstream_retries_total", upstream=frozen_url) == 1
+    assert elapsed < 5, "the request on the frozen upstream must fail over well before its 60 s deadline"
