@@ -65,11 +65,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--algorithm",
         choices=ALGORITHMS,
-        help="int8/int4: gptq (calibrated; int4 default) or rtn (int8 default); lowrank: asvd "
-        "(activation-aware, default) or svd; codebook: gptq (default) or kmeans",
+        help="int8/int4: gptq (calibrated; int4 default) or rtn (int8 default); lowrank: svdllm (whitened "
+        "by the inputs' covariance, default), asvd (scaled by per-channel activation statistics) or svd; "
+        "codebook: gptq (default) or kmeans",
     )
     parser.add_argument(
-        "--group-size", type=int, help=f"int4: input columns per scale (default {DEFAULTS.group_size})"
+        "--group-size",
+        type=int,
+        help=f"int4: input columns per scale (default {DEFAULTS.group_size}); codebook: input columns per "
+        "codebook, a multiple of 16 (default: one codebook per output channel)",
     )
     symmetry = parser.add_mutually_exclusive_group()
     symmetry.add_argument(

@@ -16,12 +16,12 @@ if TYPE_CHECKING:
 METHODS = ("int8", "int4", "fp8", "prune", "distill", "lowrank", "codebook")
 RECOVER_LOSSES = ("kd", "lm")
 STRUCTURES = ("mlp-width", "heads", "layers")
-ALGORITHMS = ("gptq", "rtn", "asvd", "svd", "kmeans")
+ALGORITHMS = ("gptq", "rtn", "svdllm", "asvd", "svd", "kmeans")
 # Which --algorithm each method takes, its default first (methods not listed take none).
 METHOD_ALGORITHMS = {
     "int8": ("rtn", "gptq"),
     "int4": ("gptq", "rtn"),
-    "lowrank": ("asvd", "svd"),
+    "lowrank": ("svdllm", "asvd", "svd"),
     "codebook": ("gptq", "kmeans"),
 }
 CODEBOOK_BITS = (3, 4)
@@ -82,7 +82,7 @@ class CompressOptions:
     @property
     def needs_calibration(self) -> bool:
         return (
-            self.algorithm in ("gptq", "asvd", "kmeans")
+            self.algorithm in ("gptq", "svdllm", "asvd", "kmeans")
             or (self.sparsity is not None and self.prune_method == "wanda")
             or self.recover_steps > 0
             or self.structure is not None
@@ -197,7 +197,12 @@ def build_options(
     if options.needs_calibration and not calibration:
         why = "GPTQ" if algorithm == "gptq" else ("Wanda" if prune_method == "wanda" else "recovery")
         why = "structured pruning" if structure is not None else why
-        why = {"asvd": "activation-aware SVD", "kmeans": "Hessian-weighted k-means"}.get(algorithm, why)
+        aware = {
+            "svdllm": "whitened SVD",
+            "asvd": "activation-aware SVD",
+            "kmeans": "Hessian-weighted k-means",
+        }
+        why = aware.get(algorithm, why)
         raise ValueError(
             f"{why} needs calibration text: give --calibration FILE or sample:wikitext-2-calibration "
             "(or --algorithm rtn / --prune-method magnitude)"

@@ -15,7 +15,8 @@ for every candidate); ``--check-against-compare`` asserts the two agree on the s
     python tests/benchmarks/bench_compress.py --work /tmp/bench --runs int8 int4-gptq-g32 --max-tokens 8192
     # low-rank and codebooks against int4 GPTQ g32 (issue 20), full test file, on a GPU:
     python tests/benchmarks/bench_compress.py --work /tmp/bench --device cuda --runs int4-gptq-g32 \
-        lowrank-svd-0.9 lowrank-asvd-0.9 lowrank-svd-0.8 lowrank-asvd-0.8 lowrank-svd-0.7 lowrank-asvd-0.7 \
+        lowrank-svd-0.9 lowrank-asvd-0.9 lowrank-svdllm-0.9 lowrank-svd-0.8 lowrank-asvd-0.8 \
+        lowrank-svdllm-0.8 lowrank-svd-0.7 lowrank-asvd-0.7 lowrank-svdllm-0.7 \
         codebook4-gptq codebook4-kmeans codebook3-gptq
 """
 
@@ -75,17 +76,18 @@ RUNS: dict[str, dict[str, Any]] = {
     "int4-rtn-g32-sym": {"method": "int4", "algorithm": "rtn", "group_size": 32, "symmetric": True},
     "int4-gptq-g64-sym": {"method": "int4", "group_size": 64, "symmetric": True, CALIBRATED: True},
     "int4-rtn-g64-sym": {"method": "int4", "algorithm": "rtn", "group_size": 64, "symmetric": True},
-    # Low-rank (issue 20): plain vs activation-aware SVD at three parameter budgets; weight sharing at 4 and
-    # 3 bits (GPTQ onto the codebooks, and plain Hessian-weighted k-means), against int4-gptq-g32 above.
+    # Low-rank (issue 20): plain, activation-scaled (ASVD) and whitened (SVD-LLM) SVD at three budgets;
+    # weight sharing at 4 and 3 bits (GPTQ onto the codebooks, and plain Hessian-weighted k-means), against
+    # int4-gptq-g32 above.
     **{
         f"lowrank-{algorithm}-{ratio}": {
             "method": "lowrank",
             "algorithm": algorithm,
             "rank_ratio": ratio,
-            **({CALIBRATED: True} if algorithm == "asvd" else {}),
+            **({CALIBRATED: True} if algorithm != "svd" else {}),
         }
         for ratio in (0.9, 0.8, 0.7)
-        for algorithm in ("svd", "asvd")
+        for algorithm in ("svd", "asvd", "svdllm")
     },
     "codebook4-gptq": {"method": "codebook", "bits": 4, CALIBRATED: True},
     "codebook4-kmeans": {"method": "codebook", "bits": 4, "algorithm": "kmeans", CALIBRATED: True},

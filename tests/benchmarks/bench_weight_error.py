@@ -6,7 +6,7 @@ weights already sit on a per-32-block 4-bit grid. This measures what that means 
 (asymmetric, a per-32-block grid itself, only with an integer zero point) nearly reproduces it, a per-row
 codebook of 16 values cannot (a row of K weights holds up to 16 K / 32 distinct values).
 
-    python tests/benchmarks/bench_weight_error.py --threads 1
+    python tests/benchmarks/bench_weight_error.py --threads 1 --every 5   # decoder layers 0, 5, 10, ...
 """
 
 from __future__ import annotations
@@ -63,6 +63,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("--baseline", help="baseline checkpoint (default: export the bundled model)")
     parser.add_argument("--threads", type=int)
+    parser.add_argument("--every", type=int, default=1, help="measure every N-th decoder layer (CPU time)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -72,7 +73,11 @@ def main() -> None:
         from squeezeserve.service.models.bundled import export_baseline
 
         baseline = export_baseline().path
-    linears = target_linears(load_float32(baseline, "cpu"))
+    linears = {
+        name: module
+        for name, module in target_linears(load_float32(baseline, "cpu")).items()
+        if int(name.split(".")[2]) % args.every == 0
+    }
     squared = dict.fromkeys(FORMATS, 0.0)
     total, weights, bits = 0.0, 0, dict.fromkeys(FORMATS, 0.0)
     distinct_per_row = []
@@ -89,6 +94,7 @@ def main() -> None:
         "bits_per_weight": {name: round(bits[name] / weights, 3) for name in FORMATS},
         "distinct_values_per_row_mean": round(sum(distinct_per_row) / len(distinct_per_row), 1),
         "linears": len(linears),
+        "every_nth_layer": args.every,
         "host": platform.node(),
         "cpu": platform.processor() or platform.machine(),
         "load_average": os.getloadavg(),

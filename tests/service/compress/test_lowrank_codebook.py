@@ -18,7 +18,7 @@ from squeezeserve.kernels.checkpoint_format import CodebookFormat, LowRankFormat
 from squeezeserve.kernels.modules import CodebookLinear, LowRankLinear
 from squeezeserve.service.cli import main
 from squeezeserve.service.compress.codebook import codebook_quantize, weighted_kmeans
-from squeezeserve.service.compress.lowrank import allocate_ranks, factorize, input_scaling
+from squeezeserve.service.compress.lowrank import allocate_ranks, factorize, input_scaling, whitening
 from squeezeserve.service.compress.options import build_options
 from squeezeserve.service.compress.pipeline import compress
 from squeezeserve.service.models.loader import load_model
@@ -48,18 +48,36 @@ def output_error(x: torch.Tensor, weight: torch.Tensor, approximation: torch.Ten
 # --- low-rank ----------------------------------------------------------------------------------------
 
 
-def test_activation_aware_svd_has_lower_output_error_than_plain_svd() -> None:
+def test_activation_aware_factors_have_lower_output_error_than_plain_svd() -> None:
     x = correlated_inputs(2048, 64)
     weight = torch.randn(48, 64)
+    covariance = x.T @ x / x.shape[0]
     errors = {}
-    for rms in (None, x.square().mean(0).sqrt()):
+    for algorithm in ("svd", "asvd", "svdllm"):
         linear = torch.nn.Linear(64, 48, bias=False)
         linear.weight.data.copy_(weight)
-        factored = factorize({"l": linear}, 0.5, None if rms is None else {"l": rms})
+        factored = factorize({"l": linear}, 0.5, algorithm, {"l": covariance})
         u, v = factored.factors["l"]
-        errors["svd" if rms is None else "asvd"] = output_error(x, weight, u @ v)
+        errors[algorithm] = output_error(x, weight, u @ v)
         torch.testing.assert_close(linear.weight.data, u @ v)  # the module holds what the checkpoint will
     assert errors["asvd"] < 0.8 * errors["svd"], errors
+    # Whitening makes the truncation optimal for the output error (up to its small damping).
+    assert errors["svdllm"] < errors["asvd"], errors
+
+
+def test_whitened_truncation_error_is_the_dropped_singular_values() -> None:
+    x = correlated_inputs(4096, 32)
+    weight = torch.randn(24, 32)
+    covariance = x.T @ x / x.shape[0]
+    lower = whitening(covariance)
+    sigma = torch.linalg.svdvals(weight @ lower)
+    linear = torch.nn.Linear(32, 24, bias=False)
+    linear.weight.data.copy_(weight)
+    u, v = factorize({"l": linear}, 0.5, "svdllm", {"l": covariance}).factors["l"]
+    rank = u.shape[1]
+    damped = lower @ lower.T  # H + its damping: what the whitening factors
+    error = torch.trace((weight - u @ v) @ damped @ (weight - u @ v).T)
+    torch.testing.assert_close(error, sigma[rank:].square().sum(), rtol=1e-3, atol=1e-4)
 
 
 def test_ranks_meet_the_budget_and_go_where_the_energy_is() -> None:

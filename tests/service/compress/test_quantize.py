@@ -150,8 +150,15 @@ def test_unstructured_mask_prunes_each_row_by_the_fraction() -> None:
         ({"method": "fp8", "algorithm": "gptq"}, "--algorithm applies to"),
         ({"method": "lowrank", "calibration": "c.txt"}, "needs --rank-ratio"),
         ({"method": "lowrank", "rank_ratio": 1.5, "calibration": "c.txt"}, "0 < F < 1"),
-        ({"method": "lowrank", "rank_ratio": 0.5, "algorithm": "gptq"}, "takes --algorithm asvd or svd"),
-        ({"method": "lowrank", "rank_ratio": 0.5}, "activation-aware SVD needs calibration"),
+        (
+            {"method": "lowrank", "rank_ratio": 0.5, "algorithm": "gptq"},
+            "takes --algorithm svdllm or asvd or svd",
+        ),
+        ({"method": "lowrank", "rank_ratio": 0.5}, "whitened SVD needs calibration"),
+        (
+            {"method": "lowrank", "rank_ratio": 0.5, "algorithm": "asvd"},
+            "activation-aware SVD needs calibration",
+        ),
         ({"method": "int4", "rank_ratio": 0.5}, "--rank-ratio applies to --method lowrank"),
         ({"method": "codebook", "bits": 2, "calibration": "c.txt"}, "--bits must be one of 3, 4"),
         ({"method": "codebook", "calibration": "c.txt", "scale_search": True}, "codebooks have none"),
