@@ -8,6 +8,9 @@ group) are loaded into registers; per K tile the packed indices are unpacked wit
 memory where the compiler needs it): the dequantized weight never exists in global memory. One row
 (decode) is a multiply-and-sum on the FMA units; more rows a tensor-core ``tl.dot`` with the looked-up
 tile as the A operand (``acc[BLOCK_N, BLOCK_M] = W_tile @ x_tile.T``), as ``quant_matmul``'s skinny kernel.
+4-bit tiles load whole index words (8 indices each) and split them in registers; 3-bit words (10 indices)
+straddle power-of-two tiles, so each index loads its word (neighbours share the address). Split-K partials
+meet in ``quant_matmul``'s self-cleaning workspace (``_write_tile``), in the same launch.
 """
 
 from __future__ import annotations
@@ -19,7 +22,9 @@ from torch.library import triton_op
 
 from squeezeserve.kernels import codebook_layout, reference
 from squeezeserve.kernels.ops.launch import cdiv, sm_count, traceable
-from squeezeserve.kernels.registry import interpreting, use_reference
+from squeezeserve.kernels.ops.quant_matmul import _workspace
+from squeezeserve.kernels.ops.quant_matmul_kernels import _write_tile
+from squeezeserve.kernels.registry import eager, interpreting, use_reference
 
 
 @triton.jit
@@ -27,7 +32,9 @@ def _codebook_matmul_kernel(
     x_ptr,  # [M, K] activations (fp16/bf16)
     idx_ptr,  # [N, ceil(K / (32 // BITS))] int32 packed codebook indices
     cb_ptr,  # [N, groups * 2**BITS] codebook values (fp16)
-    y_ptr,  # [M, N]: the output dtype, or fp32 partial sums added atomically (ATOMIC)
+    y_ptr,  # [M, N]: the output dtype, or fp32 partial sums (MODE 1)
+    ws_ptr,  # fp32 split-K workspace, zero between calls (MODE 2)
+    count_ptr,  # int32 arrivals per output tile, zero between calls (MODE 2)
     M,
     N,
     K,
@@ -42,7 +49,7 @@ def _codebook_matmul_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GEMV: tl.constexpr,  # one activation row: multiply and sum on the FMA units instead of tl.dot
-    ATOMIC: tl.constexpr,  # split-K: partial tiles added into a zeroed fp32 y
+    MODE: tl.constexpr,  # how split-K partial tiles meet: quant_matmul's _write_tile
     DOT_FP32: tl.constexpr,  # upcast the dot operands (Triton's interpreter gets bf16 tl.dot wrong)
 ):
     """y[m, n] = sum_k x[m, k] C[n, g(k) E + i[n, k]],  i[n, k] = (words[n, k // P] >> BITS (k % P)) & (E-1),
@@ -64,6 +71,7 @@ def _codebook_matmul_kernel(
     dtype = x_ptr.dtype.element_ty
     if GROUP == 0:  # the rows' codebooks stay in registers for the whole K range
         codebook = tl.load(cb_rows + offs_e[None, :], mask=mask_n[:, None], other=0.0)
+    n_words = tl.cdiv(K, PER_WORD)
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     tile_begin = pid_k * tiles_per_split
     tile_end = tl.minimum(tile_begin + tiles_per_split, tl.cdiv(K, BLOCK_K))
@@ -73,9 +81,19 @@ def _codebook_matmul_kernel(
         if GROUP > 0:  # a K tile lies inside one group
             group = (tile * BLOCK_K) // GROUP
             codebook = tl.load(cb_rows + group * E + offs_e[None, :], mask=mask_n[:, None], other=0.0)
-        # P consecutive k share a word: the repeated addresses are served by one load per word.
-        words = tl.load(idx_rows + (ks // PER_WORD)[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0)
-        index = (words >> ((ks % PER_WORD) * BITS)[None, :]) & (E - 1)
+        if PER_WORD * BITS == 32:  # 4 bits: a tile is whole words, loaded once and split in registers
+            W: tl.constexpr = BLOCK_K // PER_WORD
+            offs_w = tile * W + tl.arange(0, W)
+            words = tl.load(
+                idx_rows + offs_w[None, :], mask=mask_n[:, None] & (offs_w < n_words)[None, :], other=0
+            )
+            shifts = tl.arange(0, PER_WORD) * BITS
+            index = tl.reshape((words[:, :, None] >> shifts[None, None, :]) & (E - 1), [BLOCK_N, BLOCK_K])
+        else:  # 3 bits, 10 a word: words straddle tiles; P neighbours share a load address (one transaction)
+            words = tl.load(
+                idx_rows + (ks // PER_WORD)[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0
+            )
+            index = (words >> ((ks % PER_WORD) * BITS)[None, :]) & (E - 1)
         w = tl.gather(codebook, index, axis=1).to(dtype)  # [BLOCK_N, BLOCK_K], rounded like the reference
         x = tl.load(x_rows + ks[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
         if GEMV:
@@ -84,12 +102,8 @@ def _codebook_matmul_kernel(
             acc += tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)))
         else:
             acc += tl.dot(w, tl.trans(x))
-    y_ptrs = y_ptr + offs_m[None, :].to(tl.int64) * y_row_stride + offs_n[:, None]
-    y_mask = mask_n[:, None] & mask_m[None, :]
-    if ATOMIC:
-        tl.atomic_add(y_ptrs, acc, mask=y_mask, sem="relaxed")
-    else:
-        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=y_mask)
+    n_splits = tl.num_programs(2)
+    _write_tile(acc, y_ptr, ws_ptr, count_ptr, offs_n, offs_m, mask_n, mask_m, y_row_stride, n_splits, MODE)
 
 
 def check_inputs(
@@ -127,9 +141,10 @@ def launch_config(m: int, n_out: int, k_in: int, group_size: int, device: torch.
     block_m = 1 if m == 1 else (16 if m <= 16 else (32 if m <= 32 else 64))
     block_n = 16 if interpreting() else (64 if m <= 16 else 128)
     tiles = cdiv(k_in, block_k)
+    if interpreting():  # split-K whenever there are two tiles, so the tests cover both paths
+        return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "split": min(2, tiles)}
     programs = cdiv(n_out, block_n) * cdiv(m, block_m)
-    target = 2 if interpreting() else 2 * sm_count(device)
-    split = max(1, min(tiles, cdiv(target, programs)))
+    split = max(1, min(tiles, cdiv(2 * sm_count(device), programs)))
     return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "split": split}
 
 
@@ -149,16 +164,19 @@ def _codebook_matmul(
     tiles = cdiv(k_in, cfg["BLOCK_K"])
     tiles_per_split = cdiv(tiles, cfg["split"])
     split = cdiv(tiles, tiles_per_split)
-    atomic = split > 1
-    y = (torch.zeros if atomic else torch.empty)((m, n_out), dtype=torch.float32 if atomic else x.dtype,
-                                                 device=x.device)  # fmt: skip
+    grid = (cdiv(n_out, cfg["BLOCK_N"]), cdiv(m, cfg["BLOCK_M"]), split)
+    # Split-K partials meet as quant_matmul's do: in its self-cleaning workspace (one launch, no memset or
+    # cast kernel, which at decode sizes would cost as much as the matmul) unless torch may be tracing.
+    mode = 0 if split == 1 else (2 if eager(x, indices, codebook) else 1)
+    y = (torch.zeros if mode == 1 else torch.empty)((m, n_out), dtype=torch.float32 if mode == 1 else x.dtype,
+                                                     device=x.device)  # fmt: skip
+    ws, counts = _workspace(x.device, m * n_out, grid[0] * grid[1]) if mode == 2 and m else (y, y)
     if m:
-        grid = (cdiv(n_out, cfg["BLOCK_N"]), cdiv(m, cfg["BLOCK_M"]), split)
         traceable(_codebook_matmul_kernel)[grid](
-            x2, indices, codebook, y, m, n_out, k_in,
+            x2, indices, codebook, y, ws, counts, m, n_out, k_in,
             x2.stride(0), indices.stride(0), codebook.stride(0), y.stride(0), tiles_per_split,
             BITS=bits, GROUP=group_size, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
-            BLOCK_K=cfg["BLOCK_K"], GEMV=cfg["BLOCK_M"] == 1, ATOMIC=atomic,
+            BLOCK_K=cfg["BLOCK_K"], GEMV=cfg["BLOCK_M"] == 1, MODE=mode,
             DOT_FP32=interpreting() and x.dtype == torch.bfloat16, num_warps=4,
         )  # fmt: skip
     return y.to(x.dtype).reshape(*x.shape[:-1], n_out)

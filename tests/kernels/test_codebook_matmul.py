@@ -7,6 +7,8 @@ import torch
 from squeezeserve.kernels import codebook_layout as cl
 from squeezeserve.kernels import functional as K
 from squeezeserve.kernels import reference, registry
+from squeezeserve.kernels.ops import codebook_matmul as cm
+from squeezeserve.kernels.ops import quant_matmul as qm
 
 # (M, N, K, group): one row (the FMA path), batched decode (tl.dot at BLOCK_M 16), a prefill-sized M; K a
 # multiple of neither 8 nor 10 indices a word (a partial last word, a masked last tile), per channel and
@@ -38,6 +40,22 @@ def test_codebook_matmul_matches_lookup_then_matmul(m, n, k, group, bits, dtype,
     # or group is off by O(1).
     rel = ((y.float().cpu() - expected).norm() / expected.norm()).item()
     assert rel < (1e-2 if dtype == torch.bfloat16 else 2e-3), rel
+
+
+@pytest.mark.parametrize("traced", [False, True])
+def test_split_k_partials_meet_and_leave_the_workspace_clean(traced, device, monkeypatch):
+    # As quant_matmul's: the self-cleaning workspace when eager, a zeroed fp32 output when torch may trace.
+    if traced:
+        monkeypatch.setattr(cm, "eager", lambda *tensors: False)
+    indices, codebook = _weight(24, 512, 0, 4, device)
+    dense = cl.dequantize(indices.cpu(), codebook.cpu(), 512, None, 4).float()
+    for m in (1, 3, 3, 17):  # the FMA and tensor-core paths; the same shape twice reuses the workspace
+        x = torch.randn(m, 512, device=device).to(torch.float16)
+        y = K.codebook_matmul(x, indices, codebook, 0, 4)
+        expected = x.cpu().float() @ dense.T
+        assert ((y.cpu().float() - expected).norm() / expected.norm()).item() < 2e-3
+    for ws, counts in qm._WORKSPACES.values():
+        assert not ws.any() and not counts.any()
 
 
 def test_codebook_matmul_reference_is_the_layout_dequantized():
