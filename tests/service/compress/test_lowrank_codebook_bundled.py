@@ -1,6 +1,6 @@
-"""Low-rank and codebook compression of the bundled baseline, kept small (a 1024-token perplexity slice; 4 min
-on one busy CPU core): the embedded worker's loader serves the outputs, they generate, whitened SVD beats
-plain SVD, and 4-bit codebooks stay close to the baseline."""
+"""Low-rank and codebook compression of the bundled baseline, kept small (a 1024-token perplexity slice, about
+3 min on one busy CPU core): the embedded worker's loader serves the outputs, they generate, and whitened
+low-rank factors and 4-bit codebooks stay within measured bounds of the baseline."""
 
 from __future__ import annotations
 
@@ -22,7 +22,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
 # Whitening needs more tokens than the widest input (1536): its statistics pass is one forward, cheap. The
 # codebook run's layer-by-layer pass costs per token: a few windows.
 RUNS = {
-    "lowrank-svd": {"method": "lowrank", "algorithm": "svd", "rank_ratio": 0.9},
     "lowrank-svdllm": {
         "method": "lowrank",
         "rank_ratio": 0.9,
@@ -71,11 +70,12 @@ def test_the_embedded_worker_loads_and_generates(outputs: dict[str, Path], name:
     assert len(loaded.tokenizer.decode(generated[0, ids.shape[1] :]).strip()) > 0
 
 
-def test_whitened_svd_beats_plain_svd(accuracy: dict[str, SimpleNamespace]) -> None:
-    """Measured on this slice at 0.9 of the parameters: svd 1176x (KL 7.03), svdllm 1.780x (KL 0.800): a 135M
-    model's weights have flat spectra, so any rank that saves parameters cuts deep (README)."""
-    assert accuracy["lowrank-svdllm"].ratio < accuracy["lowrank-svd"].ratio
-    assert accuracy["lowrank-svdllm"].kl < accuracy["lowrank-svd"].kl
+def test_whitened_low_rank_keeps_the_model_usable(accuracy: dict[str, SimpleNamespace]) -> None:
+    """Measured on this slice at 0.9 of the parameters: svdllm 1.780x (KL 0.800); plain svd 1176x (KL 7.03),
+    asvd 22.4x (README; plain SVD's loss to the activation-aware ones is tested on small tensors in
+    test_lowrank_codebook.py). A 135M model's weights have flat spectra: any rank that saves parameters cuts
+    deep."""
+    assert accuracy["lowrank-svdllm"].ratio <= 2.0
 
 
 def test_four_bit_codebooks_stay_close_to_the_baseline(accuracy: dict[str, SimpleNamespace]) -> None:
