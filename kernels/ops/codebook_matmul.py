@@ -56,6 +56,7 @@ def _codebook_matmul_kernel(
     P = 32 // BITS, E = 2**BITS, g(k) = k // GROUP (0 per channel)."""
     PER_WORD: tl.constexpr = 32 // BITS
     E: tl.constexpr = 1 << BITS
+    W: tl.constexpr = BLOCK_K // PER_WORD  # whole index words a K tile holds (4 bits)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -82,7 +83,6 @@ def _codebook_matmul_kernel(
             group = (tile * BLOCK_K) // GROUP
             codebook = tl.load(cb_rows + group * E + offs_e[None, :], mask=mask_n[:, None], other=0.0)
         if PER_WORD * BITS == 32:  # 4 bits: a tile is whole words, loaded once and split in registers
-            W: tl.constexpr = BLOCK_K // PER_WORD
             offs_w = tile * W + tl.arange(0, W)
             words = tl.load(
                 idx_rows + offs_w[None, :], mask=mask_n[:, None] & (offs_w < n_words)[None, :], other=0
