@@ -69,7 +69,8 @@ def weighted_kmeans(
 
     In one dimension a cluster is a run of the sorted values: with each row sorted once and prefix sums of
     ``w`` and ``w v`` along it, an iteration finds the runs' ends by searching the E - 1 midpoints (not
-    every value) and takes each run's weighted mean from two prefix sums: O(R E log C), not O(R C)."""
+    every value) and takes each run's weighted mean from two prefix sums: O(R E log C), not O(R C). An
+    entry left with no values splits the run with the largest weighted squared error (a third prefix sum)."""
     rows, cols = values.shape
     weights = importance.clamp(min=0) + 1e-12  # a dead channel still places its weight, barely
     ordered, order = values.sort(dim=1)
@@ -77,6 +78,7 @@ def weighted_kmeans(
     zero = torch.zeros(rows, 1, dtype=torch.float64, device=values.device)
     mass_before = torch.cat([zero, sorted_weights.cumsum(dim=1)], dim=1)  # [R, C + 1]
     moment_before = torch.cat([zero, (sorted_weights * ordered).cumsum(dim=1)], dim=1)
+    square_before = torch.cat([zero, (sorted_weights * ordered.double().square()).cumsum(dim=1)], dim=1)
     # Start at the weighted quantiles: entries where the importance mass is (plain quantiles leave entries
     # on unimportant tails, where Lloyd's iterations cannot move them away).
     targets = (torch.arange(entries, device=values.device) + 0.5) / entries * mass_before[:, -1:]
@@ -91,6 +93,16 @@ def weighted_kmeans(
         mass = mass_before.gather(1, edges[:, 1:]) - mass_before.gather(1, edges[:, :-1])
         moment = moment_before.gather(1, edges[:, 1:]) - moment_before.gather(1, edges[:, :-1])
         updated = torch.where(mass > 0, moment / mass.clamp(min=1e-300), codebook.double()).float()
+        empty = mass <= 0
+        if empty.any():
+            # An entry no value chose (duplicate starts where values repeat) splits the cluster with the most
+            # weighted squared error instead: it moves to that cluster's largest value.
+            square = square_before.gather(1, edges[:, 1:]) - square_before.gather(1, edges[:, :-1])
+            error = torch.where(empty, 0.0, square - moment.square() / mass.clamp(min=1e-300))
+            worst = error.argsort(dim=1, descending=True)
+            nth_empty = (empty.cumsum(dim=1) - 1).clamp(min=0)
+            largest = (edges[:, 1:] - 1).clamp(min=0).gather(1, worst.gather(1, nth_empty))
+            updated = torch.where(empty, ordered.gather(1, largest), updated)
         updated = updated.sort(dim=1).values
         if torch.equal(updated, codebook):
             break

@@ -121,6 +121,17 @@ def test_weighted_kmeans_favours_the_heavy_weights() -> None:
     assert torch.equal(weighted, weighted.to(torch.float16).float())  # values the checkpoint holds exactly
 
 
+def test_kmeans_finds_every_value_of_a_row_with_few_distinct_values() -> None:
+    """Rows as GGUF Q4_1 blocks are: 32 weights on a 16-level grid, some levels repeated, some absent. Starts
+    at quantiles land twice on a repeated value; the emptied entry must move to where the error is."""
+    gen = torch.Generator().manual_seed(0)
+    levels = torch.randint(0, 16, (64, 32), generator=gen).float()
+    values = (levels * 0.01 - 0.07).to(torch.float16).float()  # float16-exact, as checkpoint weights are
+    codebook = weighted_kmeans(values, torch.ones_like(values), 16)
+    index = torch.searchsorted(((codebook[:, 1:] + codebook[:, :-1]) / 2).contiguous(), values.contiguous())
+    assert torch.equal(codebook.gather(1, index), values)
+
+
 @pytest.mark.parametrize("group_size", [None, 32])
 @pytest.mark.parametrize("bits", [3, 4])
 def test_gptq_onto_codebooks_beats_nearest_value(bits: int, group_size: int | None) -> None:
