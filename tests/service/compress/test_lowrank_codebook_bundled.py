@@ -79,7 +79,7 @@ def test_whitened_low_rank_keeps_the_model_usable(accuracy: dict[str, SimpleName
 
 
 def test_four_bit_codebooks_stay_close_to_the_baseline(accuracy: dict[str, SimpleNamespace]) -> None:
-    """Measured on this slice (4 x 128 calibration tokens): 1.521x, KL 0.526. With 32 x 512 calibration
-    tokens on the full test file the README's table has the figure; per-channel codebooks cannot follow the
-    baseline's per-32-block Q4_1 grids, which int4 g32 does (README)."""
-    assert accuracy["codebook4"].ratio <= 1.6
+    """Measured on this slice (4 x 128 calibration tokens): 1.209x, KL 0.312 (int4 GPTQ g32 on the same slice
+    with 16 x 256 tokens: 1.059x, test_checkpoints.py). Per-channel codebooks cannot follow the baseline's
+    per-32-block Q4_1 grids, which int4 g32 does (README)."""
+    assert accuracy["codebook4"].ratio <= 1.3
