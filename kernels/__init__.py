@@ -23,8 +23,9 @@ _FUNCTIONAL = (
     "cross_entropy",
     "fused_linear_cross_entropy",
     "quant_matmul",
+    "codebook_matmul",
 )
-_MODULES = ("RMSNorm", "SwiGLUMLP", "QuantLinear")
+_MODULES = ("RMSNorm", "SwiGLUMLP", "QuantLinear", "LowRankLinear", "CodebookLinear")
 
 __all__ = [*_FUNCTIONAL, *_MODULES]
 

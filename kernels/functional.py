@@ -130,3 +130,11 @@ def quant_matmul(
 ) -> torch.Tensor:
     """x @ W.T for W in compressed-tensors' pack-quantized layout (see ``kernels/quant_layout.py``)."""
     return _ops.quant_matmul(x, qweight, scales, zeros, group_size, bits)
+
+
+def codebook_matmul(
+    x: torch.Tensor, indices: torch.Tensor, codebook: torch.Tensor, group_size: int, bits: int
+) -> torch.Tensor:
+    """x @ W.T for W in the codebook layout (``kernels/codebook_layout.py``; ``group_size`` 0: one codebook
+    per output channel)."""
+    return _ops.codebook_matmul(x, indices, codebook, group_size, bits)

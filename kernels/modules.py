@@ -1,4 +1,5 @@
-"""nn.Modules over the squeezeserve ops: RMSNorm, the SwiGLU MLP, and the weight-only QuantLinear."""
+"""nn.Modules over the squeezeserve ops: RMSNorm, the SwiGLU MLP, and the compressed Linears: QuantLinear
+(weight-only integer), LowRankLinear (W = U V) and CodebookLinear (weight sharing)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import math
 import torch
 from torch import nn
 
-from squeezeserve.kernels import functional, quant_layout
+from squeezeserve.kernels import codebook_layout, functional, quant_layout
 
 
 class RMSNorm(nn.Module):
@@ -130,4 +131,89 @@ class QuantLinear(nn.Module):
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}, "
             f"group_size={self.group_size}, symmetric={self.symmetric}, bias={self.bias is not None}"
+        )
+
+
+class LowRankLinear(nn.Module):
+    """``y = U (V x)`` (+ bias): a Linear whose weight W [out, in] is stored as ``weight_u`` [out, rank] and
+    ``weight_v`` [rank, in] (checkpoint names; ``kernels/checkpoint_format.py``). Two GEMMs of
+    ``rank * (in + out)`` multiply-adds a token instead of ``in * out``."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        rank: int,
+        bias: bool = False,
+        dtype: torch.dtype = torch.float16,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        if not 0 < rank <= min(in_features, out_features):
+            raise ValueError(f"rank must be in 1..{min(in_features, out_features)}, got {rank}")
+        self.in_features, self.out_features, self.rank = in_features, out_features, rank
+        kw = {"dtype": dtype, "device": device}
+        self.weight_u = nn.Parameter(torch.zeros(out_features, rank, **kw), requires_grad=False)
+        self.weight_v = nn.Parameter(torch.zeros(rank, in_features, **kw), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(out_features, **kw)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(nn.functional.linear(x, self.weight_v), self.weight_u, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, rank={self.rank}"
+
+
+class CodebookLinear(nn.Module):
+    """Weight-shared Linear holding the codebook layout's buffers (``kernels/codebook_layout.py``):
+    ``weight_indices`` int32 [out, ceil(in / (32 // bits))], ``weight_codebook`` [out, groups * 2**bits],
+    ``weight_shape``; ``forward(x)`` = codebook_matmul(x, ...) (+ bias)."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bits: int = 4,
+        group_size: int | None = None,
+        bias: bool = False,
+        dtype: torch.dtype = torch.float16,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        per_word = codebook_layout.indices_per_word(bits)
+        groups = codebook_layout.groups_for(in_features, group_size)
+        self.in_features, self.out_features = in_features, out_features
+        self.bits, self.group_size = bits, group_size
+        kw = {"device": device}
+        words = math.ceil(in_features / per_word)
+        self.register_buffer("weight_indices", torch.zeros(out_features, words, dtype=torch.int32, **kw))
+        codebook = torch.zeros(out_features, groups << bits, dtype=dtype, **kw)
+        self.register_buffer("weight_codebook", codebook)
+        self.register_buffer("weight_shape", torch.tensor([out_features, in_features], dtype=torch.int64))
+        self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, **kw)) if bias else None
+
+    def load_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Copy the checkpoint's ``weight_indices`` and ``weight_codebook`` into the buffers."""
+        for name in ("weight_indices", "weight_codebook"):
+            buffer = getattr(self, name)
+            if name not in tensors or tensors[name].shape != buffer.shape:
+                got = tuple(tensors[name].shape) if name in tensors else "nothing"
+                raise ValueError(f"{name}: expected shape {tuple(buffer.shape)}, got {got}")
+            buffer.copy_(tensors[name])
+
+    def dequantized_weight(self) -> torch.Tensor:
+        return codebook_layout.dequantize(
+            self.weight_indices, self.weight_codebook, self.in_features, self.group_size, self.bits
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = functional.codebook_matmul(
+            x, self.weight_indices, self.weight_codebook, self.group_size or 0, self.bits
+        )
+        return y + self.bias if self.bias is not None else y
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}, "
+            f"group_size={self.group_size}, bias={self.bias is not None}"
         )

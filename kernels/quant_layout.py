@@ -46,6 +46,27 @@ def pack_factor(bits: int) -> int:
     return 32 // bits
 
 
+def pack_unsigned(values: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack unsigned ints below 2**bits (int32 [rows, cols]) into int32 words along dim 1: ``32 // bits`` a
+    word, value c at bit offset ``bits * (c % per_word)`` of word ``c // per_word``; the last word of a row is
+    zero-padded. Shared by the pack-quantized layout and the codebook indices (3 bits: 10 a word)."""
+    per_word = 32 // bits
+    rows, cols = values.shape
+    padded = math.ceil(cols / per_word) * per_word
+    values = torch.nn.functional.pad(values.to(torch.int32), (0, padded - cols))
+    shifts = torch.arange(per_word, dtype=torch.int32, device=values.device) * bits
+    # int32 arithmetic wraps like the hardware does, so the top value of an 8-bit word may set the sign bit.
+    return (values.view(rows, padded // per_word, per_word) << shifts).sum(dim=2, dtype=torch.int32)
+
+
+def unpack_unsigned(words: torch.Tensor, bits: int, cols: int) -> torch.Tensor:
+    """Inverse of :func:`pack_unsigned`: int32 words [rows, W] -> int32 values [rows, cols] (no padding)."""
+    per_word = 32 // bits
+    shifts = torch.arange(per_word, dtype=torch.int32, device=words.device) * bits
+    values = (words[:, :, None] >> shifts) & ((1 << bits) - 1)
+    return values.reshape(words.shape[0], -1)[:, :cols]
+
+
 def pack_int32(values: torch.Tensor, bits: int, packed_dim: int = 1) -> torch.Tensor:
     """Pack signed ints (int8 [rows, cols]) into int32 words along ``packed_dim``, lowest bits first."""
     if values.dtype != torch.int8 or values.dim() != 2:
@@ -54,16 +75,9 @@ def pack_int32(values: torch.Tensor, bits: int, packed_dim: int = 1) -> torch.Te
         )
     if packed_dim not in (0, 1):
         raise ValueError(f"packed_dim must be 0 or 1, got {packed_dim}")
-    per_word = pack_factor(bits)
+    _check_bits(bits)
     unsigned = values.to(torch.int32) + (1 << (bits - 1))
-    if packed_dim == 0:
-        unsigned = unsigned.t()
-    rows, cols = unsigned.shape
-    padded = math.ceil(cols / per_word) * per_word
-    unsigned = torch.nn.functional.pad(unsigned, (0, padded - cols))
-    shifts = torch.arange(per_word, dtype=torch.int32, device=values.device) * bits
-    # int32 arithmetic wraps like the hardware does, so the top value of an 8-bit word may set the sign bit.
-    packed = (unsigned.view(rows, padded // per_word, per_word) << shifts).sum(dim=2, dtype=torch.int32)
+    packed = pack_unsigned(unsigned.t() if packed_dim == 0 else unsigned, bits)
     return packed.t().contiguous() if packed_dim == 0 else packed
 
 
@@ -73,14 +87,13 @@ def unpack_int32(
     """Inverse of :func:`pack_int32`: int32 words -> signed int8 values of ``shape`` (padding dropped)."""
     if packed.dtype != torch.int32:
         raise ValueError(f"unpack_int32 expects int32 words, got {packed.dtype}")
-    per_word = pack_factor(bits)
+    _check_bits(bits)
     words = packed.t() if packed_dim == 0 else packed
-    shifts = torch.arange(per_word, dtype=torch.int32, device=packed.device) * bits
-    unsigned = (words[:, :, None] >> shifts) & ((1 << bits) - 1)
-    values = unsigned.reshape(words.shape[0], -1) - (1 << (bits - 1))
+    rows, cols = (shape[1], shape[0]) if packed_dim == 0 else shape
+    values = unpack_unsigned(words[:rows], bits, cols) - (1 << (bits - 1))
     if packed_dim == 0:
         values = values.t()
-    return values[: shape[0], : shape[1]].to(torch.int8).contiguous()
+    return values.to(torch.int8).contiguous()
 
 
 def quantize(

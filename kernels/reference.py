@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from squeezeserve.kernels import quant_layout
+from squeezeserve.kernels import codebook_layout, quant_layout
 
 REDUCTIONS = ("mean", "sum", "none")
 
@@ -219,6 +219,16 @@ def quant_matmul(
     n_out = qweight.shape[0]
     k_in = x.shape[-1]
     weight = quant_layout.dequantize(qweight, scales, zeros, (n_out, k_in), group_size, bits)
+    return F.linear(x, weight.to(x.dtype))
+
+
+def codebook_matmul(
+    x: torch.Tensor, indices: torch.Tensor, codebook: torch.Tensor, group_size: int, bits: int
+) -> torch.Tensor:
+    """x @ W.T with W = codebook[n, (k // G) * 2**bits + index[n, k]] (``kernels/codebook_layout.py``; the
+    op's ``group_size`` 0 means one codebook per output channel), looked up in the codebook dtype, then cast
+    to x's dtype."""
+    weight = codebook_layout.dequantize(indices, codebook, x.shape[-1], group_size or None, bits)
     return F.linear(x, weight.to(x.dtype))
 
 

@@ -42,6 +42,7 @@ OP_MODULES = (
     "fused_linear_ce",
     "fused_linear_kd",
     "quant_matmul",
+    "codebook_matmul",
 )
 
 _triton_on_cpu = False

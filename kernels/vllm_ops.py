@@ -17,7 +17,8 @@ every process that builds a model. What it installs:
   ``pack-quantized`` int4/int8 weight-only checkpoints (``squeezeserve compress``) through
   ``torch.ops.squeezeserve.quant_matmul``, reading the checkpoint's packed layout as stored (no repacking).
   It is chosen with ``--quantization squeezeserve``; without it vLLM's own compressed-tensors path
-  (Marlin/Machete) serves the same checkpoint.
+  (Marlin/Machete) serves the same checkpoint. Low-rank and codebook checkpoints (``quant_method:
+  squeezeserve``) come to it by name; their linear methods are in ``vllm_lowrank_codebook.py``.
 
 Every eager call of a replacement is counted per process (:func:`call_counts`); with
 ``SQUEEZESERVE_VLLM_PROBE=<file>`` the 1st, 2nd, 4th, 8th ... call of each op appends a line
@@ -269,6 +270,9 @@ def _quantization_config_class() -> type:
         PackedvLLMParameter,
     )
 
+    from squeezeserve.kernels.checkpoint_format import CodebookFormat, LowRankFormat, read_format
+    from squeezeserve.kernels.vllm_lowrank_codebook import linear_method
+
     @register_weight_loader_v2_supported_method
     class SqueezeserveLinearMethod(LinearMethodBase):
         """Holds the checkpoint's tensors under their checkpoint names, in their checkpoint layout (vLLM's
@@ -335,7 +339,7 @@ def _quantization_config_class() -> type:
     class SqueezeserveConfig(QuantizationConfig):
         """``--quantization squeezeserve`` over a compressed-tensors pack-quantized checkpoint."""
 
-        def __init__(self, scheme: WeightOnlyScheme) -> None:
+        def __init__(self, scheme: WeightOnlyScheme | LowRankFormat | CodebookFormat) -> None:
             super().__init__()
             self.scheme = scheme
 
@@ -355,7 +359,8 @@ def _quantization_config_class() -> type:
 
         @classmethod
         def from_config(cls, config: dict[str, Any]) -> SqueezeserveConfig:
-            return cls(parse_scheme(config))
+            fmt = read_format({"quantization_config": config})
+            return cls(fmt if isinstance(fmt, LowRankFormat | CodebookFormat) else parse_scheme(config))
 
         @classmethod
         def override_quantization_method(
@@ -373,6 +378,9 @@ def _quantization_config_class() -> type:
                 prefix, ignore=self.scheme.ignore, fused_mapping=self.packed_modules_mapping
             ):
                 return UnquantizedLinearMethod()
+            if isinstance(self.scheme, LowRankFormat | CodebookFormat):
+                method = linear_method(self.scheme, prefix, self.packed_modules_mapping)
+                return UnquantizedLinearMethod() if method is None else method
             return SqueezeserveLinearMethod(self.scheme)
 
     return SqueezeserveConfig

@@ -146,3 +146,16 @@ def input_grams(
 
 def _hidden_of(output: Any) -> torch.Tensor:
     return output[0] if isinstance(output, tuple) else output
+
+
+def shared_input_groups(grams: dict[str, torch.Tensor]) -> list[list[str]]:
+    """Names grouped by shared Gram tensor (``layerwise`` shares it between linears with one input)."""
+    groups: list[list[str]] = []
+    for name, gram in grams.items():
+        for group in groups:
+            if grams[group[0]] is gram:
+                group.append(name)
+                break
+        else:
+            groups.append([name])
+    return groups

@@ -8,6 +8,7 @@ import sys
 
 from squeezeserve.service.compress.options import (
     ALGORITHMS,
+    CODEBOOK_BITS,
     DEFAULTS,
     METHODS,
     PRUNE_METHODS,
@@ -41,6 +42,8 @@ OPTION_FLAGS = (
     "temperature",
     "kd_lm_weight",
     "teacher",
+    "rank_ratio",
+    "bits",
 )
 
 
@@ -52,7 +55,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="{" + ",".join(METHODS) + "}",  # checked by build_options, which says why a choice is wrong
         help="int8 (W8A16 per-channel), int4 (W4A16 group-wise), fp8 (E4M3 W8A8 dynamic), "
         "prune (dense, needs --sparsity, or --structure and --ratio: a smaller dense model), "
-        "distill (fine-tune --model towards --teacher)",
+        "distill (fine-tune --model towards --teacher), lowrank (W = U V, needs --rank-ratio), "
+        "codebook (2^--bits shared values per output channel or group)",
     )
     parser.add_argument(
         "--out", required=True, help="output checkpoint directory (must not exist or be empty)"
@@ -61,10 +65,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--algorithm",
         choices=ALGORITHMS,
-        help="int8/int4: gptq (calibrated; int4 default) or rtn (int8 default)",
+        help="int8/int4: gptq (calibrated; int4 default) or rtn (int8 default); lowrank: svdllm (whitened "
+        "by the inputs' covariance, default), asvd (scaled by per-channel activation statistics) or svd; "
+        "codebook: gptq (default) or kmeans",
     )
     parser.add_argument(
-        "--group-size", type=int, help=f"int4: input columns per scale (default {DEFAULTS.group_size})"
+        "--group-size",
+        type=int,
+        help=f"int4: input columns per scale (default {DEFAULTS.group_size}); codebook: input columns per "
+        "codebook, a multiple of 16 (default: one codebook per output channel)",
     )
     symmetry = parser.add_mutually_exclusive_group()
     symmetry.add_argument(
@@ -156,6 +165,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="kd: weight of the LM loss mixed in (0..1)",
     )
     structured.add_argument("--teacher", help="--method distill: teacher checkpoint (e.g. the baseline)")
+    shared = parser.add_argument_group("low-rank factorization and weight sharing")
+    shared.add_argument(
+        "--rank-ratio",
+        type=float,
+        help="--method lowrank: parameters kept, as a fraction of the decoder Linears' (0 < F < 1); ranks "
+        "per layer are chosen to meet it",
+    )
+    shared.add_argument(
+        "--bits",
+        type=int,
+        choices=CODEBOOK_BITS,
+        help=f"--method codebook: index bits, 2^bits values per codebook (default {DEFAULTS.codebook_bits})",
+    )
     parser.add_argument("--seed", type=int, default=DEFAULTS.seed)
     parser.add_argument("--device", default="cpu", help="where to compress: cpu (default) or cuda[:N]")
     parser.add_argument(

@@ -13,7 +13,9 @@ bundled model, and vLLM keeps the LM head unquantized). Per quantized linear ``<
         <name>.weight_scale       float32 [out, 1]
 
 The bit layout of ``weight_packed`` is defined once, in ``squeezeserve.kernels.quant_layout`` (our
-kernels read it); a test checks it against compressed-tensors' own ``pack_to_int32``.
+kernels read it); a test checks it against compressed-tensors' own ``pack_to_int32``. Low-rank factors and
+codebooks are our own formats (``squeezeserve.kernels.checkpoint_format`` builds their
+``quantization_config``; ``codebook_layout`` defines the index packing).
 """
 
 from __future__ import annotations
@@ -25,11 +27,12 @@ from typing import Any
 
 import torch
 
-from squeezeserve.kernels.checkpoint_format import FLOAT_QUANTIZED, PACK_QUANTIZED
+from squeezeserve.kernels.checkpoint_format import FLOAT_QUANTIZED, IGNORED, PACK_QUANTIZED
+from squeezeserve.kernels.codebook_layout import pack_indices
 from squeezeserve.kernels.quant_layout import pack_int32
+from squeezeserve.service.compress.codebook import CodebookWeight
 from squeezeserve.service.compress.quantize import QuantizedWeight, QuantScheme
 
-IGNORED = ["lm_head"]
 # Files of the source checkpoint that are weights or our own records: never copied into the output.
 NOT_COPIED_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 NOT_COPIED_NAMES = {"model.safetensors.index.json", "pytorch_model.bin.index.json", "squeeze-baseline.json"}
@@ -88,6 +91,23 @@ def compressed_tensors_for(name: str, quantized: QuantizedWeight) -> dict[str, t
     if quantized.zero_point is not None:
         tensors[f"{name}.weight_zero_point"] = pack_int32(quantized.zero_point, scheme.bits, packed_dim=0)
     return tensors
+
+
+def lowrank_tensors_for(
+    name: str, u: torch.Tensor, v: torch.Tensor, dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    """The checkpoint tensors that replace ``<name>.weight`` by its factors (``checkpoint_format``)."""
+    return {f"{name}.weight_u": u.to(dtype).contiguous(), f"{name}.weight_v": v.to(dtype).contiguous()}
+
+
+def codebook_tensors_for(name: str, shared: CodebookWeight) -> dict[str, torch.Tensor]:
+    """The checkpoint tensors that replace ``<name>.weight`` by indices and codebooks."""
+    out, in_features = shared.indices.shape
+    return {
+        f"{name}.weight_indices": pack_indices(shared.indices, shared.bits).contiguous(),
+        f"{name}.weight_codebook": shared.codebook.to(torch.float16).contiguous(),
+        f"{name}.weight_shape": torch.tensor([out, in_features], dtype=torch.int64),
+    }
 
 
 def copy_side_files(source: Path, out: Path) -> list[str]:

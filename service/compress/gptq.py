@@ -23,7 +23,7 @@ exactly.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -137,6 +137,40 @@ def group_qparams(
     return scale.t(), None if zero is None else zero.t()
 
 
+def sweep(
+    wt: torch.Tensor,
+    u: torch.Tensor,
+    quantize_column: Callable[[int, torch.Tensor], torch.Tensor],
+    block_size: int,
+    run: int,
+    run_start: Callable[[int], None] | None = None,
+) -> None:
+    """GPTQ's column sweep over ``wt`` [in, out] (updated in place), ``u`` the upper Cholesky factor of the
+    damped ``H^-1`` in the same column order. ``quantize_column(j, column)`` rounds column j (a row of
+    ``wt``: every output's weight on input j) and returns its dequantized value; its error, divided by
+    ``U[j, j]``, is spread over the columns not yet quantized (the module docstring's lazy updates: runs of
+    ``run`` columns inside blocks of ``block_size``). ``run_start(j)`` is called before each run, when every
+    earlier column's error has reached columns ``j..j + run``."""
+    in_features = wt.shape[0]
+    for b0 in range(0, in_features, block_size):
+        b1 = min(b0 + block_size, in_features)
+        block = wt[b0:b1]  # a view: updates land in wt
+        errors = torch.empty_like(block)
+        for r0 in range(0, b1 - b0, run):
+            r1 = min(r0 + run, b1 - b0)
+            first = b0 + r0
+            if run_start is not None:
+                run_start(first)
+            u_run = u[first : b0 + r1, first : b0 + r1]
+            for i in range(r1 - r0):
+                column = block[r0 + i]
+                error = (column - quantize_column(first + i, column)) / u_run[i, i]
+                errors[r0 + i] = error
+                block[r0 + i + 1 : r1].addr_(u_run[i, i + 1 :], error, alpha=-1.0)
+            block[r1:].addmm_(u[first : b0 + r1, b0 + r1 : b1].t(), errors[r0:r1], alpha=-1.0)
+        wt[b1:].addmm_(u[b0:b1, b1:].t(), errors, alpha=-1.0)
+
+
 def _gptq(
     weight: torch.Tensor,
     gram: torch.Tensor,
@@ -173,36 +207,27 @@ def _gptq(
     block_size = max(width, block_size // width * width) if scheme.group_size is not None else block_size
     block_size = max(run, block_size // run * run)
     codes = torch.empty(in_features, out, device=device)
-    for b0 in range(0, in_features, block_size):
-        b1 = min(b0 + block_size, in_features)
-        block = wt[b0:b1]  # a view: updates land in wt
-        errors = torch.empty_like(block)
-        for r0 in range(0, b1 - b0, run):
-            r1 = min(r0 + run, b1 - b0)
-            first = b0 + r0
-            if not static and first % width == 0:
-                # Every earlier column's error has reached this group by now: its range is final.
-                g = first // width
-                group = slice(first, first + width)
-                scale, zero = group_qparams(wt[group], scheme, importance[group], search)
-                scales[g] = scale[0]
-                if zeros is not None and zero is not None:
-                    zeros[g] = zero[0]
-            u_run = u[first : b0 + r1, first : b0 + r1]
-            for i in range(r1 - r0):
-                g = group_of[first + i]
-                s = scales[g]
-                z = None if zeros is None else zeros[g]
-                column = block[r0 + i]
-                q = quantize_with(column, s, z, scheme)
-                if keep is not None:
-                    q = apply_mask(q, column, z, keep[first + i], scheme)
-                codes[first + i] = q
-                error = (column - dequantize_codes(q, s, z)) / u_run[i, i]
-                errors[r0 + i] = error
-                block[r0 + i + 1 : r1].addr_(u_run[i, i + 1 :], error, alpha=-1.0)
-            block[r1:].addmm_(u[first : b0 + r1, b0 + r1 : b1].t(), errors[r0:r1], alpha=-1.0)
-        wt[b1:].addmm_(u[b0:b1, b1:].t(), errors, alpha=-1.0)
+
+    def group_start(first: int) -> None:
+        if first % width == 0:
+            # Every earlier column's error has reached this group by now: its range is final.
+            g = first // width
+            group = slice(first, first + width)
+            scale, zero = group_qparams(wt[group], scheme, importance[group], search)
+            scales[g] = scale[0]
+            if zeros is not None and zero is not None:
+                zeros[g] = zero[0]
+
+    def quantize_column(j: int, column: torch.Tensor) -> torch.Tensor:
+        g = group_of[j]
+        s, z = scales[g], None if zeros is None else zeros[g]
+        q = quantize_with(column, s, z, scheme)
+        if keep is not None:
+            q = apply_mask(q, column, z, keep[j], scheme)
+        codes[j] = q
+        return dequantize_codes(q, s, z)
+
+    sweep(wt, u, quantize_column, block_size, run, None if static else group_start)
     if actorder:
         codes = torch.empty_like(codes).index_copy_(0, order, codes)
     return package(codes.t(), scales.t(), None if zeros is None else zeros.t(), scheme)

@@ -13,10 +13,18 @@ from squeezeserve.service.datasets import resolve
 if TYPE_CHECKING:
     from squeezeserve.service.compress.prune import Sparsity
 
-METHODS = ("int8", "int4", "fp8", "prune", "distill")
+METHODS = ("int8", "int4", "fp8", "prune", "distill", "lowrank", "codebook")
 RECOVER_LOSSES = ("kd", "lm")
 STRUCTURES = ("mlp-width", "heads", "layers")
-ALGORITHMS = ("gptq", "rtn")
+ALGORITHMS = ("gptq", "rtn", "svdllm", "asvd", "svd", "kmeans")
+# Which --algorithm each method takes, its default first (methods not listed take none).
+METHOD_ALGORITHMS = {
+    "int8": ("rtn", "gptq"),
+    "int4": ("gptq", "rtn"),
+    "lowrank": ("svdllm", "asvd", "svd"),
+    "codebook": ("gptq", "kmeans"),
+}
+CODEBOOK_BITS = (3, 4)
 PRUNE_METHODS = ("magnitude", "wanda")
 
 
@@ -35,6 +43,7 @@ class Defaults:
     seed: int = 0
     temperature: float = 1.0  # kd: softmax temperature
     kd_lm_weight: float = 0.0  # kd: share of the LM loss
+    codebook_bits: int = 4
 
 
 DEFAULTS = Defaults()
@@ -44,8 +53,8 @@ DEFAULT_GROUP_SIZE = DEFAULTS.group_size
 @dataclass(frozen=True)
 class CompressOptions:
     method: str
-    algorithm: str  # gptq | rtn (fp8 and prune: rtn, meaning "no calibration for quantization")
-    group_size: int | None  # int4 only
+    algorithm: str  # see METHOD_ALGORITHMS (fp8, prune, distill: rtn, meaning "no calibration")
+    group_size: int | None  # int4; codebook (None: one codebook per output channel)
     symmetric: bool
     actorder: bool  # GPTQ: sweep columns by decreasing Hessian diagonal (compressed-tensors "weight")
     scale_search: bool  # GPTQ: group scale/zero point searched (Hessian-diagonal-weighted), not min/max
@@ -66,11 +75,14 @@ class CompressOptions:
     temperature: float = 1.0  # kd softmax temperature
     kd_lm_weight: float = 0.0  # kd: weight of the LM loss mixed into the KL
     teacher: str | None = None  # --method distill: the teacher checkpoint
+    # Low-rank factorization (lowrank.py) and weight sharing (codebook.py).
+    rank_ratio: float | None = None  # lowrank: parameters kept, as a fraction of the decoder Linears'
+    bits: int | None = None  # codebook: index bits (2^bits shared values per codebook)
 
     @property
     def needs_calibration(self) -> bool:
         return (
-            self.algorithm == "gptq"
+            self.algorithm in ("gptq", "svdllm", "asvd", "kmeans")
             or (self.sparsity is not None and self.prune_method == "wanda")
             or self.recover_steps > 0
             or self.structure is not None
@@ -105,14 +117,14 @@ def build_options(
     temperature: float = DEFAULTS.temperature,
     kd_lm_weight: float = DEFAULTS.kd_lm_weight,
     teacher: str | None = None,
+    rank_ratio: float | None = None,
+    bits: int | None = None,
 ) -> CompressOptions:
     """Fill in defaults and refuse impossible combinations with a sentence saying why."""
     from squeezeserve.service.compress.prune import parse_sparsity
 
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}: choose one of {', '.join(METHODS)}")
-    if algorithm is not None and algorithm not in ALGORITHMS:
-        raise ValueError(f"unknown algorithm {algorithm!r}: choose one of {', '.join(ALGORITHMS)}")
     if prune_method not in PRUNE_METHODS:
         raise ValueError(f"unknown prune method {prune_method!r}: choose one of {', '.join(PRUNE_METHODS)}")
     parsed = parse_sparsity(sparsity) if sparsity is not None else None
@@ -129,19 +141,19 @@ def build_options(
             "fp8 does not combine with --sparsity: vLLM 0.26 has no sparse FP8 kernel, and pruning only "
             "pays with int8/int4 (ours) or as a dense checkpoint (--method prune)"
         )
-    if algorithm is not None and method in ("fp8", "prune", "distill"):
-        raise ValueError(f"--algorithm applies to int8/int4, not {method}")
-    if algorithm is None:
-        algorithm = "gptq" if method == "int4" else "rtn"
+    algorithm = _check_algorithm(method, algorithm)
+    rank_ratio, bits = _check_lowrank_and_codebook(method, rank_ratio, bits, group_size, parsed)
     gptq = algorithm == "gptq"
     if not gptq and (actorder or scale_search or damp != DEFAULTS.damp):
         raise ValueError("--actorder, --scale-search and --damp apply to GPTQ (--algorithm gptq) only")
     if gptq and not 0 < damp < 1:
         raise ValueError(f"--damp is a fraction of the mean Hessian diagonal: 0 < damp < 1, got {damp}")
+    if scale_search and method == "codebook":
+        raise ValueError("--scale-search searches integer group scales: codebooks have none")
     actorder = gptq if actorder is None else actorder
-    scale_search = gptq if scale_search is None else scale_search
-    if group_size is not None and method != "int4":
-        raise ValueError(f"--group-size applies to int4 only ({method} is per-channel)")
+    scale_search = gptq and method != "codebook" if scale_search is None else scale_search
+    if group_size is not None and method not in ("int4", "codebook"):
+        raise ValueError(f"--group-size applies to int4 and codebook only ({method} is per-channel)")
     if method == "int4":
         group_size = DEFAULTS.group_size if group_size is None else group_size
         if group_size < 1:
@@ -179,15 +191,72 @@ def build_options(
         temperature=temperature,
         kd_lm_weight=kd_lm_weight,
         teacher=teacher,
+        rank_ratio=rank_ratio,
+        bits=bits,
     )
     if options.needs_calibration and not calibration:
         why = "GPTQ" if algorithm == "gptq" else ("Wanda" if prune_method == "wanda" else "recovery")
         why = "structured pruning" if structure is not None else why
+        aware = {
+            "svdllm": "whitened SVD",
+            "asvd": "activation-aware SVD",
+            "kmeans": "Hessian-weighted k-means",
+        }
+        why = aware.get(algorithm, why)
         raise ValueError(
             f"{why} needs calibration text: give --calibration FILE or sample:wikitext-2-calibration "
             "(or --algorithm rtn / --prune-method magnitude)"
         )
     return options
+
+
+def _check_algorithm(method: str, algorithm: str | None) -> str:
+    """The algorithm ``method`` runs: the given one if the method takes it, else its default (``rtn`` for
+    the methods without a choice, meaning "no calibrated quantization")."""
+    if algorithm is not None and algorithm not in ALGORITHMS:
+        raise ValueError(f"unknown algorithm {algorithm!r}: choose one of {', '.join(ALGORITHMS)}")
+    choices = METHOD_ALGORITHMS.get(method)
+    if choices is None:
+        if algorithm is not None:
+            raise ValueError(f"--algorithm applies to {', '.join(METHOD_ALGORITHMS)}, not {method}")
+        return "rtn"
+    if algorithm is None:
+        return choices[0]
+    if algorithm not in choices:
+        raise ValueError(f"--method {method} takes --algorithm {' or '.join(choices)}, not {algorithm}")
+    return algorithm
+
+
+def _check_lowrank_and_codebook(
+    method: str,
+    rank_ratio: float | None,
+    bits: int | None,
+    group_size: int | None,
+    sparsity: Sparsity | None,
+) -> tuple[float | None, int | None]:
+    """Refuse impossible low-rank / codebook flags; returns (rank_ratio, bits) with defaults filled in."""
+    if rank_ratio is not None and method != "lowrank":
+        raise ValueError(f"--rank-ratio applies to --method lowrank, not {method}")
+    if bits is not None and method != "codebook":
+        raise ValueError(f"--bits applies to --method codebook, not {method} (its width is fixed)")
+    if method in ("lowrank", "codebook") and sparsity is not None:
+        raise ValueError(f"--sparsity does not combine with --method {method}: prune in a run of its own")
+    if method == "lowrank":
+        if rank_ratio is None:
+            raise ValueError("--method lowrank needs --rank-ratio F: the fraction of parameters kept")
+        if not 0 < rank_ratio < 1:
+            raise ValueError(f"--rank-ratio is the fraction of parameters kept: 0 < F < 1, got {rank_ratio}")
+    if method == "codebook":
+        bits = DEFAULTS.codebook_bits if bits is None else bits
+        if bits not in CODEBOOK_BITS:
+            choices = ", ".join(map(str, CODEBOOK_BITS))
+            raise ValueError(f"--bits must be one of {choices} for codebooks, got {bits}")
+        if group_size is not None and (group_size < 16 or group_size % 16):
+            raise ValueError(
+                "codebook --group-size must be a multiple of 16 (the kernel's narrowest K tile), "
+                f"got {group_size}"
+            )
+    return rank_ratio, bits
 
 
 def _calibration_path(calibration: str | None) -> str | None:

@@ -19,23 +19,33 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from squeezeserve.kernels.checkpoint_format import codebook_config, lowrank_config
 from squeezeserve.service.compress.calibration import (
     Calibration,
     calibration_batches,
     decoder_layers,
     layerwise,
     linear_modules,
+    shared_input_groups,
 )
 from squeezeserve.service.compress.formats import (
+    codebook_tensors_for,
     compressed_tensors_for,
     copy_side_files,
+    lowrank_tensors_for,
     quantization_config,
     write_config,
 )
 from squeezeserve.service.compress.gptq import apply_mask, gptq_quantize
 from squeezeserve.service.compress.options import CompressOptions
 from squeezeserve.service.compress.prune import enforce_mask, prune_mask, prune_scores
-from squeezeserve.service.compress.quantize import QuantizedWeight, QuantScheme, package, quantize_rtn
+from squeezeserve.service.compress.quantize import (
+    QuantizedWeight,
+    QuantScheme,
+    package,
+    quantize_rtn,
+    relative_error,
+)
 from squeezeserve.service.compress.structured import write_config_updates
 from squeezeserve.service.models.size import checkpoint_bytes
 from squeezeserve.service.paths import atomic_directory
@@ -43,6 +53,7 @@ from squeezeserve.service.paths import atomic_directory
 log = logging.getLogger(__name__)
 
 RECORD = "squeeze.json"
+Config = dict[str, Any] | None
 
 
 @dataclass
@@ -180,7 +191,7 @@ def quantize(
 
     def quantize_layer(_index: int, linears: dict[str, nn.Linear], grams: dict[str, torch.Tensor]) -> None:
         if options.algorithm == "gptq":
-            for names in _shared_input_groups(grams):
+            for names in shared_input_groups(grams):
                 # Rows of GPTQ are independent given H: linears fed the same input (q/k/v, gate/up) are
                 # quantized as one stacked matrix, one column sweep instead of several.
                 weight = torch.cat([linears[n].weight.data for n in names])
@@ -220,25 +231,6 @@ def quantize(
     return quantized, errors
 
 
-def _shared_input_groups(grams: dict[str, torch.Tensor]) -> list[list[str]]:
-    """Names grouped by shared Gram tensor (``layerwise`` shares it between linears with one input)."""
-    groups: list[list[str]] = []
-    for name, gram in grams.items():
-        for group in groups:
-            if grams[group[0]] is gram:
-                group.append(name)
-                break
-        else:
-            groups.append([name])
-    return groups
-
-
-def relative_error(weight: torch.Tensor, dequantized: torch.Tensor) -> float:
-    """``||W - W'||_F / ||W||_F``."""
-    weight = weight.to(torch.float32)
-    return float(torch.linalg.norm(weight - dequantized) / torch.linalg.norm(weight).clamp(min=1e-12))
-
-
 def _masked_rtn(q: QuantizedWeight, weight: torch.Tensor, mask: torch.Tensor) -> QuantizedWeight:
     """RTN codes with the pruning pattern enforced (pruned: 0, kept: never 0)."""
     out, in_features = weight.shape
@@ -247,6 +239,40 @@ def _masked_rtn(q: QuantizedWeight, weight: torch.Tensor, mask: torch.Tensor) ->
     codes = apply_mask(q.codes.to(torch.float32), weight.to(torch.float32), zero, mask, q.scheme)
     zero_groups = None if q.zero_point is None else q.zero_point.to(torch.float32)
     return package(codes, q.scale.to(torch.float32), zero_groups, q.scheme)
+
+
+def compress_weights(
+    lm: nn.Module,
+    options: CompressOptions,
+    masks: dict[str, torch.Tensor],
+    calibration: Calibration | None,
+    dtype: torch.dtype,
+) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, float], Config, Config]:
+    """Quantize, factor or weight-share the target Linears as ``options.method`` says. Returns the checkpoint
+    tensors replacing each compressed Linear's weight, each one's relative error, the
+    ``quantization_config`` (None: a plain checkpoint) and, for low-rank, what squeeze.json records."""
+    if options.method == "lowrank":
+        from squeezeserve.service.compress.lowrank import lowrank
+
+        assert options.rank_ratio is not None
+        factored = lowrank(lm, target_linears(lm), options.rank_ratio, options.algorithm, calibration)
+        tensors = {name: lowrank_tensors_for(name, u, v, dtype) for name, (u, v) in factored.factors.items()}
+        ranks = {name: rank for name, rank in factored.ranks.items() if rank is not None}
+        record = {"ranks": factored.ranks, "parameters": factored.parameters}
+        return tensors, factored.errors, lowrank_config(ranks), record
+    if options.method == "codebook":
+        from squeezeserve.service.compress.codebook import share_weights
+
+        assert calibration is not None and options.bits is not None
+        shared, errors = share_weights(lm, calibration.input_ids, options)
+        tensors = {name: codebook_tensors_for(name, q) for name, q in shared.items()}
+        return tensors, errors, codebook_config(options.bits, options.group_size), None
+    scheme = scheme_for(options, scale_dtype=dtype)
+    if scheme is None:
+        return {}, {}, None, None
+    quantized, errors = quantize(lm, scheme, options, masks, calibration)
+    tensors = {name: compressed_tensors_for(name, q) for name, q in quantized.items()}
+    return tensors, errors, quantization_config(scheme, actorder=options.actorder), None
 
 
 def versions() -> dict[str, str]:
@@ -295,7 +321,6 @@ def compress(
         )
     lm = load_float32(source, device)
     save_dtype = _checkpoint_dtype(source_config)
-    scheme = scheme_for(options, scale_dtype=save_dtype)
 
     teacher = _teacher(lm, options, device)
     structured = None
@@ -307,11 +332,10 @@ def compress(
         assert calibration is not None
         recovery = _recover(lm, teacher, masks, calibration, options)
     del teacher
-    quantized, errors = quantize(lm, scheme, options, masks, calibration) if scheme is not None else ({}, {})
-    config = None if scheme is None else quantization_config(scheme, actorder=options.actorder)
+    replacements, errors, config, factored = compress_weights(lm, options, masks, calibration, save_dtype)
 
     with atomic_directory(out) as tmp:
-        tensors = _checkpoint_tensors(lm, quantized, save_dtype)
+        tensors = _checkpoint_tensors(lm, replacements, save_dtype)
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         copy_side_files(source, tmp)
         written = write_config(source, tmp, config)
@@ -341,6 +365,8 @@ def compress(
             record["structured"] = structured
         if recovery is not None:
             record["recovery"] = recovery
+        if factored is not None:
+            record["lowrank"] = factored
         record["size_bytes"]["after"] = checkpoint_bytes(tmp)
         record["wall_seconds"] = round(time.perf_counter() - start, 2)
         (tmp / RECORD).write_text(json.dumps(record, indent=2) + "\n")
@@ -413,16 +439,17 @@ def _checkpoint_dtype(config: dict[str, Any]) -> torch.dtype:
 
 
 def _checkpoint_tensors(
-    lm: nn.Module, quantized: dict[str, QuantizedWeight], dtype: torch.dtype
+    lm: nn.Module, replacements: dict[str, dict[str, torch.Tensor]], dtype: torch.dtype
 ) -> dict[str, torch.Tensor]:
+    """The state dict in ``dtype``, each replaced Linear's ``weight`` swapped for its compressed tensors."""
     tied = bool(getattr(lm.config, "tie_word_embeddings", False))
     tensors: dict[str, torch.Tensor] = {}
     for key, tensor in lm.state_dict().items():
         if tied and key == "lm_head.weight":
             continue
         name = key.removesuffix(".weight")
-        if key.endswith(".weight") and name in quantized:
-            tensors.update(compressed_tensors_for(name, quantized[name]))
+        if key.endswith(".weight") and name in replacements:
+            tensors.update(replacements[name])
         else:
             tensors[key] = tensor.detach().to(dtype).contiguous() if tensor.is_floating_point() else tensor
     return {key: tensor.cpu() for key, tensor in tensors.items()}

@@ -160,3 +160,9 @@ def package(
         zero_point=None if zero is None else zero.to(torch.int8),
         scheme=scheme,
     )
+
+
+def relative_error(weight: torch.Tensor, approximation: torch.Tensor) -> float:
+    """``||W - W'||_F / ||W||_F``."""
+    weight = weight.to(torch.float32)
+    return float(torch.linalg.norm(weight - approximation) / torch.linalg.norm(weight).clamp(min=1e-12))

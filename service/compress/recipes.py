@@ -121,8 +121,9 @@ def load_recipe(name: str, baseline: str) -> Recipe:
             raise RecipeError(f"{path}: stage {index} ({name}): {exc}") from exc
         stages.append(Stage(index, name, options))
     for stage in stages[:-1]:
-        if stage.options.method in ("int8", "int4", "fp8"):
-            raise RecipeError(f"{path}: stage {stage.name} quantizes; only the last stage may")
+        if stage.options.method in ("int8", "int4", "fp8", "lowrank", "codebook"):
+            # Its output is no plain checkpoint: compress (and so every later stage) refuses it as a source.
+            raise RecipeError(f"{path}: stage {stage.name} quantizes or factors; only the last stage may")
     return Recipe(path, hashlib.sha256(raw).hexdigest(), stages, validate_flags(data.get("validate"), path))
 
 

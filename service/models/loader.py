@@ -88,9 +88,10 @@ def load_model(
 ) -> LoadedModel:
     """Load ``path`` for inference: eval mode, no grad, on ``device``, optionally running on our ops.
 
-    ``quantized_linear`` says how weight-only quantized Linears run: ``kernel`` keeps the packed weights and
-    calls ``torch.ops.squeezeserve.quant_matmul`` (the Triton kernel on CUDA; on CPU its reference, which
-    dequantizes the whole weight on every call); ``dequantize`` expands them once at load into plain
+    ``quantized_linear`` says how weight-only quantized Linears (integer and codebook) run: ``kernel`` keeps
+    the packed weights and calls ``torch.ops.squeezeserve.quant_matmul`` / ``codebook_matmul`` (the Triton
+    kernels on CUDA; on CPU their references, which expand the whole weight on every call); ``dequantize``
+    expands them once at load into plain
     Linears; ``auto`` is ``kernel`` on CUDA and ``dequantize`` on CPU, where per-call dequantization makes
     decode several times slower than the dense baseline.
     """
@@ -149,18 +150,19 @@ def load_model(
 
 
 def dequantize_linears(model: Any) -> int:
-    """Replace every ``QuantLinear`` in ``model`` by a plain ``nn.Linear`` with its dequantized weight."""
+    """Replace every ``QuantLinear`` and ``CodebookLinear`` in ``model`` by a plain ``nn.Linear`` with its
+    dequantized weight (``LowRankLinear`` stays: its two GEMMs are cheaper than the dense one)."""
     from torch import nn
 
-    from squeezeserve.kernels.modules import QuantLinear
+    from squeezeserve.kernels.modules import CodebookLinear, QuantLinear
 
     count = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if isinstance(child, QuantLinear):
+            if isinstance(child, QuantLinear | CodebookLinear):
                 weight = child.dequantized_weight()
                 dense = nn.Linear(child.in_features, child.out_features, bias=child.bias is not None)
-                dense.to(device=weight.device, dtype=child.weight_scale.dtype)
+                dense.to(device=weight.device, dtype=weight.dtype)
                 dense.weight.data.copy_(weight)
                 if child.bias is not None:
                     dense.bias.data.copy_(child.bias)

@@ -13,6 +13,11 @@ for every candidate); ``--check-against-compare`` asserts the two agree on the s
     python tests/benchmarks/bench_compress.py --work /tmp/bench --device cuda
     # a subset, on a slice, on this CPU:
     python tests/benchmarks/bench_compress.py --work /tmp/bench --runs int8 int4-gptq-g32 --max-tokens 8192
+    # low-rank and codebooks against int4 GPTQ g32 (issue 20), full test file, on a GPU:
+    python tests/benchmarks/bench_compress.py --work /tmp/bench --device cuda --runs int4-gptq-g32 \
+        lowrank-svd-0.9 lowrank-asvd-0.9 lowrank-svdllm-0.9 lowrank-svd-0.8 lowrank-asvd-0.8 \
+        lowrank-svdllm-0.8 lowrank-svd-0.7 lowrank-asvd-0.7 lowrank-svdllm-0.7 \
+        codebook4-gptq codebook4-kmeans codebook3-gptq
 """
 
 from __future__ import annotations
@@ -71,6 +76,22 @@ RUNS: dict[str, dict[str, Any]] = {
     "int4-rtn-g32-sym": {"method": "int4", "algorithm": "rtn", "group_size": 32, "symmetric": True},
     "int4-gptq-g64-sym": {"method": "int4", "group_size": 64, "symmetric": True, CALIBRATED: True},
     "int4-rtn-g64-sym": {"method": "int4", "algorithm": "rtn", "group_size": 64, "symmetric": True},
+    # Low-rank (issue 20): plain, activation-scaled (ASVD) and whitened (SVD-LLM) SVD at three budgets;
+    # weight sharing at 4 and 3 bits (GPTQ onto the codebooks, and plain Hessian-weighted k-means), against
+    # int4-gptq-g32 above.
+    **{
+        f"lowrank-{algorithm}-{ratio}": {
+            "method": "lowrank",
+            "algorithm": algorithm,
+            "rank_ratio": ratio,
+            **({CALIBRATED: True} if algorithm != "svd" else {}),
+        }
+        for ratio in (0.9, 0.8, 0.7)
+        for algorithm in ("svd", "asvd", "svdllm")
+    },
+    "codebook4-gptq": {"method": "codebook", "bits": 4, CALIBRATED: True},
+    "codebook4-kmeans": {"method": "codebook", "bits": 4, "algorithm": "kmeans", CALIBRATED: True},
+    "codebook3-gptq": {"method": "codebook", "bits": 3, CALIBRATED: True},
     # Recovery fine-tunes (before: the same run without +recover) on 256 x 512 calibration tokens (the file
     # holds ~160k tokens), so --recover-steps 128 at 4 windows a step sees each window twice, not 16 times.
     "prune-0.5-wanda+recover": {

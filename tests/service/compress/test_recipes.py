@@ -93,7 +93,12 @@ def test_recipe_runs_resumes_after_an_interruption_and_gates_the_exit_code(
             "only the last",
         ),
         ({"stages": [{"method": "prune", "structure": "rows", "ratio": 0.1}]}, "unknown --structure"),
-        ({"stages": [{"method": "int8", "bits": 3}]}, "unexpected keyword argument 'bits'"),
+        ({"stages": [{"method": "int8", "nbits": 3}]}, "unexpected keyword argument 'nbits'"),
+        ({"stages": [{"method": "int8", "bits": 3}]}, "--bits applies to --method codebook"),
+        (
+            {"stages": [{"method": "lowrank", "rank_ratio": 0.9}, {"method": "distill", "recover_steps": 1}]},
+            "only the last",
+        ),
         ({"validate": {"dataset": "sample:wikitext-2-test", "gates": ["nonsense"]}}, "NAME OP NUMBER"),
         ({"validate": None}, "needs a validate section"),
     ],

@@ -1,0 +1,113 @@
+"""codebook_matmul (weight sharing) vs our int4 quant_matmul at decode sizes, and low-rank decode (two GEMMs)
+vs the dense bf16 GEMM, on Llama-sized shapes.
+
+- codebook: 4-bit per-channel codebooks (4 + 256 / K bits a weight: 4.06 at K = 4096) against int4 g128
+  symmetric (4 + 16 / 128 = 4.125 bits a weight): equal bits to 2%; and 3-bit per channel. M = 1..16.
+- low-rank: ``x @ V^T @ U^T`` (bf16, cuBLAS) at the ranks that keep 90%, 70% and 50% of the parameters
+  (``r = F N K / (N + K)``) against ``x @ W^T``.
+
+Decode timings replay CUDA graphs, with cold weights (every call reads another copy; the copies exceed L2),
+as ``bench_quant_matmul.py`` does. Rows go to results/kernels.csv (op codebook_matmul / lowrank_linear).
+
+    python tests/benchmarks/bench_codebook_matmul.py
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import Recorder, peaks  # noqa: E402
+
+import squeezeserve.kernels as K  # noqa: E402
+from squeezeserve.kernels import codebook_layout, quant_layout  # noqa: E402
+
+DTYPE = torch.bfloat16
+KN = [(4096, 4096), (4096, 14336), (14336, 4096)]
+MS = (1, 2, 4, 8, 16)
+COLD_BYTES = 256 * 2**20  # working set per timed function: 5x the H100's L2
+
+
+def _copies(nbytes: int) -> int:
+    return max(1, min(64, math.ceil(COLD_BYTES / nbytes)))
+
+
+def _cycle(fns):
+    it = itertools.cycle(fns)
+    return lambda: next(it)()
+
+
+def _codebook(n: int, k: int, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    index = torch.randint(0, 1 << bits, (n, k), device="cuda")
+    codebook = (torch.randn(n, 1 << bits, device="cuda") / 64).sort(dim=1).values.to(torch.float16)
+    return codebook_layout.pack_indices(index, bits), codebook
+
+
+def codebook_vs_int4(rec: Recorder) -> None:
+    for k, n in KN:
+        weight = torch.randn(n, k, device="cuda", dtype=DTYPE) / 64
+        packed = quant_layout.pack_weight(weight, 4, 128)
+        qw, sc = packed["weight_packed"], packed["weight_scale"]
+        int4_bytes = qw.numel() * 4 + sc.numel() * 2
+        int4s = [(qw, sc)] + [(qw.clone(), sc.clone()) for _ in range(_copies(int4_bytes) - 1)]
+        for bits in (4, 3):
+            idx, cb = _codebook(n, k, bits)
+            cb_bytes = idx.numel() * 4 + cb.numel() * 2
+            books = [(idx, cb)] + [(idx.clone(), cb.clone()) for _ in range(_copies(cb_bytes) - 1)]
+            dense = codebook_layout.dequantize(idx, cb, k, None, bits).to(DTYPE)
+            for m in MS:
+                x = torch.randn(m, k, device="cuda", dtype=DTYPE)
+                y, y_ref = K.codebook_matmul(x, idx, cb, 0, bits).float(), (x @ dense.t()).float()
+                err = ((y - y_ref).norm() / y_ref.norm()).item()
+                assert err < 1e-2, f"codebook_matmul mismatch {err} at {(m, n, k)}"
+                shape, io = (m, n, k), 2 * m * (k + n)
+                ours = _cycle([lambda p=p, x=x, b=bits: K.codebook_matmul(x, *p, 0, b) for p in books])
+                provider = f"squeezeserve-codebook{bits}"
+                t_cb = rec.time(provider, "fwd", shape, DTYPE, ours, nbytes=cb_bytes + io, graph=True)
+                if bits != 4:
+                    continue
+                int4 = _cycle([lambda p=p, x=x: K.quant_matmul(x, p[0], p[1], None, 128, 4) for p in int4s])
+                provider = "squeezeserve-int4-g128"
+                t_q = rec.time(provider, "fwd", shape, DTYPE, int4, nbytes=int4_bytes + io, graph=True)
+                if t_cb and t_q:
+                    rec.add(
+                        "squeezeserve-codebook4", "fwd", shape, DTYPE, "speed_vs_int4_g128", [t_q / t_cb], "x"
+                    )
+
+
+def lowrank_vs_dense(rec: Recorder) -> None:
+    for k, n in KN:
+        dense = torch.randn(n, k, device="cuda", dtype=DTYPE) / 64
+        denses = [dense] + [dense.clone() for _ in range(_copies(dense.numel() * 2) - 1)]
+        for ratio in (0.9, 0.7, 0.5):
+            rank = int(ratio * n * k / (n + k))
+            u = torch.randn(n, rank, device="cuda", dtype=DTYPE) / 64
+            v = torch.randn(rank, k, device="cuda", dtype=DTYPE) / 64
+            factors = [(u, v)] + [
+                (u.clone(), v.clone()) for _ in range(_copies((u.numel() + v.numel()) * 2) - 1)
+            ]
+            for m in MS:
+                x = torch.randn(m, k, device="cuda", dtype=DTYPE)
+                shape = (m, n, k)
+                two = _cycle([lambda f=f, x=x: (x @ f[1].t()) @ f[0].t() for f in factors])
+                one = _cycle([lambda d=d, x=x: x @ d.t() for d in denses])
+                provider = f"lowrank-r{rank}-params{ratio}"
+                t_lr = rec.time(provider, "fwd", shape, DTYPE, two, graph=True)
+                t_d = rec.time("torch-bf16", "fwd", shape, DTYPE, one, graph=True)
+                if t_lr and t_d:
+                    rec.add(provider, "fwd", shape, DTYPE, "speedup_vs_dense", [t_d / t_lr], "x")
+
+
+if __name__ == "__main__":
+    peaks()
+    recorder = Recorder("codebook_matmul")
+    codebook_vs_int4(recorder)
+    recorder.write()
+    recorder = Recorder("lowrank_linear")
+    lowrank_vs_dense(recorder)
+    recorder.write()

@@ -1,0 +1,99 @@
+"""``squeezeserve::codebook_matmul`` against its reference (look up, then matmul), on the compiled kernel on a
+GPU and under Triton's interpreter on CPU (conftest routes CPU tensors to the kernel)."""
+
+import pytest
+import torch
+
+from squeezeserve.kernels import codebook_layout as cl
+from squeezeserve.kernels import functional as K
+from squeezeserve.kernels import reference, registry
+from squeezeserve.kernels.ops import codebook_matmul as cm
+from squeezeserve.kernels.ops import quant_matmul as qm
+
+# (M, N, K, group): one row (the FMA path), batched decode (tl.dot at BLOCK_M 16), a prefill-sized M; K a
+# multiple of neither 8 nor 10 indices a word (a partial last word, a masked last tile), per channel and
+# group codebooks (group 48: a K tile of 16 inside each group), split-K over several tiles.
+SHAPES = [
+    (1, 40, 576, 0), (5, 24, 200, 0), (16, 33, 96, 32), (2, 24, 144, 48), (70, 20, 128, 64), (1, 17, 90, 0),
+]  # fmt: skip
+
+
+def _weight(n: int, k: int, group: int, bits: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    groups = k // group if group else 1
+    index = torch.randint(0, 1 << bits, (n, k))
+    codebook = torch.randn(n, groups << bits).to(torch.float16)
+    return cl.pack_indices(index, bits).to(device), codebook.to(device)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("bits", [3, 4])
+@pytest.mark.parametrize(("m", "n", "k", "group"), SHAPES)
+def test_codebook_matmul_matches_lookup_then_matmul(m, n, k, group, bits, dtype, device):
+    indices, codebook = _weight(n, k, group, bits, device)
+    x = torch.randn(m, k, device=device).to(dtype)
+    y = K.codebook_matmul(x, indices, codebook, group, bits)
+    with registry.triton_on_cpu(False):
+        expected = reference.codebook_matmul(x.cpu().float(), indices.cpu(), codebook.cpu(), group, bits)
+    assert y.dtype == dtype and y.shape == (m, n)
+    # Both multiply the same weights (fp16 codebook values rounded to x's dtype) in fp32; they differ by the
+    # summation order and the output rounding (fp16 ~5e-4, bf16 ~4e-3 relative). A wrong index, bit offset
+    # or group is off by O(1).
+    rel = ((y.float().cpu() - expected).norm() / expected.norm()).item()
+    assert rel < (1e-2 if dtype == torch.bfloat16 else 2e-3), rel
+
+
+@pytest.mark.parametrize("traced", [False, True])
+def test_split_k_partials_meet_and_leave_the_workspace_clean(traced, device, monkeypatch):
+    # As quant_matmul's: the self-cleaning workspace when eager, a zeroed fp32 output when torch may trace.
+    if traced:
+        monkeypatch.setattr(cm, "eager", lambda *tensors: False)
+    indices, codebook = _weight(24, 512, 0, 4, device)
+    dense = cl.dequantize(indices.cpu(), codebook.cpu(), 512, None, 4).float()
+    for m in (1, 3, 3, 17):  # the FMA and tensor-core paths; the same shape twice reuses the workspace
+        x = torch.randn(m, 512, device=device).to(torch.float16)
+        y = K.codebook_matmul(x, indices, codebook, 0, 4)
+        expected = x.cpu().float() @ dense.T
+        assert ((y.cpu().float() - expected).norm() / expected.norm()).item() < 2e-3
+    for ws, counts in qm._WORKSPACES.values():
+        assert not ws.any() and not counts.any()
+
+
+def test_codebook_matmul_reference_is_the_layout_dequantized():
+    """The reference itself: every weight is its row's (group's) codebook value at its index."""
+    index = torch.tensor([[0, 3, 1, 2] * 8, [2, 2, 0, 1] * 8])
+    codebook = torch.arange(16, dtype=torch.float16).view(2, 8)  # 2 rows, 2 groups of 16 columns, E = 4
+    # 2 bits is not a served width: build the 4-bit layout with indices < 4 and codebooks padded to 16.
+    padded = torch.zeros(2, 32, dtype=torch.float16)
+    padded[:, 0:4], padded[:, 16:20] = codebook[:, 0:4], codebook[:, 4:8]
+    weight = cl.dequantize(cl.pack_indices(index, 4), padded, 32, 16, 4)
+    expected = torch.stack([
+        torch.cat([codebook[r, index[r, :16]], codebook[r, 4 + index[r, 16:]]]) for r in range(2)
+    ])  # fmt: skip
+    assert torch.equal(weight, expected)
+
+
+def test_codebook_matmul_refuses_mismatched_tensors_with_the_reason(device):
+    indices, codebook = _weight(8, 64, 0, 4, device)
+    x = torch.randn(2, 64, device=device, dtype=torch.float16)
+    with pytest.raises(ValueError, match=r"codebook must be \[8, 16\]"):
+        K.codebook_matmul(x, indices, codebook[:, :8], 0, 4)
+    with pytest.raises(ValueError, match="indices must be int32"):
+        K.codebook_matmul(x, indices, codebook, 0, 3)  # 3 bits pack 10 a word: 7 words, not 8
+    with pytest.raises(ValueError, match="multiple of 16"):
+        K.codebook_matmul(x, indices, codebook, 24, 4)
+
+
+def test_codebook_matmul_op_schema_fake_and_autograd(check, device):
+    indices, codebook = _weight(8, 64, 32, 4, device)
+    x = torch.randn(3, 64, device=device, requires_grad=True)
+    check.opcheck(torch.ops.squeezeserve.codebook_matmul, (x, indices, codebook, 32, 4))
+    x16 = torch.randn(3, 64, device=device, dtype=torch.float16)
+    check.opcheck(torch.ops.squeezeserve.codebook_matmul_opaque, (x16, indices, codebook, 32, 4))
+
+
+def test_codebook_matmul_gradient_is_grad_times_weight(device):
+    indices, codebook = _weight(8, 64, 0, 3, device)
+    x = torch.randn(4, 64, device=device, requires_grad=True)
+    K.codebook_matmul(x, indices, codebook, 0, 3).sum().backward()
+    weight = cl.dequantize(indices.cpu(), codebook.cpu(), 64, None, 3).float()
+    torch.testing.assert_close(x.grad.cpu(), weight.sum(0).expand(4, 64), rtol=1e-5, atol=1e-5)
