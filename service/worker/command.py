@@ -100,7 +100,12 @@ def serve_local(settings: WorkerSettings) -> int:
     except (OSError, ValueError) as exc:
         print(f"error: cannot load model {settings.model}: {exc}", file=sys.stderr)
         return 1
-    app = create_app(loaded, settings)
+    try:
+        app = create_app(loaded, settings)
+    except ValueError as exc:  # a decoder that cannot run this model
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    log.info("decoder: %s", app.state.service.decoder_name)
     log.info(
         "serving %s as %r on http://%s:%d", settings.model, settings.served_name, settings.host, settings.port
     )
