@@ -80,6 +80,18 @@ def run(args: argparse.Namespace) -> int:
     return serve_local(settings)
 
 
+def load_quantized_linear(settings: WorkerSettings) -> str:
+    """How the loader treats quantized Linears. ``auto`` expands them on CPU for transformers, whose CPU path
+    would dequantize every call; our static decoder (Llama models, ``--decoder auto|static``) keeps them
+    packed and runs torch's int8/int4 CPU matmuls on them, so it gets them packed."""
+    from squeezeserve.service.models.loader import read_config
+
+    static = settings.decoder == "static" or (
+        settings.decoder == "auto" and read_config(settings.model).get("model_type") == "llama"
+    )
+    return "kernel" if settings.quantized_linear == "auto" and static else settings.quantized_linear
+
+
 def serve_local(settings: WorkerSettings) -> int:
     import torch
 
@@ -95,7 +107,7 @@ def serve_local(settings: WorkerSettings) -> int:
             settings.model,
             dtype=settings.dtype,
             use_custom_ops=settings.use_custom_ops,
-            quantized_linear=settings.quantized_linear,
+            quantized_linear=load_quantized_linear(settings),
         )
     except (OSError, ValueError) as exc:
         print(f"error: cannot load model {settings.model}: {exc}", file=sys.stderr)

@@ -16,7 +16,11 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from squeezeserve.kernels.modules import QuantLinear
 from squeezeserve.service.worker.local.decoder import (
+    DenseLinear,
+    Int4Linear,
+    Int8Linear,
     StaticDecoder,
     TransformersDecoder,
     make_decoder,
@@ -171,3 +175,41 @@ def test_decoder_choice_and_clear_errors() -> None:
         make_decoder(llama, "static", 2)
     with pytest.raises(ValueError, match="decoder must be one of auto, static, transformers"):
         make_decoder(llama, "fast", 2)
+
+
+def quantize_projections(model: LlamaForCausalLM, bits: int, group_size: int, symmetric: bool) -> None:
+    """Every q/k/v/o/gate/up/down projection replaced, in place, by a round-to-nearest QuantLinear."""
+    for layer in model.model.layers:
+        for parent, names in ((layer.self_attn, ("q_proj", "k_proj", "v_proj", "o_proj")),
+                              (layer.mlp, ("gate_proj", "up_proj", "down_proj"))):  # fmt: skip
+            for name in names:
+                linear = getattr(parent, name)
+                group = linear.in_features if group_size == 0 else group_size
+                setattr(parent, name, QuantLinear.from_linear(linear, bits, group, symmetric))
+
+
+@pytest.mark.parametrize(
+    ("bits", "group_size", "symmetric", "packed"),
+    [
+        (8, 0, True, Int8Linear),
+        (4, 32, False, Int4Linear),
+        (4, 32, True, Int4Linear),
+        (8, 32, True, DenseLinear),
+    ],
+    ids=["int8-channel", "int4-asym", "int4-sym", "int8-group-dequantized"],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantized_projections_stay_packed_and_match_transformers(
+    bits, group_size, symmetric, packed, dtype
+) -> None:
+    model = tiny_llama(seed=11, attention_bias=True)
+    quantize_projections(model, bits, group_size, symmetric)
+    model.to(dtype)
+    static = StaticDecoder(model, 4)
+    assert isinstance(static.layers[0].qkv, packed) and isinstance(static.layers[1].down, packed)
+    got, want = run_script(static), run_script(TransformersDecoder(model))
+    # float32: the same integers and scales, summed in another order; bfloat16: torch's int4 layout keeps
+    # the zero point as -z * s rounded to bf16 (compressed-tensors rounds (q - z) * s), so a few bf16 ulps
+    tol = 1e-4 if dtype == torch.float32 else 0.05
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=tol, atol=tol * w.abs().max().item())
