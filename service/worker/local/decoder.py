@@ -138,6 +138,9 @@ def onednn_bf16() -> bool:
     return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
+PACKED_MAX_ROWS = 64  # decode batches; the reorder is tuned for skinny products
+
+
 class DenseLinear:
     """y = x @ W.T (+ b), W dense in the model's dtype.
 
@@ -155,9 +158,9 @@ class DenseLinear:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, 1)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None:
+        if self.packed is not None and x.numel() <= PACKED_MAX_ROWS * x.shape[-1]:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        return F.linear(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)  # prefill: the plain weight serves wide matmuls well
 
 
 class Int8Linear:
