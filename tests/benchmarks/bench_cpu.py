@@ -21,6 +21,7 @@ import csv
 import datetime
 import os
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -48,6 +49,14 @@ def prompt_ids(tokenizer, length: int) -> list[int]:
     return ids[:length]
 
 
+PROBE = """
+import sys
+from llama_cpp import Llama
+llm = Llama(sys.argv[1], n_ctx=64, n_threads=1, verbose=False)
+llm.eval(llm.tokenize(b"Hello world"))
+"""
+
+
 class LlamaCpp:
     def __init__(self, gguf: Path, threads: int) -> None:
         try:
@@ -57,6 +66,14 @@ class LlamaCpp:
                 'llama-cpp-python is missing: pip install -e ".[llama-cpp]" (or leave llama.cpp out with '
                 "--providers generate,worker)"
             ) from exc
+        # A broken native build crashes the interpreter (SIGSEGV in llama_decode); find out in a child first.
+        probe = subprocess.run([sys.executable, "-c", PROBE, str(gguf)], capture_output=True, text=True)
+        if probe.returncode != 0:
+            raise SystemExit(
+                f"llama.cpp cannot evaluate {gguf.name} with this llama-cpp-python build (exit status "
+                f"{probe.returncode}): {probe.stderr.strip()[-500:] or 'no message'}; rebuild it or leave "
+                "it out with --providers generate,worker"
+            )
         self.llm = Llama(str(gguf), n_ctx=1024, n_threads=threads, n_threads_batch=threads, n_batch=512,
                          verbose=False)  # fmt: skip
         self.eos = self.llm.token_eos()
