@@ -114,6 +114,7 @@ class Engine:
         eos_token_ids: set[int],
         max_batch_size: int,
         max_waiting: int,
+        threads: int | None = None,
     ) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be at least 1, not {max_batch_size}")
@@ -122,6 +123,7 @@ class Engine:
         self.eos_token_ids = eos_token_ids
         self.max_batch_size = max_batch_size
         self.max_waiting = max_waiting
+        self.threads = threads  # torch intra-op threads of the engine thread; None leaves torch's setting
         self.stats = EngineStats()
         self._waiting: deque[Request] = deque()
         self._lock = threading.Lock()
@@ -154,6 +156,8 @@ class Engine:
 
     # -- engine thread -------------------------------------------------------------------------------
     def _run(self) -> None:
+        if self.threads is not None:  # OpenMP's thread count is per calling thread: set it on this one
+            torch.set_num_threads(self.threads)
         with torch.inference_mode():
             while not self._stop.is_set():
                 try:

@@ -39,6 +39,7 @@ class WorkerService:
             loaded.eos_token_ids,
             max_batch_size=settings.max_batch_size,
             max_waiting=settings.max_waiting,
+            threads=settings.threads,
         )
         self.metrics = WorkerMetrics(self.engine.stats, self.served_name)
         self.token_text = fmt.TokenText(loaded.tokenizer)
