@@ -76,6 +76,16 @@ def baseline_worker(baseline_dir: Path) -> Iterator[str]:
 
 
 @pytest.fixture(scope="session")
+def float32_baseline_worker(baseline_dir: Path) -> Iterator[str]:
+    """The baseline served in float32 (default decoder), where greedy text is compared exactly."""
+    url, process = start_worker(baseline_dir, SERVED_NAME, "--dtype", "float32")
+    try:
+        yield url
+    finally:
+        stop_process(process)
+
+
+@pytest.fixture(scope="session")
 def servers() -> SimpleNamespace:
     """Process helpers for test modules (``--import-mode=importlib`` cannot import conftest)."""
     return SimpleNamespace(

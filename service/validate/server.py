@@ -26,7 +26,10 @@ def peak_rss_bytes(pid: int) -> int | None:
 class WorkerProcess:
     """``squeezeserve worker --engine ENGINE`` on a free loopback port; a context manager."""
 
-    def __init__(self, model: Path, name: str, engine: str, dtype: str, max_batch_size: int) -> None:
+    def __init__(
+        self, model: Path, name: str, engine: str, dtype: str, max_batch_size: int, **options: object
+    ) -> None:
+        """``options``: further :class:`WorkerSettings` fields (``decoder``, ``threads``, ...)."""
         self.port = free_port()
         self.name = name
         self.url = f"http://127.0.0.1:{self.port}"
@@ -37,6 +40,7 @@ class WorkerProcess:
             port=self.port,
             dtype=dtype,
             max_batch_size=max_batch_size,
+            **options,
         )
         self.command = [sys.executable, "-m", "squeezeserve.service.cli", "--log-level", "WARNING", "worker"]
         self.command += settings.flags()

@@ -80,6 +80,18 @@ def run(args: argparse.Namespace) -> int:
     return serve_local(settings)
 
 
+def load_quantized_linear(settings: WorkerSettings) -> str:
+    """How the loader treats quantized Linears. ``auto`` expands them on CPU for transformers, whose CPU path
+    would dequantize every call; our static decoder (Llama models, ``--decoder auto|static``) keeps them
+    packed and runs torch's int8/int4 CPU matmuls on them, so it gets them packed."""
+    from squeezeserve.service.models.loader import read_config
+
+    static = settings.decoder == "static" or (
+        settings.decoder == "auto" and read_config(settings.model).get("model_type") == "llama"
+    )
+    return "kernel" if settings.quantized_linear == "auto" and static else settings.quantized_linear
+
+
 def serve_local(settings: WorkerSettings) -> int:
     import torch
 
@@ -87,7 +99,12 @@ def serve_local(settings: WorkerSettings) -> int:
     from squeezeserve.service.serving import serve
     from squeezeserve.service.worker.local.app import create_app
 
-    torch.set_num_threads(settings.threads)
+    # The engine thread runs the model with settings.threads torch threads. This (main) thread stays at one:
+    # had it run torch ops with a team of OpenMP threads, that team would stay alive beside the engine's,
+    # libgomp then counts more threads than cores and stops spinning between parallel regions, and every
+    # matmul of the engine pays a futex wake-up (a one-row bf16 3072x576 matmul: 176 µs instead of 59 µs
+    # at 2 threads on 2 cores, as slow as one thread).
+    torch.set_num_threads(1)
     cores = available_cores()
     log.info("torch threads: %d (this process may use %d cores)", settings.threads, cores)
     try:
@@ -95,12 +112,17 @@ def serve_local(settings: WorkerSettings) -> int:
             settings.model,
             dtype=settings.dtype,
             use_custom_ops=settings.use_custom_ops,
-            quantized_linear=settings.quantized_linear,
+            quantized_linear=load_quantized_linear(settings),
         )
     except (OSError, ValueError) as exc:
         print(f"error: cannot load model {settings.model}: {exc}", file=sys.stderr)
         return 1
-    app = create_app(loaded, settings)
+    try:
+        app = create_app(loaded, settings)
+    except ValueError as exc:  # a decoder that cannot run this model
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    log.info("decoder: %s", app.state.service.decoder_name)
     log.info(
         "serving %s as %r on http://%s:%d", settings.model, settings.served_name, settings.host, settings.port
     )

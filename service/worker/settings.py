@@ -18,6 +18,8 @@ from squeezeserve.service.serving import DEFAULT_GRACE_SECONDS
 
 Engine = Literal["local", "vllm"]
 ENGINES: tuple[str, ...] = typing.get_args(Engine)
+Decoder = Literal["auto", "static", "transformers"]  # local engine: see service/worker/local/decoder.py
+DECODERS: tuple[str, ...] = typing.get_args(Decoder)
 
 
 def available_cores() -> int:
@@ -41,6 +43,7 @@ class WorkerSettings(BaseModel):
     port: Annotated[int, Field(ge=0, le=65535)] = 8001
     dtype: Dtype = "auto"
     # Embedded engine only (vLLM has its own flags, passed after ``--``).
+    decoder: Decoder = "auto"  # auto: our static decoder for Llama models on CPU, else transformers
     max_batch_size: Annotated[int, Field(ge=1)] = 16  # sequences decoded together
     max_waiting: Annotated[int, Field(ge=0)] = 256  # queued requests before 429
     threads: Annotated[int, Field(ge=1)] = Field(default_factory=available_cores)  # torch intra-op threads
@@ -62,6 +65,7 @@ class WorkerSettings(BaseModel):
         flags += ["--host", self.host, "--port", str(self.port), "--dtype", self.dtype]
         flags += ["--grace-seconds", f"{self.grace_seconds:g}"]
         if self.engine == "local":
+            flags += ["--decoder", self.decoder]
             flags += ["--max-batch-size", str(self.max_batch_size), "--max-waiting", str(self.max_waiting)]
             flags += ["--threads", str(self.threads), "--quantized-linear", self.quantized_linear]
             if not self.use_custom_ops:
@@ -83,6 +87,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="local: embedded CPU engine; vllm: vllm serve",
     )
     parser.add_argument("--dtype", choices=DTYPES, default=_default("dtype"))
+    parser.add_argument(
+        "--decoder",
+        choices=DECODERS,
+        default=None,
+        help="local: static (our Llama decoder with a preallocated KV cache, CPU only), transformers (the "
+        "Hugging Face model), or auto (default): static for Llama models on CPU, transformers otherwise",
+    )
     parser.add_argument(
         "--max-batch-size",
         type=int,
@@ -113,7 +124,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-ENGINE_FLAGS = ("engine", "dtype", "max_batch_size", "max_waiting", "threads", "grace_seconds")
+ENGINE_FLAGS = ("engine", "dtype", "decoder", "max_batch_size", "max_waiting", "threads", "grace_seconds")
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, object]:

@@ -1,4 +1,4 @@
-"""The embedded engine: continuous batching over a Hugging Face causal LM on one thread.
+"""The embedded engine: continuous batching over a causal LM on one thread.
 
 One background thread owns the model. Requests wait in a FIFO queue; each loop iteration admits waiting
 requests while the batch has room (prefilling each prompt once, then copying its KV cache for ``n``
@@ -6,9 +6,9 @@ choices), runs ONE decode step for every active sequence together, and hands eac
 its request's asyncio queue. Every active sequence advances one token per step, so concurrent requests
 share the machine fairly, and a decode step costs about the same for 1 or 16 rows on a memory-bound CPU.
 
-The batch's KV cache is left-padded: rows of different lengths share one [batch, heads, T, dim] tensor per
-layer; the attention mask hides each row's padding and ``position_ids`` carry each row's own positions.
-Finished or cancelled rows are dropped and the common left padding trimmed.
+The model and the batch's KV cache live in a decoder (``decoder.py``): our static Llama decoder on CPU,
+or the Hugging Face model with a left-padded cache for everything else. Finished or cancelled rows are
+dropped from the batch after each step.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from transformers import DynamicCache
 
+from squeezeserve.service.worker.local.decoder import StaticDecoder, TransformersDecoder
 from squeezeserve.service.worker.local.detokenize import IncrementalDetokenizer
 from squeezeserve.service.worker.local.sampling import (
     SamplingParams,
@@ -109,26 +109,27 @@ class EngineStats:
 class Engine:
     def __init__(
         self,
-        model: Any,
+        decoder: TransformersDecoder | StaticDecoder,
         tokenizer: Any,
         eos_token_ids: set[int],
         max_batch_size: int,
         max_waiting: int,
+        threads: int | None = None,
     ) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be at least 1, not {max_batch_size}")
-        self.model = model
+        self.decoder = decoder
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.max_batch_size = max_batch_size
         self.max_waiting = max_waiting
+        self.threads = threads  # torch intra-op threads of the engine thread; None leaves torch's setting
         self.stats = EngineStats()
         self._waiting: deque[Request] = deque()
         self._lock = threading.Lock()
         self._wakeup = threading.Event()
         self._stop = threading.Event()
         self._seqs: list[_Sequence] = []
-        self._cache: DynamicCache | None = None
         self._thread = threading.Thread(target=self._run, name="squeezeserve-engine", daemon=True)
 
     # -- called from the event loop ------------------------------------------------------------------
@@ -155,6 +156,8 @@ class Engine:
 
     # -- engine thread -------------------------------------------------------------------------------
     def _run(self) -> None:
+        if self.threads is not None:  # OpenMP's thread count is per calling thread: set it on this one
+            torch.set_num_threads(self.threads)
         with torch.inference_mode():
             while not self._stop.is_set():
                 try:
@@ -187,17 +190,9 @@ class Engine:
     def _prefill(self, request: Request) -> None:
         params = request.params
         for p, prompt in enumerate(request.prompts):
-            ids = torch.tensor([prompt], dtype=torch.long, device=self.model.device)
-            cache = DynamicCache(config=self.model.config)
             want_prompt_lp = params.prompt_logprobs is not None
-            out = self.model(
-                input_ids=ids,
-                past_key_values=cache,
-                use_cache=True,
-                logits_to_keep=0 if want_prompt_lp else 1,
-            )
+            logits = self.decoder.prefill(prompt, want_prompt_lp)
             self.stats.prompt_tokens += len(prompt)
-            logits = out.logits[0]
             plp = prompt_logprobs(logits, prompt, params.prompt_logprobs) if want_prompt_lp else None
             last = logits[-1].float()
             new: list[_Sequence] = []
@@ -219,9 +214,9 @@ class Engine:
                 if seq.finish_reason is None:
                     new.append(seq)
             if new:
-                if len(new) > 1:
-                    cache.batch_repeat_interleave(len(new))
-                self._join(new, cache)
+                self.decoder.join(len(new))
+                self._seqs = self._seqs + new
+                self.stats.running = len(self._seqs)
 
     def _accept(self, seq: _Sequence, logits: torch.Tensor, event: Event) -> None:
         """Sample the next token for ``seq`` from its float32 logits row and record it in ``event``."""
@@ -246,39 +241,9 @@ class Engine:
             event.text += seq.detok.flush()
         event.finish_reason = seq.finish_reason
 
-    def _join(self, new: list[_Sequence], cache: DynamicCache) -> None:
-        """Add freshly prefilled rows to the batch, left-padding whichever side is shorter."""
-        if self._cache is None or not self._seqs:
-            self._cache, self._seqs = cache, new
-        else:
-            batch_len = self._cache.get_seq_length()
-            new_len = cache.get_seq_length()
-            for mine, theirs in zip(self._cache.layers, cache.layers, strict=True):
-                mine.keys = torch.cat(_left_pad([mine.keys, theirs.keys], [batch_len, new_len]), dim=0)
-                mine.values = torch.cat(_left_pad([mine.values, theirs.values], [batch_len, new_len]), dim=0)
-            self._seqs = self._seqs + new
-        self.stats.running = len(self._seqs)
-
     def _step(self) -> None:
         seqs = self._seqs
-        cache_len = self._cache.get_seq_length()
-        device = self.model.device
-        input_ids = torch.tensor([[s.last_token] for s in seqs], dtype=torch.long, device=device)
-        lengths = torch.tensor([s.length for s in seqs], dtype=torch.long, device=device)
-        mask = None
-        if bool((lengths != cache_len).any()):
-            # row r's real tokens are its last lengths[r] cache slots, plus the token being fed now
-            mask = (
-                torch.arange(cache_len + 1, device=device)[None, :] >= (cache_len - lengths)[:, None]
-            ).long()
-        out = self.model(
-            input_ids=input_ids,
-            attention_mask=mask,
-            position_ids=lengths[:, None],
-            past_key_values=self._cache,
-            use_cache=True,
-        )
-        logits = out.logits[:, -1].float()
+        logits = self.decoder.step([s.last_token for s in seqs], [s.length for s in seqs]).float()
         self.stats.steps += 1
         self.stats.batch_rows += len(seqs)
         per_request: dict[int, tuple[Request, list[Event]]] = {}
@@ -297,38 +262,16 @@ class Engine:
 
     def _retire(self) -> None:
         keep = [i for i, s in enumerate(self._seqs) if s.finish_reason is None]
-        if len(keep) == len(self._seqs):
-            self.stats.running = len(self._seqs)
-            return
-        if not keep:
-            self._seqs, self._cache = [], None
-            self.stats.running = 0
-            return
-        self._seqs = [self._seqs[i] for i in keep]
-        index = torch.tensor(keep, dtype=torch.long)
-        longest = max(s.length for s in self._seqs)
-        for layer in self._cache.layers:
-            trim = layer.keys.shape[-2] - longest
-            layer.keys = layer.keys[index, :, trim:]
-            layer.values = layer.values[index, :, trim:]
+        if len(keep) != len(self._seqs):
+            self._seqs = [self._seqs[i] for i in keep]
+            self.decoder.retire(keep, [s.length for s in self._seqs])
         self.stats.running = len(self._seqs)
 
     def _fail_all(self, message: str) -> None:
         failed = {id(s.request): s.request for s in self._seqs}
         for s in self._seqs:
             s.request._push([Event(index=s.index, finish_reason="error", error=message)])
-        self._seqs, self._cache = [], None
+        self._seqs = []
+        self.decoder.reset()
         self.stats.running = 0
         log.error("failed %d requests: %s", len(failed), message)
-
-
-def _left_pad(tensors: list[torch.Tensor], lengths: list[int]) -> list[torch.Tensor]:
-    """Pad [B, H, T, D] tensors on the left of T to the longest length (the mask hides the zeros)."""
-    longest = max(lengths)
-    out = []
-    for t, n in zip(tensors, lengths, strict=True):
-        if n < longest:
-            pad = t.new_zeros(t.shape[0], t.shape[1], longest - n, t.shape[3])
-            t = torch.cat([pad, t], dim=2)
-        out.append(t)
-    return out

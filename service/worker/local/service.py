@@ -13,6 +13,7 @@ from squeezeserve.service.errors import APIError, invalid_request, model_not_fou
 from squeezeserve.service.models.loader import LoadedModel
 from squeezeserve.service.protocol import validation_message
 from squeezeserve.service.worker.local import openai_format as fmt
+from squeezeserve.service.worker.local.decoder import make_decoder
 from squeezeserve.service.worker.local.engine import Engine, EngineOverloaded
 from squeezeserve.service.worker.local.engine import Request as EngineRequest
 from squeezeserve.service.worker.local.metrics import WorkerMetrics
@@ -27,12 +28,18 @@ class WorkerService:
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
         self.served_name = settings.served_name
+        try:
+            decoder = make_decoder(loaded.model, settings.decoder, settings.max_batch_size)
+        except ValueError as exc:
+            raise ValueError(f"--decoder {settings.decoder}: {exc}") from exc
+        self.decoder_name = decoder.name
         self.engine = Engine(
-            loaded.model,
+            decoder,
             loaded.tokenizer,
             loaded.eos_token_ids,
             max_batch_size=settings.max_batch_size,
             max_waiting=settings.max_waiting,
+            threads=settings.threads,
         )
         self.metrics = WorkerMetrics(self.engine.stats, self.served_name)
         self.token_text = fmt.TokenText(loaded.tokenizer)

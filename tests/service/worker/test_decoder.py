@@ -1,0 +1,215 @@
+"""The static Llama decoder against transformers on the same weights, and the worker answering through it.
+
+Small random-weight Llama configs (GQA, biases, tied and untied heads) keep this fast; the bundled model
+is used only in the slow-marked test. Tolerances: float32 runs the same math in a different order (fused
+projections, grouped attention without repeated K/V), so logits agree to ~1e-5; in bfloat16 every op
+rounds to 8 mantissa bits, so the static decoder is held to the error transformers' own bfloat16 run has
+against the float32 reference (twice it, plus a margin of one bf16 ulp at the logits' scale).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from squeezeserve.kernels.modules import QuantLinear
+from squeezeserve.service.worker.local.decoder import (
+    DenseLinear,
+    Int4Linear,
+    Int8Linear,
+    StaticDecoder,
+    TransformersDecoder,
+    make_decoder,
+    static_unsupported,
+)
+from squeezeserve.service.worker.local.engine import Engine, Request
+from squeezeserve.service.worker.local.sampling import SamplingParams
+
+
+def tiny_llama(seed: int = 0, dtype: torch.dtype = torch.float32, **overrides) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    shape = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512}  # fmt: skip
+    config = LlamaConfig(**{**shape, **overrides})
+    return LlamaForCausalLM(config).to(dtype).eval()
+
+
+def run_script(decoder) -> list[torch.Tensor]:
+    """Prefill two prompts (the first as 2 rows), decode rows of different lengths, retire one, go on."""
+    out = []
+    with torch.inference_mode():
+        out.append(decoder.prefill([1, 5, 7, 9, 3, 4, 8], True).float())
+        decoder.join(2)
+        out.append(decoder.prefill([4, 2, 6], False).float())
+        decoder.join(1)
+        lengths, tokens = [7, 7, 3], [10, 11, 12]
+        for step in range(4):
+            out.append(decoder.step(tokens, lengths).float())
+            lengths = [n + 1 for n in lengths]
+            tokens = [(t * 7 + step) % 256 for t in tokens]
+        decoder.retire([0, 2], [lengths[0], lengths[2]])
+        lengths, tokens = [lengths[0], lengths[2]], [tokens[0], tokens[2]]
+        for _ in range(3):
+            out.append(decoder.step(tokens, lengths).float())
+            lengths = [n + 1 for n in lengths]
+        decoder.reset()
+        out.append(decoder.prefill([9, 9, 9], False).float())  # after reset: a fresh batch
+    return out
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {},
+        {"attention_bias": True, "mlp_bias": True},
+        {"tie_word_embeddings": True},
+        {"num_key_value_heads": 4},
+    ],
+    ids=["gqa", "biases", "tied", "mha"],
+)
+def test_static_logits_equal_transformers_in_float32(overrides) -> None:
+    model = tiny_llama(**overrides)
+    static, reference = run_script(StaticDecoder(model, 2)), run_script(TransformersDecoder(model))
+    assert len(static) == len(reference)
+    for got, want in zip(static, reference, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_static_bfloat16_error_is_within_transformers_own_bfloat16_error() -> None:
+    exact = run_script(TransformersDecoder(tiny_llama()))
+    bf16 = tiny_llama(dtype=torch.bfloat16)
+    static, reference = run_script(StaticDecoder(bf16, 4)), run_script(TransformersDecoder(bf16))
+    for got, want, truth in zip(static, reference, exact, strict=True):
+        ulp = truth.abs().max().item() * 2**-8
+        assert (got - truth).abs().max() <= 2 * (want - truth).abs().max() + ulp
+
+
+def greedy(model, prompt: list[int], tokens: int, decoder) -> list[int]:
+    with torch.inference_mode():
+        logits = decoder.prefill(prompt, False)
+        decoder.join(1)
+        out = [int(logits[-1].argmax())]
+        for i in range(tokens - 1):
+            out.append(int(decoder.step([out[-1]], [len(prompt) + i])[0].argmax()))
+    return out
+
+
+def test_greedy_tokens_equal_transformers_generate_in_float32() -> None:
+    model = tiny_llama(seed=3)
+    prompt = [3, 14, 15, 92, 65, 35]
+    with torch.inference_mode():
+        expected = model.generate(
+            torch.tensor([prompt]), max_new_tokens=40, do_sample=False, min_new_tokens=40
+        )
+    assert greedy(model, prompt, 40, StaticDecoder(model, 1)) == expected[0, len(prompt) :].tolist()
+
+
+def test_the_cache_grows_past_its_first_block_and_beyond_its_slots() -> None:
+    model = tiny_llama(seed=5)
+    static, reference = StaticDecoder(model, 1), TransformersDecoder(model)
+    prompt = list(range(1, 250))
+    with torch.inference_mode():
+        for decoder in (static, reference):
+            decoder.prefill(prompt, False)
+            decoder.join(3)  # more rows than the one slot it was made with
+        lengths = [len(prompt)] * 3
+        for _ in range(12):  # crosses 256 positions
+            got = static.step([1, 2, 3], lengths)
+            want = reference.step([1, 2, 3], lengths)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+            lengths = [n + 1 for n in lengths]
+    assert static.capacity == 512 and static.slots >= 3
+
+
+def test_engine_serves_concurrent_requests_through_the_static_decoder_like_transformers() -> None:
+    model = tiny_llama(seed=7)
+
+    class Tokenizer:  # token ids as text, one character per token
+        def decode(self, ids, **_: object) -> str:
+            return "".join(chr(0x4E00 + i) for i in ids)
+
+    async def serve(decoder) -> list[list[int]]:
+        engine = Engine(decoder, Tokenizer(), eos_token_ids=set(), max_batch_size=4, max_waiting=8)
+        engine.start()
+        try:
+            prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13, 14]]
+            requests = []
+            for i, prompt in enumerate(prompts):
+                request = Request(
+                    [prompt], 2 if i == 1 else 1, SamplingParams(max_tokens=6 + 3 * i, temperature=0.0)
+                )
+                engine.submit(request)
+                requests.append(request)
+            results = []
+            for request in requests:
+                tokens: dict[int, list[int]] = {}
+                done = 0
+                while done < request.size:
+                    for event in await asyncio.wait_for(request.queue.get(), 60):
+                        assert event.error is None
+                        tokens.setdefault(event.index, []).extend(event.token_ids)
+                        done += event.finish_reason is not None
+                results += [tokens[k] for k in sorted(tokens)]
+            return results
+        finally:
+            engine.stop()
+
+    static = asyncio.run(serve(StaticDecoder(model, 4)))
+    reference = asyncio.run(serve(TransformersDecoder(copy.deepcopy(model))))
+    assert static == reference
+    assert [len(t) for t in static] == [6, 9, 9, 12]
+
+
+def test_decoder_choice_and_clear_errors() -> None:
+    llama = tiny_llama()
+    assert make_decoder(llama, "auto", 2).name == "static"
+    assert make_decoder(llama, "transformers", 2).name == "transformers"
+    llama.config.model_type = "mistral"
+    assert static_unsupported(llama) == "model_type is 'mistral', not 'llama'"
+    assert make_decoder(llama, "auto", 2).name == "transformers"
+    with pytest.raises(ValueError, match="static decoder does not support this model: model_type"):
+        make_decoder(llama, "static", 2)
+    with pytest.raises(ValueError, match="decoder must be one of auto, static, transformers"):
+        make_decoder(llama, "fast", 2)
+
+
+def quantize_projections(model: LlamaForCausalLM, bits: int, group_size: int, symmetric: bool) -> None:
+    """Every q/k/v/o/gate/up/down projection replaced, in place, by a round-to-nearest QuantLinear."""
+    for layer in model.model.layers:
+        for parent, names in ((layer.self_attn, ("q_proj", "k_proj", "v_proj", "o_proj")),
+                              (layer.mlp, ("gate_proj", "up_proj", "down_proj"))):  # fmt: skip
+            for name in names:
+                linear = getattr(parent, name)
+                group = linear.in_features if group_size == 0 else group_size
+                setattr(parent, name, QuantLinear.from_linear(linear, bits, group, symmetric))
+
+
+@pytest.mark.parametrize(
+    ("bits", "group_size", "symmetric", "packed"),
+    [
+        (8, 0, True, Int8Linear),
+        (4, 32, False, Int4Linear),
+        (4, 32, True, Int4Linear),
+        (8, 32, True, DenseLinear),
+    ],
+    ids=["int8-channel", "int4-asym", "int4-sym", "int8-group-dequantized"],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantized_projections_stay_packed_and_match_transformers(
+    bits, group_size, symmetric, packed, dtype
+) -> None:
+    model = tiny_llama(seed=11, attention_bias=True)
+    quantize_projections(model, bits, group_size, symmetric)
+    model.to(dtype)
+    static = StaticDecoder(model, 4)
+    assert isinstance(static.layers[0].qkv, packed) and isinstance(static.layers[1].down, packed)
+    got, want = run_script(static), run_script(TransformersDecoder(model))
+    # float32: the same integers and scales, summed in another order; bfloat16: torch's int4 layout keeps
+    # the zero point as -z * s rounded to bf16 (compressed-tensors rounds (q - z) * s), so a few bf16 ulps
+    tol = 1e-4 if dtype == torch.float32 else 0.05
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=tol, atol=tol * w.abs().max().item())
