@@ -31,6 +31,7 @@ SETTINGS_FLAGS = (
     "affinity_prefix_chars",
     "affinity_load_factor",
     "api_keys",
+    "api_keys_file",
     "upstream_api_key",
     "request_timeout",
     "connect_timeout",
@@ -80,6 +81,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="append",
         metavar="KEY",
         help="accept this key (repeatable; off if none)",
+    )
+    parser.add_argument(
+        "--api-keys-file",
+        type=Path,
+        metavar="FILE",
+        help="accept the keys in FILE too (comma- or newline-separated; e.g. a mounted secret)",
     )
     parser.add_argument("--upstream-api-key", metavar="KEY", help="Bearer key to send to the upstreams")
     parser.add_argument("--request-timeout", type=float, metavar="SECONDS", help="per request (default 600)")

@@ -13,13 +13,14 @@ their own to the factory.
 from __future__ import annotations
 
 import json
+import re
 from functools import lru_cache
 from pathlib import Path
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
 import yaml
-from pydantic import Field, ValidationError, field_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 # The values are the CLI choices and the routing factory's keys.
@@ -55,6 +56,10 @@ class GatewaySettings(BaseSettings):
     affinity_load_factor: Annotated[float, Field(gt=0)] = 0.25
     # repr=False: keys never show up in logs or tracebacks that print the settings.
     api_keys: Annotated[list[str], NoDecode] = Field(default_factory=list, repr=False)
+    # Keys in a file (comma-, space- or newline-separated; added to api_keys), e.g. a compose or Kubernetes
+    # secret mounted read-only: the keys stay out of the environment, which `docker inspect` shows to anyone
+    # who may talk to the Docker daemon. An empty file (or /dev/null) adds none.
+    api_keys_file: Path | None = None
     upstream_api_key: str | None = Field(default=None, repr=False, description="sent upstream as Bearer")
     request_timeout: Annotated[float, Field(gt=0)] = 600.0
     connect_timeout: Annotated[float, Field(gt=0)] = 5.0
@@ -93,6 +98,19 @@ class GatewaySettings(BaseSettings):
         if any(not key for key in keys):
             raise ValueError("API keys must not be empty strings")
         return keys
+
+    @model_validator(mode="after")
+    def _add_keys_from_file(self) -> GatewaySettings:
+        if self.api_keys_file is None:
+            return self
+        try:
+            text = self.api_keys_file.read_text()
+        except (OSError, UnicodeDecodeError) as exc:
+            reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
+            raise ValueError(f"api_keys_file: cannot read {self.api_keys_file}: {reason}") from exc
+        from_file = [key for key in re.split(r"[\s,]+", text) if key]
+        self.api_keys = list(dict.fromkeys([*self.api_keys, *from_file]))
+        return self
 
 
 class SettingsError(ValueError):
