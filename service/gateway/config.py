@@ -13,7 +13,6 @@ their own to the factory.
 from __future__ import annotations
 
 import json
-import re
 from functools import lru_cache
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -22,6 +21,8 @@ from urllib.parse import urlsplit
 import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+from squeezeserve.service.secrets import read_api_keys
 
 # The values are the CLI choices and the routing factory's keys.
 RoutingName = Literal["least_outstanding", "round_robin", "prefix_affinity"]
@@ -104,11 +105,9 @@ class GatewaySettings(BaseSettings):
         if self.api_keys_file is None:
             return self
         try:
-            text = self.api_keys_file.read_text()
-        except (OSError, UnicodeDecodeError) as exc:
-            reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
-            raise ValueError(f"api_keys_file: cannot read {self.api_keys_file}: {reason}") from exc
-        from_file = [key for key in re.split(r"[\s,]+", text) if key]
+            from_file = read_api_keys(self.api_keys_file)
+        except ValueError as exc:
+            raise ValueError(f"api_keys_file: {exc}") from exc
         self.api_keys = list(dict.fromkeys([*self.api_keys, *from_file]))
         return self
 

@@ -107,6 +107,9 @@ def test_validate_targets_the_gateway_and_the_served_model(deploy, compose, cli_
         [worker_line] = deploy.command_lines_of_compose_service(worker, services[worker])
         assert cli_args(worker_line).served_model_name == model
     assert services["validate"]["depends_on"]["gateway"]["condition"] == "service_healthy"
+    # It authenticates with the gateway's own key file (a secret, not an environment value).
+    assert services["validate"]["secrets"] == services["gateway"]["secrets"] == ["api-keys"]
+    assert services["validate"]["environment"]["SQUEEZESERVE_API_KEY_FILE"] == "/run/secrets/api-keys"
     assert "reports:/reports" in services["validate"]["volumes"]
 
 

@@ -185,31 +185,17 @@ def test_validate_job_passes_its_default_gates_and_leaves_its_report(stack, imag
     start = time.monotonic()
     result = stack.compose_result("run", "--rm", "validate", timeout=1500)
     seconds = time.monotonic() - start
-    report = json.loads(
-        checked(
-            [
-                "docker",
-                "run",
-                "--rm",
-                "-v",
-                f"{stack.project}_reports:/reports:ro",
-                "--entrypoint",
-                "cat",
-                images.tags["worker-cpu"],
-                "/reports/report.json",
-            ],
-            timeout=120,
-        )  # fmt: skip
-    )
+    output = (result.stdout + result.stderr)[-4000:]
+    assert result.returncode == 0, f"validate exited {result.returncode}:\n{output}"
+    volume = f"{stack.project}_reports:/reports:ro"
+    read = ["docker", "run", "--rm", "-v", volume, "--entrypoint", "cat", images.tags["worker-cpu"]]
+    report = json.loads(checked([*read, "/reports/report.json"], timeout=120))
     gates = {gate["gate"].split("<")[0].split(">")[0]: gate for gate in report["gates"]}
     measurements["validate_job"] = {
         "seconds": round(seconds, 1),
         **{name: gate["value"] for name, gate in gates.items()},
     }
 
-    assert result.returncode == 0, (
-        f"validate exited {result.returncode}:\n{(result.stdout + result.stderr)[-4000:]}"
-    )
     assert GATES <= set(gates) and all(gate["passed"] for gate in gates.values()), report["gates"]
 
 

@@ -102,7 +102,9 @@ def test_keys_file_adds_its_keys_and_an_empty_one_none(tmp_path):
 
 
 def test_unreadable_keys_file_is_a_clear_error(tmp_path):
-    with pytest.raises(SettingsError, match=r"api_keys_file: cannot read .*missing: No such file"):
+    with pytest.raises(
+        SettingsError, match=r"api_keys_file: cannot read API keys file .*missing: No such file"
+    ):
         build_settings(upstreams=["http://a:1"], api_keys_file=tmp_path / "missing")
 
 
