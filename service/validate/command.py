@@ -19,6 +19,7 @@ from squeezeserve.service.worker.settings import ENGINES
 log = logging.getLogger(__name__)
 
 API_KEY_ENV = "SQUEEZESERVE_API_KEY"
+API_KEY_FILE_ENV = "SQUEEZESERVE_API_KEY_FILE"
 EPILOG_HEAD = """\
 models: a checkpoint directory (loaded here for accuracy; a worker is started for latency) or an
 OpenAI-compatible endpoint as URL#MODEL, e.g. http://127.0.0.1:8000/v1#smollm2-135m-instruct.
@@ -73,6 +74,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--api-key", default=os.environ.get(API_KEY_ENV), help=f"Bearer key for endpoints (env {API_KEY_ENV})"
     )
+    parser.add_argument(
+        "--api-key-file",
+        type=Path,
+        default=os.environ.get(API_KEY_FILE_ENV),
+        metavar="FILE",
+        help=f"send the first key in FILE when --api-key is not given, e.g. a mounted secret "
+        f"(env {API_KEY_FILE_ENV})",
+    )
     parser.add_argument("--tokenizer", help="tokenizer dir or id when both sides are endpoints")
     accuracy = parser.add_argument_group("accuracy")
     accuracy.add_argument("--window", type=_positive_int, default=512, help="tokens per window (default 512)")
@@ -105,6 +114,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace):  # -> job.JobConfig (import kept lazy)
+    from squeezeserve.service.secrets import read_api_keys
     from squeezeserve.service.validate import gates
     from squeezeserve.service.validate.job import JobConfig
     from squeezeserve.service.validate.latency import LoadSettings
@@ -116,6 +126,12 @@ def config_from_args(args: argparse.Namespace):  # -> job.JobConfig (import kept
         raise UsageError(f"--duration-s must be positive, got {args.duration_s}")
     if args.warmup_requests < 0:
         raise UsageError(f"--warmup-requests must be >= 0, got {args.warmup_requests}")
+    api_key = args.api_key
+    if api_key is None and args.api_key_file is not None:
+        try:
+            api_key = next(iter(read_api_keys(args.api_key_file)), None)
+        except ValueError as exc:
+            raise UsageError(f"--api-key-file: {exc}") from exc
     gate_list = [gates.parse_gate(text) for text in args.gate]
     if args.gates:
         gate_list += gates.read_gates_file(args.gates)
@@ -125,7 +141,7 @@ def config_from_args(args: argparse.Namespace):  # -> job.JobConfig (import kept
         dataset=args.dataset,
         out=Path(args.out),
         gates=gate_list,
-        api_key=args.api_key,
+        api_key=api_key,
         tokenizer=args.tokenizer,
         window=args.window,
         stride=args.stride,

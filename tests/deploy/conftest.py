@@ -62,6 +62,11 @@ class CommandLine:
         return self.argv[0] if self.argv else ""
 
 
+def interpolate_defaults(text: str) -> str:
+    """Compose's ${VAR:-default} with the variable unset, as a fresh checkout sees it."""
+    return re.sub(r"\$\{[A-Z_]+:-([^}]*)\}", r"\1", text)
+
+
 def load_docs(text: str) -> list[dict[str, Any]]:
     return [doc for doc in yaml.safe_load_all(text) if doc]
 
@@ -124,6 +129,8 @@ class Instruction:
 class Dockerfile:
     path: Path
     stages: list[list[Instruction]]
+    # ARGs before the first FROM (e.g. PYTHON_IMAGE), name -> default: the FROM lines may use them.
+    global_args: dict[str, str] = field(default_factory=dict)
 
     @property
     def final(self) -> list[Instruction]:
@@ -136,9 +143,26 @@ class Dockerfile:
     def all(self, keyword: str) -> list[Instruction]:
         return [i for stage in self.stages for i in stage if i.keyword == keyword]
 
+    def base_images(self) -> list[str]:
+        """Each stage's base image as a plain build (no --build-arg) resolves it."""
+        images = []
+        for instruction in self.all("FROM"):
+            image = instruction.value.split()[0]
+            for name, default in self.global_args.items():
+                image = image.replace(f"${{{name}}}", default).replace(f"${name}", default)
+            images.append(image)
+        return images
+
+
+def arg_default(instruction: Instruction) -> tuple[str, str]:
+    """``ARG NAME=default`` -> (NAME, default); a bare ``ARG NAME`` has the default ""."""
+    name, _, default = instruction.value.partition("=")
+    return name.strip(), default.strip().strip('"')
+
 
 def parse_dockerfile(path: Path) -> Dockerfile:
     stages: list[list[Instruction]] = []
+    global_args: dict[str, str] = {}
     pending, start = "", 0
     for number, raw in enumerate(path.read_text().splitlines(), 1):
         stripped = raw.strip()
@@ -157,9 +181,13 @@ def parse_dockerfile(path: Path) -> Dockerfile:
         instruction = Instruction(keyword.upper(), value.strip(), start)
         if instruction.keyword == "FROM":
             stages.append([])
+        if not stages and instruction.keyword == "ARG":
+            name, default = arg_default(instruction)
+            global_args[name] = default
+            continue
         assert stages, f"{path}:{start}: instruction before FROM"
         stages[-1].append(instruction)
-    return Dockerfile(path, stages)
+    return Dockerfile(path, stages, global_args)
 
 
 # -- squeezeserve command lines ------------------------------------------------------------------------

@@ -102,7 +102,13 @@ def _gateway_environments(helm_renders, kustomize_builds, compose):
                 key.startswith("SQUEEZESERVE_GATEWAY_") for key in doc["data"]
             ):
                 yield f"{origin} ConfigMap/{doc['metadata']['name']}", dict(doc["data"])
-    yield "compose gateway", {k: str(v) for k, v in compose["services"]["gateway"]["environment"].items()}
+    # A path under /run/secrets/ is where compose mounts the secret's file: read the file compose would mount.
+    secrets = {
+        f"/run/secrets/{name}": re.sub(r"\$\{[A-Z_]+:-([^}]*)\}", r"\1", secret["file"])
+        for name, secret in compose.get("secrets", {}).items()
+    }
+    environment = compose["services"]["gateway"]["environment"].items()
+    yield "compose gateway", {k: secrets.get(str(v), str(v)) for k, v in environment}
 
 
 def test_gateway_environment_is_accepted_by_the_real_settings(

@@ -14,18 +14,13 @@ import yaml
 OUR_SERVICES = {"gateway", "model-prep", "worker-vllm", "worker-cpu", "validate"}
 
 
-def _interpolate_defaults(text: str) -> str:
-    """Compose's ${VAR:-default} with the variable unset, as a fresh checkout sees it."""
-    return re.sub(r"\$\{[A-Z_]+:-([^}]*)\}", r"\1", text)
-
-
 def test_compose_file_matches_the_compose_spec(deploy):
     schema_text = importlib.resources.files("check_jsonschema.builtin_schemas.vendor").joinpath(
         "compose-spec.json"
     )
     schema = json.loads(schema_text.read_text())
     validator_class = jsonschema.validators.validator_for(schema)
-    document = yaml.safe_load(_interpolate_defaults(deploy.COMPOSE_FILE.read_text()))
+    document = yaml.safe_load(deploy.interpolate_defaults(deploy.COMPOSE_FILE.read_text()))
     errors = sorted(validator_class(schema).iter_errors(document), key=lambda e: list(e.path))
     assert not errors, "\n".join(f"{'/'.join(map(str, e.path))}: {e.message}" for e in errors)
     # The check can fail: a misspelt service key is not in the spec.
@@ -39,9 +34,12 @@ def test_compose_file_matches_the_compose_spec(deploy):
 def test_profiles_pick_one_worker(compose):
     services = compose["services"]
     assert "profiles" not in services["gateway"]
-    assert services["worker-vllm"]["profiles"] == ["gpu"] and services["model-prep"]["profiles"] == ["gpu"]
-    assert services["worker-cpu"]["profiles"] == ["cpu"]
+    assert services["worker-vllm"]["profiles"] == ["gpu"] and services["worker-cpu"]["profiles"] == ["cpu"]
+    # Both workers serve the INT8 checkpoint model-prep writes.
+    assert services["model-prep"]["profiles"] == ["gpu", "cpu"]
     assert services["validate"]["profiles"] == ["validate"]
+    # Optional: the stack runs where no Grafana image can be had.
+    assert services["grafana"]["profiles"] == ["grafana"]
     for worker in ("worker-vllm", "worker-cpu"):
         assert services[worker]["networks"]["default"]["aliases"] == ["worker"]
 
@@ -109,6 +107,9 @@ def test_validate_targets_the_gateway_and_the_served_model(deploy, compose, cli_
         [worker_line] = deploy.command_lines_of_compose_service(worker, services[worker])
         assert cli_args(worker_line).served_model_name == model
     assert services["validate"]["depends_on"]["gateway"]["condition"] == "service_healthy"
+    # It authenticates with the gateway's own key file (a secret, not an environment value).
+    assert services["validate"]["secrets"] == services["gateway"]["secrets"] == ["api-keys"]
+    assert services["validate"]["environment"]["SQUEEZESERVE_API_KEY_FILE"] == "/run/secrets/api-keys"
     assert "reports:/reports" in services["validate"]["volumes"]
 
 
@@ -127,7 +128,7 @@ def test_referenced_files_images_and_volumes_exist(deploy, compose):
             app_version = yaml.safe_load((deploy.CHART / "Chart.yaml").read_text())["appVersion"]
             assert service["image"].endswith(f":{app_version}"), f"{name}: image tag must be the app version"
         for volume in service.get("volumes", []):
-            source = _interpolate_defaults(volume).split(":")[0]
+            source = deploy.interpolate_defaults(volume).split(":")[0]
             if source.startswith("."):
                 assert (base / source).exists(), f"{name}: bind mount {source} does not exist"
             else:

@@ -6,6 +6,7 @@ import fnmatch
 import re
 import shutil
 import subprocess
+import sys
 import tomllib
 from urllib.parse import urlsplit
 
@@ -87,15 +88,26 @@ def test_exposed_port_health_check_and_command_agree(deploy, dockerfiles, cli_ar
 def test_pins_match_pyproject(deploy, dockerfiles):
     project = tomllib.loads((deploy.REPO / "pyproject.toml").read_text())["project"]
     vllm_pin = next(spec for spec in project["optional-dependencies"]["vllm"] if spec.startswith("vllm=="))
-    base = dockerfiles["worker-vllm.Dockerfile"].final[0].value
+    base = dockerfiles["worker-vllm.Dockerfile"].base_images()[-1]
     assert base == f"vllm/vllm-openai:v{vllm_pin.removeprefix('vllm==')}", (
         "the vLLM image must match the vllm pin"
     )
     cpu = dockerfiles["worker-cpu.Dockerfile"]
     torch_installs = [i.value for i in cpu.all("RUN") if "torch==" in i.value]
-    # 2.13.0 is the CPU build the project is tested with, from the CPU wheel index (no CUDA wheels).
+    # 2.13.0 is the CPU build the project is tested with, from the CPU wheel index (no CUDA wheels) unless
+    # the builder points TORCH_INDEX_URL elsewhere.
     assert len(torch_installs) == 1 and "torch==2.13.0" in torch_installs[0]
-    assert "download.pytorch.org/whl/cpu" in torch_installs[0]
+    assert '--index-url "${TORCH_INDEX_URL}"' in torch_installs[0]
+    torch_index = [deploy.arg_default(i) for i in cpu.all("ARG") if i.value.startswith("TORCH_INDEX_URL")]
+    assert torch_index == [("TORCH_INDEX_URL", "https://download.pytorch.org/whl/cpu")]
+
+
+def test_python_bases_are_build_arguments_with_the_public_default(dockerfiles):
+    """The same files build against Docker Hub (the default) and a local stand-in (--build-arg)."""
+    for name in ("gateway.Dockerfile", "worker-cpu.Dockerfile"):
+        dockerfile = dockerfiles[name]
+        assert dockerfile.global_args.get("PYTHON_IMAGE") == "python:3.11.11-slim-bookworm", name
+        assert [i.value.split()[0] for i in dockerfile.all("FROM")] == ["${PYTHON_IMAGE}"] * 2, name
     gateway_runs = " ".join(i.value for i in dockerfiles["gateway.Dockerfile"].all("RUN"))
     assert "torch" not in gateway_runs and "[cpu]" not in gateway_runs, (
         "the gateway image stays free of torch"
@@ -107,3 +119,19 @@ def test_vllm_image_gets_our_plugin_through_an_entry_point(deploy):
     plugins = project.get("entry-points", {}).get("vllm.general_plugins", {})
     assert plugins, "pyproject declares no vllm.general_plugins entry point: vLLM would not load our kernels"
     assert all(target.startswith("squeezeserve.") for target in plugins.values())
+
+
+def test_dependency_layer_lists_the_base_install_and_the_extras(deploy):
+    """docker/requirements.py feeds the images' cached dependency layer: base install plus extras, with
+    `squeezeserve[...]` self-references expanded."""
+    script = [sys.executable, str(deploy.DOCKER_DIR / "requirements.py"), str(deploy.REPO / "pyproject.toml")]
+    project = tomllib.loads((deploy.REPO / "pyproject.toml").read_text())["project"]
+
+    listed = subprocess.run([*script, "compress", "validate"], capture_output=True, text=True, check=True)
+    unknown = subprocess.run([*script, "gpu-everything"], capture_output=True, text=True, check=False)
+
+    lines = listed.stdout.splitlines()
+    expected = project["dependencies"] + project["optional-dependencies"]["cpu"]
+    expected += ["compressed-tensors==0.17.0"] + project["optional-dependencies"]["validate"]
+    assert sorted(lines) == sorted(expected) and len(set(lines)) == len(lines)
+    assert unknown.returncode != 0 and "unknown extra 'gpu-everything'" in unknown.stderr

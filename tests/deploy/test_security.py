@@ -40,10 +40,11 @@ def test_every_container_requests_cpu_and_memory_and_caps_memory(workloads):
             assert "memory" in resources.get("limits", {}), where
 
 
-def test_images_are_pinned(workloads, compose, dockerfiles):
+def test_images_are_pinned(deploy, workloads, compose, dockerfiles):
     images = [(w.source, c["image"]) for w in workloads for c in w.containers()]
-    images += [(f"compose {name}", s["image"]) for name, s in compose["services"].items()]
-    images += [(f"{name} FROM", i.value.split()[0]) for name, d in dockerfiles.items() for i in d.all("FROM")]
+    services = compose["services"].items()
+    images += [(f"compose {name}", deploy.interpolate_defaults(s["image"])) for name, s in services]
+    images += [(f"{name} FROM", image) for name, d in dockerfiles.items() for image in d.base_images()]
     unpinned = [f"{where}: {image}" for where, image in images if not pinned(image)]
     assert not unpinned, "\n".join(unpinned)
 
@@ -76,8 +77,11 @@ def test_no_secret_is_written_in_plain_text(workloads, compose, dockerfiles, hel
     for name, service in compose["services"].items():
         for variable, value in (service.get("environment") or {}).items():
             if SECRET_NAME.search(variable):
-                # Only interpolated from the operator's environment, never a literal.
-                assert re.fullmatch(r"\$\{[A-Z_]+(:-)?\}", str(value)), f"compose {name}: {variable}={value}"
+                # A file holding it (a mounted secret), or interpolated from the operator's environment;
+                # never a literal.
+                assert re.fullmatch(r"/run/secrets/[\w.-]+|\$\{[A-Z_]+(:-)?\}", str(value)), (
+                    f"compose {name}: {variable}={value}"
+                )
     for name, dockerfile in dockerfiles.items():
         for instruction in dockerfile.all("ENV") + dockerfile.all("ARG"):
             assert not SECRET_NAME.search(instruction.value.split("=")[0]), f"{name}:{instruction.line}"

@@ -132,6 +132,25 @@ def test_keys_with_limits_come_through_the_environment_as_json(monkeypatch):
     assert [(e.key, e.requests_per_minute) for e in settings.api_keys] == [("k1", None), ("k2", 3)]
 
 
+def test_keys_file_adds_its_keys_and_an_empty_one_none(tmp_path):
+    keys = tmp_path / "api-keys"
+    keys.write_text("k2, k3\nk1\n\n")
+
+    settings = build_settings(upstreams=["http://a:1"], api_keys=["k1"], api_keys_file=keys)
+    empty = build_settings(upstreams=["http://a:1"], api_keys_file="/dev/null")
+
+    assert [entry.key for entry in settings.api_keys] == ["k1", "k2", "k3"]
+    assert empty.api_keys == []
+    assert "k2" not in repr(settings)
+
+
+def test_unreadable_keys_file_is_a_clear_error(tmp_path):
+    with pytest.raises(
+        SettingsError, match=r"api_keys_file: cannot read API keys file .*missing: No such file"
+    ):
+        build_settings(upstreams=["http://a:1"], api_keys_file=tmp_path / "missing")
+
+
 def test_bad_config_file_is_a_clear_error(tmp_path):
     missing, not_a_mapping = tmp_path / "missing.yaml", tmp_path / "list.yaml"
     not_a_mapping.write_text("- a\n- b\n")

@@ -98,3 +98,23 @@ def test_an_impossible_gate_exits_1_and_says_by_how_much(baseline_dir, wikitext_
     assert gates[0]["margin"] == pytest.approx(0.5)  # ratio 1.0 against 0.5
     assert "**FAIL**" in (tmp_path / "report.md").read_text()
     assert "FAIL  ppl_ratio<0.5" in capsys.readouterr().out
+
+
+def test_api_key_file_sends_its_first_key_unless_a_key_is_given(tmp_path, monkeypatch, capsys):
+    from squeezeserve.service.cli import build_parser
+    from squeezeserve.service.validate.command import config_from_args
+
+    monkeypatch.delenv("SQUEEZESERVE_API_KEY", raising=False)
+    keys = tmp_path / "api-keys"
+    keys.write_text("k1, k2\n")
+    endpoints = ["--baseline", "http://127.0.0.1:9/v1#a", "--candidate", "http://127.0.0.1:9/v1#b"]
+    command = ["validate", *endpoints, "--dataset", str(tmp_path / "text.txt")]
+
+    def key(*extra: str) -> str | None:
+        return config_from_args(build_parser().parse_args([*command, *extra])).api_key
+
+    assert key("--api-key-file", str(keys)) == "k1"
+    assert key("--api-key-file", str(keys), "--api-key", "k9") == "k9"
+    assert key("--api-key-file", "/dev/null") is None
+    assert main([*command, "--api-key-file", str(tmp_path / "missing")]) == 2
+    assert "--api-key-file: cannot read API keys file" in capsys.readouterr().err
