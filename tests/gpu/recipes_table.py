@@ -41,7 +41,9 @@ def write_recipe(args: argparse.Namespace) -> None:
     quantized = " -> int4" if args.quantize else ""
     data["description"] = f"mlp-width {args.ratio} -> {args.loss} {args.steps} steps{quantized}"
     validate = data["validate"]
-    validate.pop("max_tokens", None)  # the whole test file
+    validate.pop("max_tokens", None)  # the whole test file unless --max-tokens
+    if args.max_tokens:
+        validate["max_tokens"] = args.max_tokens
     validate.update(dataset=args.dataset, dtype=args.dtype)
     Path(args.out).write_text(yaml.safe_dump(data, sort_keys=False))
 
@@ -57,6 +59,7 @@ def runs(root: Path) -> list[dict]:
         structured = stages.get("prune", {}).get("structured", {})
         recovery = stages.get("distill", {}).get("recovery", {})
         metrics = record["validation"]["metrics"]
+        recipe = yaml.safe_load(Path(record["recipe"]["path"]).read_text())
         rows.append(
             {
                 "run": record_path.parent.parent.name,
@@ -69,6 +72,7 @@ def runs(root: Path) -> list[dict]:
                 "baseline_parameters": structured.get("parameters", {}).get("before"),
                 "size_bytes": record["stages"][-1]["size_bytes"]["after"],
                 "baseline_size_bytes": record["stages"][0]["size_bytes"]["before"],
+                "ppl_tokens": recipe["validate"].get("max_tokens", "all"),
                 "ppl": metrics.get("ppl_candidate"),
                 "ppl_baseline": metrics.get("ppl_baseline"),
                 "ppl_ratio": metrics.get("ppl_ratio"),
@@ -131,19 +135,21 @@ def table(args: argparse.Namespace) -> None:
         writer.writeheader()
         writer.writerows(out)
     lines = [
-        f"Device: {args.device}. Perplexity on the whole wikitext-2 test file (window 512 / stride 256, "
-        "fp16); serving: vLLM, prompt 256 / output 128 tokens.",
+        f"Device: {args.device}. Perplexity on wikitext-2 test (window 512 / stride 256, fp16; tokens: "
+        "the file's first N, or all of it); serving: vLLM, prompt 256 / output 128 tokens.",
         "",
-        "| run | parameters | size MB | ppl | ppl / baseline | gates | "
+        "| run | recovery | parameters | size MB | ppl tokens | ppl | ppl / baseline | gates | "
         "TPOT ms c=1 | tok/s c=1 | TPOT ms c=64 | tok/s c=64 | tok/s vs baseline c=64 |",
-        "|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|",
+        "|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|",
     ]
     for row in out:
         gate = "-" if row["run"] == BASELINE else ("pass" if row["passed"] else "FAIL")
         cells = [
             row["run"],
+            f"{row['recover_loss']} x {row['recover_steps']}" if row.get("recover_loss") else "-",
             _fmt(row["parameters"] and row["parameters"] / 1e6, "{:.1f} M"),
             _fmt(row["size_bytes"] and row["size_bytes"] / 1e6, "{:.0f}"),
+            str(row.get("ppl_tokens", "-")),
             _fmt(row["ppl"], "{:.3f}"),
             _fmt(row["ppl_ratio"], "{:.3f}x"),
             gate,
@@ -179,6 +185,7 @@ def main() -> None:
     recipe.add_argument("--quantize", action="store_true", help="keep the recipe's int4 stage")
     recipe.add_argument("--calibration", required=True, help="calibration text of every stage")
     recipe.add_argument("--dataset", required=True, help="validation text (scored whole)")
+    recipe.add_argument("--max-tokens", type=int, help="score only the first N tokens (default: all)")
     recipe.add_argument("--dtype", default="float16", help="validation dtype (default: %(default)s)")
     recipe.add_argument("--out", required=True, help="recipe file to write")
     recipe.set_defaults(func=write_recipe)

@@ -296,7 +296,8 @@ recipes)
   # curve: each ratio with kd and with lm recovery at the same steps. Runs live in $MODELS/recipes and a
   # finished one is skipped, so the stage resumes across calls while the machine stays warm (and inside a
   # run, the pipeline resumes from its last finished stage). Once every run is done: vLLM serves the baseline,
-  # the smallest checkpoint that passed its gates, the recipe's int4 and its fp16 stage before int4, side by
+  # the smallest checkpoint that passed its gates, the recipe's int4 and its fp16 stage before int4 (label
+  # $RECIPE-fp16), side by
   # side; each is measured alone at c=1 and c=64 (TPOT, output throughput). The table goes to $OUT.
   stage_data
   convert_baseline
@@ -304,6 +305,8 @@ recipes)
   RT="python3 tests/gpu/recipes_table.py"
   mkdir -p "$RUNS" "$LOGS/runs"
   RECIPE=mlp0.25-kd-int4
+  # The recipe: 500 steps, scored on the whole test file. The curve: CURVE_STEPS for kd and lm alike, scored
+  # on the first CURVE_TOKENS (a run here: ~3 steps/s, and ~1 min per model for the whole file).
   PLAN=("0.25 kd int4" "0.25 kd" "0.25 lm" "0.5 kd" "0.5 lm" "0.75 kd" "0.75 lm")
   pending=0
   for entry in "${PLAN[@]}"; do
@@ -314,7 +317,9 @@ recipes)
     if [ $((BUDGET_S - SECONDS)) -lt "${RUN_S:-150}" ]; then
       note "$name: not started, $((BUDGET_S - SECONDS)) s left in this call"; pending=$((pending + 1)); continue
     fi
-    $RT recipe --ratio "$ratio" --loss "$loss" --steps "${RECIPE_STEPS:-500}" ${quant:+--quantize} \
+    if [ -n "$quant" ]; then knobs=(--steps "${RECIPE_STEPS:-500}" --quantize)
+    else knobs=(--steps "${CURVE_STEPS:-200}" --max-tokens "${CURVE_TOKENS:-65536}"); fi
+    $RT recipe --ratio "$ratio" --loss "$loss" "${knobs[@]}" \
       --calibration $DATA/calibration.txt --dataset $DATA/test.txt --out "$RUNS/$name.yaml"
     start=$SECONDS
     timeout "$(cap 480)" $SQ pipeline "$RUNS/$name.yaml" --model $MODELS/hf --out "$RUNS/$name" --device cuda \
@@ -335,7 +340,8 @@ recipes)
   elif [ $((BUDGET_S - SECONDS)) -lt "${SERVE_S:-280}" ]; then
     note "recipes: every run is done; serving needs ${SERVE_S:-280} s, $((BUDGET_S - SECONDS)) s left: run the stage again"
   else
-    declare -A SERVE=([baseline]=$MODELS/hf [$RECIPE]=$RUNS/$RECIPE/model [mlp0.25-kd]=$RUNS/mlp0.25-kd/model)
+    declare -A SERVE=([baseline]=$MODELS/hf [$RECIPE]=$RUNS/$RECIPE/model
+                      [$RECIPE-fp16]=$RUNS/$RECIPE/stages/02-distill)
     small=$($RT smallest "$RUNS") && SERVE[$(basename "$(dirname "$small")")]=$small
     note "smallest acceptable: ${small:-none passed its gates}"
     COMMON=(--dtype float16 --max-model-len 1024 --max-num-seqs 64 --gpu-memory-utilization 0.1
