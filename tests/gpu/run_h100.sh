@@ -307,7 +307,8 @@ recipes)
   RECIPE=mlp0.25-kd-int4
   # The recipe: 500 steps, scored on the whole test file. The curve: CURVE_STEPS for kd and lm alike, scored
   # on the first CURVE_TOKENS (a run here: ~3 steps/s, and ~1 min per model for the whole file).
-  PLAN=("0.25 kd int4" "0.25 kd" "0.25 lm" "0.5 kd" "0.5 lm" "0.75 kd" "0.75 lm")
+  # RECIPE_PLAN (runs separated by '|', e.g. "0.5 kd|0.5 lm") narrows a call to some runs.
+  IFS='|' read -r -a PLAN <<< "${RECIPE_PLAN:-0.25 kd int4|0.25 kd|0.25 lm|0.5 kd|0.5 lm|0.75 kd|0.75 lm}"
   pending=0
   for entry in "${PLAN[@]}"; do
     read -r ratio loss quant <<< "$entry"
