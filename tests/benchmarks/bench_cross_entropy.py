@@ -1,5 +1,13 @@
-"""Cross-entropy and fused linear cross-entropy (forward+backward time and peak memory) vs torch eager,
-torch.compile and Liger."""
+"""Cross-entropy, fused linear cross-entropy and fused linear KD (forward+backward time and peak memory) vs
+torch eager, torch.compile and Liger.
+
+    python3 tests/benchmarks/bench_cross_entropy.py [cross_entropy fused_linear_cross_entropy fused_linear_kd]
+
+``fused_linear_kd`` (issue 19) is one table at N=16k, H=4096, V=128k: our fused linear KD against our fused
+linear cross-entropy (the targets are relative to it: peak memory <= 1.5x, time <= 2.2x), Liger's
+fused_linear_jsd (beta=0: the same forward KL) and the unfused torch loss; both of ours also through
+``torch.ops.squeezeserve.*`` (``squeezeserve.ops``, the path torch.compile traces), whose backward scales
+the gradients out of place and so holds each of them twice."""
 
 from __future__ import annotations
 
@@ -13,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import Recorder, compiled, liger, peaks  # noqa: E402
 
 import squeezeserve.kernels as K  # noqa: E402
+from squeezeserve.kernels.functional import fused_linear_kd as kd_loss  # noqa: E402
 
 DTYPE = torch.bfloat16
 
@@ -68,11 +77,78 @@ def fused_linear_cross_entropy(rec):
         hidden.grad = weight.grad = None
 
 
+def torch_kd(student_hidden, student_weight, teacher_hidden, teacher_weight, temperature=1.0):
+    """The unfused loss: both [N, V] logits in fp32, T^2 KL(teacher || student) averaged over tokens."""
+    student = F.log_softmax((student_hidden @ student_weight.t()).float() / temperature, dim=-1)
+    teacher = F.log_softmax((teacher_hidden @ teacher_weight.t()).float() / temperature, dim=-1)
+    kl = F.kl_div(student, teacher, log_target=True, reduction="batchmean")
+    return temperature**2 * kl
+
+
+def fused_linear_kd(rec):
+    """Issue 19's shape. Every provider gets the same student (hidden and head train) and teacher."""
+    n, h, v = 16384, 4096, 128256
+    hidden = (torch.randn(n, h, device="cuda", dtype=DTYPE) / 8).requires_grad_()
+    weight = (torch.randn(v, h, device="cuda", dtype=DTYPE) / 64).requires_grad_()
+    teacher_hidden = torch.randn(n, h, device="cuda", dtype=DTYPE) / 8
+    teacher_weight = torch.randn(v, h, device="cuda", dtype=DTYPE) / 64
+    target = torch.randint(0, v, (n,), device="cuda")
+    ops = torch.ops.squeezeserve
+    lig = liger("liger_fused_linear_jsd")
+    teacher = (teacher_hidden, teacher_weight)
+    providers = {  # name: (loss function, loss); KD's flops: student + teacher logits, both gradients
+        "squeezeserve": (lambda: kd_loss(hidden, weight, *teacher), 4),
+        "squeezeserve.ops": (lambda: ops.fused_linear_kd(hidden, weight, *teacher, None, 1.0, 0.0, -100,
+                                                         "mean", True, True)[0], 4),
+        "flce": (lambda: K.fused_linear_cross_entropy(hidden, weight, target), 3),
+        "flce.ops": (lambda: ops.fused_linear_cross_entropy(hidden, weight, target, None, -100, 0.0, "mean",
+                                                            True)[0], 3),
+        "liger.jsd": None if lig is None else (lambda: lig(hidden, weight, *teacher, None, 0.0), 4),
+        "torch": (lambda: torch_kd(hidden, weight, *teacher), 4),
+    }  # fmt: skip
+    results = {}
+    for name, entry in providers.items():
+        if entry is None:
+            continue
+        fn, gemms = entry
+
+        def step(fn=fn):
+            hidden.grad = weight.grad = None
+            fn().backward()
+
+        with torch.no_grad():
+            loss = float(fn()) if not name.startswith("flce") else None
+        ms = rec.time(name, "fwd+bwd", (n, h, v), DTYPE, step, flops=gemms * 2 * n * h * v, rep=2000)
+        hidden.grad = weight.grad = None
+        mb = rec.memory(name, "fwd+bwd", (n, h, v), DTYPE, step)
+        hidden.grad = weight.grad = None
+        torch.cuda.empty_cache()
+        results[name] = (ms, mb, loss)
+    base_ms, base_mb, _ = results.get("flce", (None, None, None))
+    print("\n| provider | fwd+bwd ms | peak MB | time / FLCE | memory / FLCE | loss |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for name, (ms, mb, loss) in results.items():
+        ratios = []
+        for value, base, metric in ((ms, base_ms, "time_vs_flce"), (mb, base_mb, "mem_vs_flce")):
+            ratio = value / base if value is not None and base else None
+            if ratio is not None:
+                rec.add(name, "fwd+bwd", (n, h, v), DTYPE, metric, [ratio], "x")
+            ratios.append("-" if ratio is None else f"{ratio:.2f}x")
+        cells = ["-" if x is None else f"{x:.1f}" for x in (ms, mb)] + ratios
+        print(f"| {name} | {' | '.join(cells)} | {'-' if loss is None else f'{loss:.6f}'} |")
+    print("targets (issue 19): squeezeserve memory <= 1.5x FLCE, time <= 2.2x FLCE")
+
+
+BENCHES = {b.__name__: b for b in (cross_entropy, fused_linear_cross_entropy, fused_linear_kd)}
+
 if __name__ == "__main__":
+    unknown = [name for name in sys.argv[1:] if name not in BENCHES]
+    if unknown:
+        sys.exit(f"unknown bench {', '.join(unknown)}; choose from {', '.join(BENCHES)}")
     peaks()
-    for bench in (cross_entropy, fused_linear_cross_entropy):
-        recorder = Recorder(bench.__name__)
-        bench(recorder)
+    for name in sys.argv[1:] or BENCHES:
+        recorder = Recorder(name)
+        BENCHES[name](recorder)
         recorder.write()
         torch._dynamo.reset()
         torch.cuda.empty_cache()

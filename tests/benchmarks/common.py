@@ -56,12 +56,13 @@ def peaks() -> dict[str, float]:
     return _PEAKS
 
 
-def time_ms(fn: Callable[[], object], graph: bool = False) -> list[float]:
-    """[p20, p50, p80] in ms. graph=True replays a CUDA graph (small launches: no host gaps)."""
+def time_ms(fn: Callable[[], object], graph: bool = False, rep: int = 100) -> list[float]:
+    """[p20, p50, p80] in ms over about ``rep`` ms of repeats. graph=True replays a CUDA graph (small
+    launches: no host gaps)."""
     q = [0.2, 0.5, 0.8]
     if graph:
-        return list(do_bench_cudagraph(fn, rep=100, quantiles=q))
-    return list(do_bench(fn, warmup=25, rep=100, quantiles=q))
+        return list(do_bench_cudagraph(fn, rep=rep, quantiles=q))
+    return list(do_bench(fn, warmup=25, rep=rep, quantiles=q))
 
 
 def peak_memory_mb(fn: Callable[[], object]) -> float:
@@ -93,9 +94,11 @@ class Recorder:
               f"{p50:10.4g} {unit}" + ("" if pct is None else f" ({pct:.0f}% of peak)"),
               flush=True)  # fmt: skip
 
-    def time(self, provider, mode, shape, dtype, fn, nbytes=None, flops=None, graph=False) -> float | None:
+    def time(
+        self, provider, mode, shape, dtype, fn, nbytes=None, flops=None, graph=False, rep=100
+    ) -> float | None:
         try:
-            ms = time_ms(fn, graph=graph)
+            ms = time_ms(fn, graph=graph, rep=rep)
         except (
             Exception
         ) as exc:  # a provider that cannot run a shape (Liger's width limit) is recorded as such
@@ -115,7 +118,7 @@ class Recorder:
             )
         return ms[1]
 
-    def memory(self, provider, mode, shape, dtype, fn) -> None:
+    def memory(self, provider, mode, shape, dtype, fn) -> float | None:
         try:
             mb = peak_memory_mb(fn)
         except Exception as exc:
@@ -123,8 +126,9 @@ class Recorder:
                 f"# {self.op} {provider} memory {shape}: {type(exc).__name__}: {str(exc)[:120]}",
                 file=sys.stderr,
             )
-            return
+            return None
         self.add(provider, mode, shape, dtype, "peak_mem", [mb], "MB")
+        return mb
 
     def write(self) -> None:
         CSV_PATH.parent.mkdir(parents=True, exist_ok=True)

@@ -7,6 +7,8 @@
 #   bash tests/gpu/run_h100.sh ab      # run 3: our ops on vs off (+ int4 by Marlin vs quant_matmul), CPUs clean
 #   bash tests/gpu/run_h100.sh ckpt    # run 1: baseline/int8/int4/fp8 by vLLM behind our gateway + validate
 #   bash tests/gpu/run_h100.sh synth   # run 2: 8B-class synthetic Llama: bf16 / W4A16 vLLM / W4A16 ours
+#   bash tests/gpu/run_h100.sh recipes # issue 19: mlp-width ratios x kd/lm recovery, prune -> kd -> int4, vLLM speed
+#                                      # (resumable: run it again until it says 'recipes complete')
 #
 # Two GPUs (nvidia-h200-x2, issue 18; `prep` first, as above):
 #   bash tests/gpu/run_h100.sh tp       # bundled (cut to 6 heads) fp16 / int4 ours, TP=1 vs 2: greedy, kernels per rank
@@ -18,7 +20,7 @@
 # cache from memory another one is still allocating), each pinned to its own CPUs; measurements run one
 # server at a time while the others sit idle. One failing configuration leaves the others measured.
 set -uo pipefail
-STAGE=${1:?usage: run_h100.sh prep|ab|ckpt|synth}
+STAGE=${1:?usage: run_h100.sh prep|ab|ckpt|synth|recipes|tp|tp8b|scale}
 OUT=${OUT:-/tmp/vllm-out}
 LOGS=/tmp/vllm-logs/$STAGE
 mkdir -p "$OUT" "$LOGS"
@@ -133,6 +135,18 @@ for trace in sorted(pathlib.Path(sys.argv[1]).rglob("*.json*")):
 PY
 }
 
+convert_baseline() {  # the bundled GGUF -> fp16 checkpoint in $MODELS/hf (once per machine)
+  [ -f $MODELS/hf/config.json ] && return 0
+  timeout "$(cap 200)" python3 /tmp/vllm-tools/vllm_smoke.py convert --gguf /tmp/b/smollm2.gguf --out $MODELS/hf \
+    > "$LOGS/convert.log" 2>&1 || { tail -20 "$LOGS/convert.log"; exit 1; }
+}
+
+stage_data() {  # wikitext-2 from the carried .vllm-bundle/data into $DATA (once per machine)
+  [ -f $DATA/test.txt ] && [ -f $DATA/calibration.txt ] && return 0
+  mkdir -p "$DATA" && cp .vllm-bundle/data/calibration.txt .vllm-bundle/data/test.txt "$DATA/" \
+    || { note "carry .vllm-bundle/data with this call"; exit 1; }
+}
+
 gateway_serves() {  # label: wait (<= 20 s) until the gateway lists it
   for _ in $(seq 20); do
     curl -sf "$GW/v1/models" | grep -q "\"$1\"" && return 0; sleep 1
@@ -142,12 +156,8 @@ gateway_serves() {  # label: wait (<= 20 s) until the gateway lists it
 
 case "$STAGE" in
 prep)
-  mkdir -p "$DATA" && cp .vllm-bundle/data/calibration.txt .vllm-bundle/data/test.txt "$DATA/" \
-    || { note "carry .vllm-bundle/data with this call"; exit 1; }
-  if [ ! -f $MODELS/hf/config.json ]; then
-    timeout "$(cap 200)" python3 /tmp/vllm-tools/vllm_smoke.py convert --gguf /tmp/b/smollm2.gguf --out $MODELS/hf \
-      > "$LOGS/convert.log" 2>&1 || { tail -20 "$LOGS/convert.log"; exit 1; }
-  fi
+  stage_data
+  convert_baseline
   note "baseline converted"
   # GPTQ on the GPU where compress offers it (--device), else on 12 CPUs; int8/fp8 (RTN) on the rest.
   ON_GPU=(); $SQ compress --help | grep -q -- "--device" && ON_GPU=(--device cuda)
@@ -279,14 +289,87 @@ synth)
     grep -E "Using .* for CompressedTensorsWNA16|squeezeserve plugin" "$LOGS/worker-$label.log" | head -3 | tee -a "$SUMMARY"
   done
   ;;
+recipes)
+  # Issue 19.4. Every run is `squeezeserve pipeline` on a recipe derived from sample:prune-distill-int4
+  # (tests/gpu/recipes_table.py recipe): the whole wikitext-2 calibration file, validated on the whole test
+  # file against the fp16 baseline. The issue's recipe (mlp-width 0.25 -> kd -> int4 GPTQ) first, then the
+  # curve: each ratio with kd and with lm recovery at the same steps. Runs live in $MODELS/recipes and a
+  # finished one is skipped, so the stage resumes across calls while the machine stays warm (and inside a
+  # run, the pipeline resumes from its last finished stage). Once every run is done: vLLM serves the baseline,
+  # the smallest checkpoint that passed its gates, the recipe's int4 and its fp16 stage before int4 (label
+  # $RECIPE-fp16), side by
+  # side; each is measured alone at c=1 and c=64 (TPOT, output throughput). The table goes to $OUT.
+  stage_data
+  convert_baseline
+  RUNS=$MODELS/recipes
+  RT="python3 tests/gpu/recipes_table.py"
+  mkdir -p "$RUNS" "$LOGS/runs"
+  RECIPE=mlp0.25-kd-int4
+  # The recipe: 500 steps, scored on the whole test file. The curve: CURVE_STEPS for kd and lm alike, scored
+  # on the first CURVE_TOKENS (a run here: ~3 steps/s, and ~1 min per model for the whole file).
+  # RECIPE_PLAN (runs separated by '|', e.g. "0.5 kd|0.5 lm") narrows a call to some runs.
+  IFS='|' read -r -a PLAN <<< "${RECIPE_PLAN:-0.25 kd int4|0.25 kd|0.25 lm|0.5 kd|0.5 lm|0.75 kd|0.75 lm}"
+  pending=0
+  for entry in "${PLAN[@]}"; do
+    read -r ratio loss quant <<< "$entry"
+    name=mlp$ratio-$loss${quant:+-$quant}
+    if grep -qs '"validation"' "$RUNS/$name/model/squeeze.json"; then continue; fi
+    # A run that cannot finish in this call is not started (RUN_S: seconds one run takes here).
+    if [ $((BUDGET_S - SECONDS)) -lt "${RUN_S:-150}" ]; then
+      note "$name: not started, $((BUDGET_S - SECONDS)) s left in this call"; pending=$((pending + 1)); continue
+    fi
+    if [ -n "$quant" ]; then knobs=(--steps "${RECIPE_STEPS:-500}" --quantize)
+    else knobs=(--steps "${CURVE_STEPS:-200}" --max-tokens "${CURVE_TOKENS:-65536}"); fi
+    $RT recipe --ratio "$ratio" --loss "$loss" "${knobs[@]}" \
+      --calibration $DATA/calibration.txt --dataset $DATA/test.txt --out "$RUNS/$name.yaml"
+    start=$SECONDS
+    timeout "$(cap 480)" $SQ pipeline "$RUNS/$name.yaml" --model $MODELS/hf --out "$RUNS/$name" --device cuda \
+      > "$LOGS/pipeline-$name.log" 2>&1
+    code=$?
+    note "$name: pipeline exit $code (0 pass, 1 gate failed, 124 out of time) after $((SECONDS - start)) s;" \
+      "$(grep -E '^  (pass|FAIL) ' "$LOGS/pipeline-$name.log" | tr -s ' ' | tr '\n' ' ')"
+    grep -qs '"validation"' "$RUNS/$name/model/squeeze.json" || pending=$((pending + 1))
+  done
+  for run in "$RUNS"/*/; do
+    name=$(basename "$run"); mkdir -p "$LOGS/runs/$name"
+    cp "$RUNS/$name.yaml" "$run/model/squeeze.json" "$run/report/report.md" "$LOGS/runs/$name/" 2>/dev/null
+  done
+  if [ "$pending" -gt 0 ]; then
+    note "recipes: $pending run(s) left: run the stage again (serving waits for every run)"
+  elif [ -f "$RUNS/serving.csv" ]; then
+    note "recipes: every run and the serving measurement were done earlier"
+  elif [ $((BUDGET_S - SECONDS)) -lt "${SERVE_S:-280}" ]; then
+    note "recipes: every run is done; serving needs ${SERVE_S:-280} s, $((BUDGET_S - SECONDS)) s left: run the stage again"
+  else
+    declare -A SERVE=([baseline]=$MODELS/hf [$RECIPE]=$RUNS/$RECIPE/model
+                      [$RECIPE-fp16]=$RUNS/$RECIPE/stages/02-distill)
+    small=$($RT smallest "$RUNS") && SERVE[$(basename "$(dirname "$small")")]=$small
+    note "smallest acceptable: ${small:-none passed its gates}"
+    COMMON=(--dtype float16 --max-model-len 1024 --max-num-seqs 64 --gpu-memory-utilization 0.1
+            --kv-cache-memory-bytes 2147483648)
+    labels=(); i=0
+    for label in "${!SERVE[@]}"; do
+      start_server "$label" "$((3 * i))-$((3 * i + 2))" $((8601 + i)) "${SERVE[$label]}" "${COMMON[@]}" && labels+=("$label")
+      i=$((i + 1))
+    done
+    read -r -a up <<< "$(wait_servers "$(cap "${START_TIMEOUT:-300}")" "${labels[@]}")"
+    note "serving: ${up[*]}"
+    for label in "${up[@]}"; do
+      timeout "$(cap 90)" taskset -c 12-15 python3 tests/benchmarks/bench_serving.py \
+        --base-url "http://127.0.0.1:${PORT[$label]}" --model "$label" --run recipes --label "$label" --vocab 49152 \
+        --concurrency 1 64 --prompt-tokens 256 --output-tokens 128 --csv "$RUNS/serving.csv" 2>&1 | tee -a "$SUMMARY"
+    done
+  fi
+  [ -f "$RUNS/serving.csv" ] && cp "$RUNS/serving.csv" "$OUT/recipes_serving.csv"
+  $RT table "$RUNS" --serving "$RUNS/serving.csv" --device "$DEVICE" --csv "$OUT/recipes.csv" --md "$OUT/recipes.md" \
+    | tee -a "$SUMMARY"
+  [ "$pending" -eq 0 ] && [ -f "$RUNS/serving.csv" ] && note "recipes complete"
+  ;;
 tp)
   # Issue 18.1 on two GPUs: the bundled model, fp16 with our SiluAndMul/RMSNorm and int4 (RTN g32,
   # asymmetric) through our quantization method, at TP=1 and TP=2. No torch.compile (CUDA graphs only) to
   # keep four starts inside one call; a profiler window per server writes one trace per engine process.
-  if [ ! -f $MODELS/hf/config.json ]; then
-    timeout "$(cap 200)" python3 /tmp/vllm-tools/vllm_smoke.py convert --gguf /tmp/b/smollm2.gguf --out $MODELS/hf \
-      > "$LOGS/convert.log" 2>&1 || { tail -20 "$LOGS/convert.log"; exit 1; }
-  fi
+  convert_baseline
   # SmolLM2's 9 heads / 3 KV groups do not divide by 2: serve its real weights cut to 6 heads / 2 groups.
   [ -f $MODELS/hf6/config.json ] || python3 tests/gpu/tp_model.py --model $MODELS/hf --out $MODELS/hf6 | tee -a "$SUMMARY"
   if [ ! -f $MODELS/hf6-int4/config.json ]; then
