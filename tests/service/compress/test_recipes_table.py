@@ -13,7 +13,7 @@ import yaml
 
 from squeezeserve.service.compress import recipes
 
-SCRIPT = Path(__file__).with_name("recipes_table.py")
+SCRIPT = Path(__file__).parents[2] / "gpu" / "recipes_table.py"
 
 
 def run_script(monkeypatch: pytest.MonkeyPatch, *argv: str) -> None:
