@@ -81,15 +81,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 def load_quantized_linear(settings: WorkerSettings) -> str:
-    """How the loader treats quantized Linears. ``auto`` expands them on CPU for transformers, whose CPU path
-    would dequantize every call; our static decoder (Llama models, ``--decoder auto|static``) keeps them
-    packed and runs torch's int8/int4 CPU matmuls on them, so it gets them packed."""
-    from squeezeserve.service.models.loader import read_config
-
-    static = settings.decoder == "static" or (
-        settings.decoder == "auto" and read_config(settings.model).get("model_type") == "llama"
-    )
-    return "kernel" if settings.quantized_linear == "auto" and static else settings.quantized_linear
+    """How the loader treats quantized Linears. ``auto`` expands them once at load, for transformers and
+    for our static decoder alike: the decoder's packed int8/int4 CPU path (torch's int8/int4 matmuls on
+    the packed weights) answered the bundled model's INT8 checkpoint wrongly end to end (the compose
+    stack's chat test: "L'Etoile, la Marseillaise" for the capital of France, where the expanded weights
+    answer "Paris"), so it runs only when asked for with ``--quantized-linear kernel``."""
+    return settings.quantized_linear
 
 
 def serve_local(settings: WorkerSettings) -> int:
