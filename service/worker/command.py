@@ -80,15 +80,6 @@ def run(args: argparse.Namespace) -> int:
     return serve_local(settings)
 
 
-def load_quantized_linear(settings: WorkerSettings) -> str:
-    """How the loader treats quantized Linears. ``auto`` expands them once at load, for transformers and
-    for our static decoder alike: the decoder's packed int8/int4 CPU path (torch's int8/int4 matmuls on
-    the packed weights) answered the bundled model's INT8 checkpoint wrongly end to end (the compose
-    stack's chat test: "L'Etoile, la Marseillaise" for the capital of France, where the expanded weights
-    answer "Paris"), so it runs only when asked for with ``--quantized-linear kernel``."""
-    return settings.quantized_linear
-
-
 def serve_local(settings: WorkerSettings) -> int:
     import torch
 
@@ -109,7 +100,7 @@ def serve_local(settings: WorkerSettings) -> int:
             settings.model,
             dtype=settings.dtype,
             use_custom_ops=settings.use_custom_ops,
-            quantized_linear=load_quantized_linear(settings),
+            quantized_linear=settings.quantized_linear,
         )
     except (OSError, ValueError) as exc:
         print(f"error: cannot load model {settings.model}: {exc}", file=sys.stderr)
