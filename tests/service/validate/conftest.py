@@ -53,10 +53,11 @@ def wikitext_file(wikitext: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def keyed_gateway(baseline_worker: str) -> Iterator[tuple[str, str]]:
-    """(URL, key) of a gateway in front of the baseline worker that requires that key."""
+def keyed_gateway(float32_baseline_worker: str) -> Iterator[tuple[str, str]]:
+    """(URL, key) of a gateway that requires that key, in front of the baseline worker in float32 (where the
+    worker's decoder and transformers agree to rounding on every CPU; see test_http.py)."""
     server = _server_thread_class()(
-        create_app(GatewaySettings(upstreams=[baseline_worker], port=0, api_keys=[GATEWAY_KEY]))
+        create_app(GatewaySettings(upstreams=[float32_baseline_worker], port=0, api_keys=[GATEWAY_KEY]))
     ).start()
     try:
         yield server.url, GATEWAY_KEY
