@@ -60,7 +60,13 @@ def block_rows(n_rows: int, block: int) -> int:
     interpreter every program costs milliseconds, so it packs 16k elements into each.
     """
     tile = 16384 if interpreting() else 2048
-    return max(1, min(next_power_of_2(max(n_rows, 1)), tile // block))
+    most = max(1, tile // block)
+    if not isinstance(n_rows, int):
+        # A symbolic row count (torch.compile tracing a triton_op, as vLLM does for every batch size up to
+        # max_num_batched_tokens): the widest tile, with no guard on the row count. Rounding it to a power
+        # of two would specialise the whole graph to the traced size (vLLM then refuses to start).
+        return most
+    return max(1, min(next_power_of_2(max(n_rows, 1)), most))
 
 
 @functools.cache
@@ -75,9 +81,10 @@ def sm_count(device: torch.device) -> int:
 
 def persistent_programs(device: torch.device, n_rows: int) -> int:
     """Programs for a kernel that loops over rows: one per SM on a GPU, a few under the interpreter."""
-    if device.type == "cuda":
-        return max(1, min(n_rows, sm_count(device)))
-    return max(1, min(n_rows, 4))
+    most = sm_count(device) if device.type == "cuda" else 4
+    if not isinstance(n_rows, int):  # symbolic (see block_rows): no guard on the row count
+        return most
+    return max(1, min(n_rows, most))
 
 
 def rows_2d(x: torch.Tensor) -> torch.Tensor:

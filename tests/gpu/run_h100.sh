@@ -7,6 +7,7 @@
 #   bash tests/gpu/run_h100.sh ab      # run 3: our ops on vs off (+ int4 by Marlin vs quant_matmul), CPUs clean
 #   bash tests/gpu/run_h100.sh ckpt    # run 1: baseline/int8/int4/fp8 by vLLM behind our gateway + validate
 #   bash tests/gpu/run_h100.sh synth   # run 2: 8B-class synthetic Llama: bf16 / W4A16 vLLM / W4A16 ours
+#   bash tests/gpu/run_h100.sh disconnect  # issue 15.3: streams closed after 5 events stop vLLM within 1 s
 #   bash tests/gpu/run_h100.sh recipes # issue 19: mlp-width ratios x kd/lm recovery, prune -> kd -> int4, vLLM speed
 #                                      # (resumable: run it again until it says 'recipes complete')
 #
@@ -20,7 +21,7 @@
 # cache from memory another one is still allocating), each pinned to its own CPUs; measurements run one
 # server at a time while the others sit idle. One failing configuration leaves the others measured.
 set -uo pipefail
-STAGE=${1:?usage: run_h100.sh prep|ab|ckpt|synth|recipes|tp|tp8b|scale}
+STAGE=${1:?usage: run_h100.sh prep|ab|ckpt|synth|disconnect|recipes|tp|tp8b|scale}
 OUT=${OUT:-/tmp/vllm-out}
 LOGS=/tmp/vllm-logs/$STAGE
 mkdir -p "$OUT" "$LOGS"
@@ -288,6 +289,18 @@ synth)
       --csv "$OUT/vllm_serving.csv" 2>&1 | tee -a "$SUMMARY"
     grep -E "Using .* for CompressedTensorsWNA16|squeezeserve plugin" "$LOGS/worker-$label.log" | head -3 | tee -a "$SUMMARY"
   done
+  ;;
+disconnect)
+  # Issue 15.3: vLLM (our plugin loaded) serves the baseline, our gateway in front; tests/gpu/vllm_disconnect.py
+  # hangs up streams after 5 events, straight to vLLM and through the gateway, and reads vLLM's /metrics.
+  convert_baseline
+  start_server baseline 0-7 8001 $MODELS/hf --gpu-memory-utilization 0.3 --max-model-len 8192
+  start_gateway 8-9 8001
+  read -r -a up <<< "$(wait_servers "$(cap 300)" baseline)"
+  [ "${#up[@]}" -eq 1 ] && gateway_serves baseline || exit 1
+  timeout "$(cap 200)" taskset -c 10-11 python3 tests/gpu/vllm_disconnect.py --worker http://127.0.0.1:8001 \
+    --gateway $GW --model baseline --trials 5 --csv "$OUT/vllm_disconnect.csv" 2>&1 | tee -a "$SUMMARY"
+  grep -E "squeezeserve plugin|Aborted request|abort" "$LOGS/worker-baseline.log" | head -12 | tee -a "$SUMMARY"
   ;;
 recipes)
   # Issue 19.4. Every run is `squeezeserve pipeline` on a recipe derived from sample:prune-distill-int4

@@ -4,6 +4,7 @@
 # bench_compress.py's low-rank and codebook runs against int4 GPTQ g32 on the full wikitext-2 test file.
 #
 #   BASELINE=/tmp/model/hf DATA=/tmp/model/data bash tests/gpu/run_issue20.sh
+#   KERNELS_ONLY=1 bash tests/gpu/run_issue20.sh      # the tests and the kernel benchmark only (~3 min)
 #
 # BASELINE: the fp16 baseline checkpoint, DATA: a folder with wikitext-2's test.txt and calibration.txt (both
 # as `tests/gpu/run_h100.sh prep` leaves them). Every step's timeout is capped so that the call ends by
@@ -11,8 +12,11 @@
 # finished run, so runs cut off by the budget are simply missing (ordered: the README's rows first).
 set -uo pipefail
 OUT=${OUT:-/tmp/issue20-out}
-BASELINE=${BASELINE:?the fp16 baseline checkpoint directory}
-DATA=${DATA:?a folder with test.txt and calibration.txt}
+KERNELS_ONLY=${KERNELS_ONLY:-0}
+if [ "$KERNELS_ONLY" != 1 ]; then
+  BASELINE=${BASELINE:?the fp16 baseline checkpoint directory}
+  DATA=${DATA:?a folder with test.txt and calibration.txt}
+fi
 BUDGET_S=${BUDGET_S:-560}
 mkdir -p "$OUT"
 cap() { local left=$((BUDGET_S - SECONDS)); [ "$left" -lt 20 ] && left=1; echo $(( $1 < left ? $1 : left )); }
@@ -25,6 +29,7 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,power.draw --format=csv | tee "
 timeout "$(cap 150)" python3 -m pytest -q -p no:cacheprovider tests/kernels/test_codebook_matmul.py \
   tests/kernels/test_vllm_lowrank_codebook.py tests/kernels/test_quant_matmul.py 2>&1 | tail -25 | tee "$OUT/tests.log"
 timeout "$(cap 150)" python3 tests/benchmarks/bench_codebook_matmul.py 2>&1 | tee "$OUT/bench_codebook_matmul.log"
+[ "$KERNELS_ONLY" = 1 ] && exit 0
 timeout "$(cap 600)" python3 tests/benchmarks/bench_compress.py --work /tmp/issue20-work --device cuda \
   --baseline "$BASELINE" --data "$DATA" --csv "$OUT/compress.csv" --runs int4-gptq-g32 codebook4-gptq \
   lowrank-svdllm-0.9 lowrank-asvd-0.9 lowrank-svd-0.9 codebook3-gptq codebook4-kmeans lowrank-svdllm-0.8 \
