@@ -298,6 +298,9 @@ disconnect)
   start_gateway 8-9 8001
   read -r -a up <<< "$(wait_servers "$(cap 300)" baseline)"
   [ "${#up[@]}" -eq 1 ] && gateway_serves baseline || exit 1
+  # GPU utilisation every 100 ms beside it: a second witness of when decoding stopped (hung_up_at: epoch s)
+  nvidia-smi --query-gpu=timestamp,utilization.gpu --format=csv,noheader -lms 100 > "$OUT/gpu_util.csv" &
+  STARTED+=("$!")
   timeout "$(cap 200)" taskset -c 10-11 python3 tests/gpu/vllm_disconnect.py --worker http://127.0.0.1:8001 \
     --gateway $GW --model baseline --trials 5 --csv "$OUT/vllm_disconnect.csv" 2>&1 | tee -a "$SUMMARY"
   grep -E "squeezeserve plugin|Aborted request|abort" "$LOGS/worker-baseline.log" | head -12 | tee -a "$SUMMARY"

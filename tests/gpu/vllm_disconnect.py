@@ -4,13 +4,13 @@
         --model baseline --trials 5 --csv OUT.csv
 
 Each trial streams one long completion (``ignore_eos``, thousands of tokens: tens of seconds of work at
-vLLM's single-stream speed), reads a few SSE events, closes the connection, and then polls vLLM's own
-``/metrics`` every 20 ms: the time from the hang-up until ``vllm:generation_tokens_total`` last grew (then
-unchanged for 0.5 s, while an uncancelled request adds hundreds of tokens a second) is the stop latency;
-``vllm:num_requests_running`` after it is recorded beside it (a gauge vLLM refreshes only on engine steps).
-Trials go straight to vLLM and through our gateway (which must pass the hang-up on to its upstream). A row
-per trial goes to the CSV; the exit code is 1 if any trial took longer than --limit-s (1 s, the issue's
-bound) or never stopped.
+vLLM's single-stream speed), reads a few SSE events and then for one second more (vLLM's metrics while it
+runs), closes the connection, and then polls vLLM's own ``/metrics`` every 20 ms: the time from the hang-up
+until ``vllm:generation_tokens_total`` last grew (then unchanged for 0.5 s, while an uncancelled request
+adds hundreds of tokens a second) is the stop latency; ``vllm:num_requests_running`` after it is recorded
+beside it. Trials go straight to vLLM and through our gateway (which must pass the hang-up on to its
+upstream). A row per trial goes to the CSV; the exit code is 1 if any trial took longer than --limit-s (1 s,
+the issue's bound) or never stopped.
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ import time
 import httpx
 
 METRIC = re.compile(r"^(vllm:num_requests_running|vllm:generation_tokens_total)(\{[^}]*\})? (\S+)$")
-FIELDS = ["path", "trial", "events_read", "stop_s", "tokens_after_hangup", "running_after", "ok"]
+FIELDS = ["path", "trial", "hung_up_at", "events_read", "running_before", "tokens_while_reading_1s", "stop_s",
+          "tokens_after_hangup", "running_after", "ok"]  # fmt: skip
 
 
 def sample(worker: str) -> tuple[float, float]:
@@ -45,13 +46,21 @@ def trial(base: str, worker: str, model: str, events: int, limit_s: float) -> di
     read = 0
     with httpx.Client(timeout=60) as client, client.stream("POST", f"{base}/v1/completions", json=body) as r:
         r.raise_for_status()
-        for line in r.iter_lines():
+        lines = r.iter_lines()
+        for line in lines:
             if line.startswith("data: ") and line != "data: [DONE]":
                 read += 1
                 if read >= events:
                     break
-        running, tokens_at_hangup = sample(worker)
-        assert running >= 1, "vLLM shows no running request while the stream is open"
+        # keep reading for a second: the metrics while it runs, to compare with those after the hang-up
+        _, tokens_reading = sample(worker)
+        until = time.monotonic() + 1.0
+        for line in lines:
+            read += line.startswith("data: ")
+            if time.monotonic() > until:
+                break
+        running_before, tokens_at_hangup = sample(worker)
+        hung_up_wall = time.time()
     hung_up = time.monotonic()  # leaving both `with` blocks closed the response and the connection
     stopped = None
     last_tokens, stable_since = tokens_at_hangup, hung_up
@@ -66,8 +75,16 @@ def trial(base: str, worker: str, model: str, events: int, limit_s: float) -> di
         time.sleep(0.02)
     running, tokens = sample(worker)
     stop_s = round(stopped, 3) if stopped is not None else None
-    return {"events_read": read, "stop_s": stop_s, "tokens_after_hangup": int(tokens - tokens_at_hangup),
-            "running_after": int(running), "ok": stop_s is not None and stop_s <= limit_s}  # fmt: skip
+    return {
+        "hung_up_at": round(hung_up_wall, 3),
+        "events_read": read,
+        "running_before": int(running_before),
+        "tokens_while_reading_1s": int(tokens_at_hangup - tokens_reading),
+        "stop_s": stop_s,
+        "tokens_after_hangup": int(tokens - tokens_at_hangup),
+        "running_after": int(running),
+        "ok": stop_s is not None and stop_s <= limit_s,
+    }
 
 
 def main() -> int:
@@ -88,6 +105,9 @@ def main() -> int:
             measured = trial(base, args.worker, args.model, args.events, args.limit_s)
             row = {"path": path, "trial": i, **measured}
             print(row, flush=True)
+            if not rows:  # once: what vLLM's /metrics says about generation right after the first trial
+                text = httpx.get(f"{args.worker}/metrics").text.splitlines()
+                print([x for x in text if re.match(r"vllm:(generation_tokens|num_requests_running)", x)])
             rows.append(row)
     with open(args.csv, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=FIELDS)
