@@ -17,6 +17,9 @@
 #   bash tests/gpu/run_h100.sh scale    # two 8B-shaped bf16 replicas behind the gateway: throughput, kill, prefix routing
 #
 # Data: .vllm-bundle/data/{calibration,test}.txt (wikitext-2, carried in the prep call, kept in /tmp/model).
+# The gateway needs orjson, which the vLLM bundle lacks: carry .vllm-bundle/extra (`pip download --no-deps
+# --only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_17_x86_64 -d
+# .vllm-bundle/extra orjson`) once and `python3 -m zipfile -e .vllm-bundle/extra/orjson-*.whl /tmp/vllm-site/`.
 # Servers start side by side (one GPU, each with a fixed --kv-cache-memory-bytes, so no server sizes its KV
 # cache from memory another one is still allocating), each pinned to its own CPUs; measurements run one
 # server at a time while the others sit idle. One failing configuration leaves the others measured.
