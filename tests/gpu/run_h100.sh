@@ -8,6 +8,7 @@
 #   bash tests/gpu/run_h100.sh ckpt    # run 1: baseline/int8/int4/fp8 by vLLM behind our gateway + validate
 #   bash tests/gpu/run_h100.sh synth   # run 2: 8B-class synthetic Llama: bf16 / W4A16 vLLM / W4A16 ours
 #   bash tests/gpu/run_h100.sh disconnect  # issue 15.3: streams closed after 5 events stop vLLM within 1 s
+#   bash tests/gpu/run_h100.sh serve-pruned  # issue 19.4 in one call: vLLM speed of the recipe's shapes (below)
 #   bash tests/gpu/run_h100.sh recipes # issue 19: mlp-width ratios x kd/lm recovery, prune -> kd -> int4, vLLM speed
 #                                      # (resumable: run it again until it says 'recipes complete')
 #
@@ -24,7 +25,7 @@
 # cache from memory another one is still allocating), each pinned to its own CPUs; measurements run one
 # server at a time while the others sit idle. One failing configuration leaves the others measured.
 set -uo pipefail
-STAGE=${1:?usage: run_h100.sh prep|ab|ckpt|synth|disconnect|recipes|tp|tp8b|scale}
+STAGE=${1:?usage: run_h100.sh prep|ab|ckpt|synth|disconnect|serve-pruned|recipes|tp|tp8b|scale}
 OUT=${OUT:-/tmp/vllm-out}
 LOGS=/tmp/vllm-logs/$STAGE
 mkdir -p "$OUT" "$LOGS"
@@ -307,6 +308,31 @@ disconnect)
   timeout "$(cap 200)" taskset -c 10-11 python3 tests/gpu/vllm_disconnect.py --worker http://127.0.0.1:8001 \
     --gateway $GW --model baseline --trials 5 --csv "$OUT/vllm_disconnect.csv" 2>&1 | tee -a "$SUMMARY"
   grep -E "squeezeserve plugin|Aborted request|abort" "$LOGS/worker-baseline.log" | head -12 | tee -a "$SUMMARY"
+  ;;
+serve-pruned)
+  # Issue 19.4's serving half without the training: serving speed depends on the shapes and the format, not
+  # on the recovered weights, so mlp-width 0.25 (no recovery) and it in int4 (RTN: the recipe's GPTQ writes the
+  # same tensors) stand in for the recipe's fp16 and int4 models. Same vLLM settings as the recipes stage.
+  convert_baseline
+  P=$MODELS/mlp0.25
+  timeout "$(cap 120)" $SQ compress --model $MODELS/hf --method prune --structure mlp-width --ratio 0.25 --out $P \
+    --calibration sample:wikitext-2-calibration \
+    --device cuda --overwrite > "$LOGS/compress-prune.log" 2>&1; note "prune: exit $?; $(tail -n 1 "$LOGS/compress-prune.log")"
+  timeout "$(cap 120)" $SQ compress --model $P --method int4 --algorithm rtn --out $P-int4 --overwrite \
+    > "$LOGS/compress-int4.log" 2>&1; note "int4: exit $?; $(tail -n 1 "$LOGS/compress-int4.log")"
+  COMMON=(--dtype float16 --max-model-len 1024 --max-num-seqs 64 --gpu-memory-utilization 0.1
+          --kv-cache-memory-bytes 2147483648)
+  start_server baseline 0-2 8601 $MODELS/hf "${COMMON[@]}"
+  start_server mlp0.25 3-5 8602 $P "${COMMON[@]}"
+  start_server mlp0.25-int4 6-8 8603 $P-int4 "${COMMON[@]}"
+  read -r -a up <<< "$(wait_servers "$(cap 300)" baseline mlp0.25 mlp0.25-int4)"
+  note "serving: ${up[*]}"
+  for label in "${up[@]}"; do
+    timeout "$(cap 90)" taskset -c 12-15 python3 tests/benchmarks/bench_serving.py \
+      --base-url "http://127.0.0.1:${PORT[$label]}" --model "$label" --run serve-pruned --label "$label" \
+      --vocab 49152 --concurrency 1 64 --prompt-tokens 256 --output-tokens 128 --csv "$OUT/serve_pruned.csv" 2>&1 \
+      | tee -a "$SUMMARY"
+  done
   ;;
 recipes)
   # Issue 19.4. Every run is `squeezeserve pipeline` on a recipe derived from sample:prune-distill-int4
