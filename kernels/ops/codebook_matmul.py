@@ -132,19 +132,20 @@ def check_inputs(
         )
 
 
-def launch_config(m: int, n_out: int, k_in: int, group_size: int, device: torch.device) -> dict:
-    """Tile sizes and split-K: the K tile must lie inside one codebook group; K is split until the grid
-    fills the GPU twice over (decode shapes have few N tiles)."""
-    block_k = 32 if interpreting() else 128
+def launch_config(m: int, n_out: int, k_in: int, group_size: int, sms: int | None) -> dict:
+    """Tile sizes and split-K for ``m`` rows on a GPU with ``sms`` SMs (None: Triton's interpreter, small
+    tiles). The K tile must lie inside one codebook group; K is split until the grid fills the GPU twice
+    over (decode shapes have few N tiles). A pure function, so tests run the GPU's choice on any backend."""
+    block_k = 32 if sms is None else 128
     while group_size and group_size % block_k:
         block_k //= 2  # group_size is a multiple of 16
     block_m = 1 if m == 1 else (16 if m <= 16 else (32 if m <= 32 else 64))
-    block_n = 16 if interpreting() else (64 if m <= 16 else 128)
+    block_n = 16 if sms is None else (64 if m <= 16 else 128)
     tiles = cdiv(k_in, block_k)
-    if interpreting():  # split-K whenever there are two tiles, so the tests cover both paths
+    if sms is None:  # split-K whenever there are two tiles, so the tests cover both paths
         return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "split": min(2, tiles)}
     programs = cdiv(n_out, block_n) * cdiv(m, block_m)
-    split = max(1, min(tiles, cdiv(2 * sm_count(device), programs)))
+    split = max(1, min(tiles, cdiv(2 * sms, programs)))
     return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "split": split}
 
 
@@ -156,30 +157,39 @@ def _codebook_matmul(
         return reference.codebook_matmul(x, indices, codebook, group_size, bits)
     n_out, k_in = indices.shape[0], x.shape[-1]
     x2 = x.reshape(-1, k_in)
+    sms = None if interpreting() else sm_count(x.device)
+    cfg = launch_config(x2.shape[0], n_out, k_in, group_size, sms)
+    return launch(x2, indices, codebook, group_size, bits, cfg).reshape(*x.shape[:-1], n_out)
+
+
+def launch(
+    x2: torch.Tensor, indices: torch.Tensor, codebook: torch.Tensor, group_size: int, bits: int, cfg: dict
+) -> torch.Tensor:
+    """y [M, N] = x2 [M, K] @ W.T with the tiles and split-K of ``cfg`` (:func:`launch_config`'s keys)."""
+    n_out, k_in = indices.shape[0], x2.shape[-1]
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     m = x2.shape[0]
     indices, codebook = indices.contiguous(), codebook.contiguous()
-    cfg = launch_config(m, n_out, k_in, group_size, x.device)
     tiles = cdiv(k_in, cfg["BLOCK_K"])
     tiles_per_split = cdiv(tiles, cfg["split"])
     split = cdiv(tiles, tiles_per_split)
     grid = (cdiv(n_out, cfg["BLOCK_N"]), cdiv(m, cfg["BLOCK_M"]), split)
     # Split-K partials meet as quant_matmul's do: in its self-cleaning workspace (one launch, no memset or
     # cast kernel, which at decode sizes would cost as much as the matmul) unless torch may be tracing.
-    mode = 0 if split == 1 else (2 if eager(x, indices, codebook) else 1)
-    y = (torch.zeros if mode == 1 else torch.empty)((m, n_out), dtype=torch.float32 if mode == 1 else x.dtype,
-                                                     device=x.device)  # fmt: skip
-    ws, counts = _workspace(x.device, m * n_out, grid[0] * grid[1]) if mode == 2 and m else (y, y)
+    mode = 0 if split == 1 else (2 if eager(x2, indices, codebook) else 1)
+    y_dtype = torch.float32 if mode == 1 else x2.dtype
+    y = (torch.zeros if mode == 1 else torch.empty)((m, n_out), dtype=y_dtype, device=x2.device)
+    ws, counts = _workspace(x2.device, m * n_out, grid[0] * grid[1]) if mode == 2 and m else (y, y)
     if m:
         traceable(_codebook_matmul_kernel)[grid](
             x2, indices, codebook, y, ws, counts, m, n_out, k_in,
             x2.stride(0), indices.stride(0), codebook.stride(0), y.stride(0), tiles_per_split,
             BITS=bits, GROUP=group_size, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
             BLOCK_K=cfg["BLOCK_K"], GEMV=cfg["BLOCK_M"] == 1, MODE=mode,
-            DOT_FP32=interpreting() and x.dtype == torch.bfloat16, num_warps=4,
+            DOT_FP32=interpreting() and x2.dtype == torch.bfloat16, num_warps=4,
         )  # fmt: skip
-    return y.to(x.dtype).reshape(*x.shape[:-1], n_out)
+    return y.to(x2.dtype)
 
 
 codebook_matmul = triton_op("squeezeserve::codebook_matmul", _codebook_matmul, mutates_args=())

@@ -26,6 +26,7 @@ from common import Recorder, peaks  # noqa: E402
 
 import squeezeserve.kernels as K  # noqa: E402
 from squeezeserve.kernels import codebook_layout, quant_layout  # noqa: E402
+from squeezeserve.kernels.ops import quant_matmul  # noqa: E402
 
 DTYPE = torch.bfloat16
 KN = [(4096, 4096), (4096, 14336), (14336, 4096)]
@@ -48,6 +49,27 @@ def _codebook(n: int, k: int, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
     return codebook_layout.pack_indices(index, bits), codebook
 
 
+def _rel(y: torch.Tensor, y_ref: torch.Tensor) -> float:
+    return ((y.float() - y_ref.float()).norm() / y_ref.float().norm()).item()
+
+
+def _check(x: torch.Tensor, idx: torch.Tensor, cb: torch.Tensor, bits: int, dense: torch.Tensor) -> None:
+    """codebook_matmul against x @ W.T; on a mismatch, what tells a wrong kernel from a race or a split-K
+    workspace left dirty: the error per row, two more runs of the same call, and the workspace's state."""
+    dirty = any(ws.any().item() or c.any().item() for ws, c in quant_matmul._WORKSPACES.values())
+    y_ref = x @ dense.t()
+    err = _rel(K.codebook_matmul(x, idx, cb, 0, bits), y_ref)
+    if err < 1e-2:
+        return
+    y = K.codebook_matmul(x, idx, cb, 0, bits)
+    rows = [round(_rel(y[r], y_ref[r]), 4) for r in range(x.shape[0])]
+    again = _rel(K.codebook_matmul(x, idx, cb, 0, bits), y_ref)
+    raise AssertionError(
+        f"codebook_matmul mismatch {err} at {(x.shape[0], idx.shape[0], x.shape[1])} bits {bits}: per row "
+        f"{rows}, rerun {again:.4g}, workspace dirty before the call: {dirty}"
+    )
+
+
 def codebook_vs_int4(rec: Recorder) -> None:
     for k, n in KN:
         weight = torch.randn(n, k, device="cuda", dtype=DTYPE) / 64
@@ -62,9 +84,7 @@ def codebook_vs_int4(rec: Recorder) -> None:
             dense = codebook_layout.dequantize(idx, cb, k, None, bits).to(DTYPE)
             for m in MS:
                 x = torch.randn(m, k, device="cuda", dtype=DTYPE)
-                y, y_ref = K.codebook_matmul(x, idx, cb, 0, bits).float(), (x @ dense.t()).float()
-                err = ((y - y_ref).norm() / y_ref.norm()).item()
-                assert err < 1e-2, f"codebook_matmul mismatch {err} at {(m, n, k)}"
+                _check(x, idx, cb, bits, dense)
                 shape, io = (m, n, k), 2 * m * (k + n)
                 ours = _cycle([lambda p=p, x=x, b=bits: K.codebook_matmul(x, *p, 0, b) for p in books])
                 provider = f"squeezeserve-codebook{bits}"

@@ -1,6 +1,8 @@
 """``squeezeserve::codebook_matmul`` against its reference (look up, then matmul), on the compiled kernel on a
 GPU and under Triton's interpreter on CPU (conftest routes CPU tensors to the kernel)."""
 
+import itertools
+
 import pytest
 import torch
 
@@ -9,6 +11,7 @@ from squeezeserve.kernels import functional as K
 from squeezeserve.kernels import reference, registry
 from squeezeserve.kernels.ops import codebook_matmul as cm
 from squeezeserve.kernels.ops import quant_matmul as qm
+from squeezeserve.kernels.ops.launch import cdiv
 
 # (M, N, K, group): one row (the FMA path), batched decode (tl.dot at BLOCK_M 16), a prefill-sized M; K a
 # multiple of neither 8 nor 10 indices a word (a partial last word, a masked last tile), per channel and
@@ -97,3 +100,74 @@ def test_codebook_matmul_gradient_is_grad_times_weight(device):
     K.codebook_matmul(x, indices, codebook, 0, 3).sum().backward()
     weight = cl.dequantize(indices.cpu(), codebook.cpu(), 64, None, 3).float()
     torch.testing.assert_close(x.grad.cpu(), weight.sum(0).expand(4, 64), rtol=1e-5, atol=1e-5)
+
+
+# The GPU's dispatch, run on whichever backend the tests have (compiled on CUDA, interpreted on CPU): what
+# launch_config picks on an H100 (132 SMs) and an H100 PCIe (114) for the benchmark's decode shapes (K, full
+# N) and M = 1..16, launched at a narrow N (two N tiles, the second partial) with the same K tiling, split-K
+# and tiles per split. The shape-based tests above run the interpreter's small tiles, and on a GPU their
+# small N and K give every program a single K tile; these are the multi-tile loops the H100 runs at 4096.
+GPU_SMS = (132, 114)
+DECODE_KN = [(4096, 4096), (4096, 14336)]  # (K, full N): split 5, 4 and 2 ways
+
+
+def _gpu_paths() -> list[tuple[int, dict]]:
+    """(K, config) for each distinct (K, tiles, tiles per split, row path) the GPUs above choose."""
+    paths = {}
+    for sms, (k, n_full), m in itertools.product(GPU_SMS, DECODE_KN, range(1, 17)):
+        cfg = cm.launch_config(m, n_full, k, 0, sms)
+        per_split = cdiv(cdiv(k, cfg["BLOCK_K"]), cfg["split"])
+        paths.setdefault((k, cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], per_split), (k, cfg))
+    return list(paths.values())
+
+
+GPU_PATHS = _gpu_paths()
+
+
+def test_gpu_dispatch_for_llama_decode():
+    # On 132 SMs at K = N = 4096 one row takes the FMA path and 2..16 rows the tensor-core one, both with
+    # 128-wide K tiles split 5 ways (7, 7, 7, 7 and 4 tiles): the split does not change with M, the row
+    # path does. The paths the tests below force are exactly these.
+    tiles = {"BLOCK_N": 64, "BLOCK_K": 128, "split": 5}
+    assert cm.launch_config(1, 4096, 4096, 0, 132) == {"BLOCK_M": 1, **tiles}
+    for m in range(2, 17):
+        assert cm.launch_config(m, 4096, 4096, 0, 132) == {"BLOCK_M": 16, **tiles}
+    assert {cfg["BLOCK_M"] for _, cfg in GPU_PATHS} == {1, 16}
+    assert {cfg["split"] for _, cfg in GPU_PATHS} >= {2, 4, 5}
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("bits", [3, 4])
+@pytest.mark.parametrize(("k", "cfg"), GPU_PATHS, ids=lambda v: str(v) if isinstance(v, int) else
+                         f"m{v['BLOCK_M']}-split{v['split']}")  # fmt: skip
+def test_codebook_matmul_in_the_gpus_configuration(k, cfg, bits, dtype, device):
+    n = cfg["BLOCK_N"] + 16
+    indices, codebook = _weight(n, k, 0, bits, device)
+    # The kernel's own weights (codebook values rounded to x's dtype), so only the summation order and the
+    # output rounding differ (see the first test); a wrong index or word is off by O(1).
+    dense = cl.dequantize(indices.cpu(), codebook.cpu(), k, None, bits).to(dtype).float()
+    for m in (1,) if cfg["BLOCK_M"] == 1 else (2, 4, 16):
+        x = torch.randn(m, k, device=device).to(dtype)
+        y = cm.launch(x, indices, codebook, 0, bits, cfg)
+        expected = x.cpu().float() @ dense.T
+        rel = ((y.float().cpu() - expected).norm() / expected.norm()).item()
+        assert rel < (1e-2 if dtype == torch.bfloat16 else 2e-3), (m, rel)
+    for ws, counts in qm._WORKSPACES.values():
+        assert not ws.any() and not counts.any()
+
+
+@pytest.mark.parametrize("bits", [4, 3])
+def test_codebook_matmul_at_llama_decode_size_on_the_gpu(bits, device):
+    # The benchmark's failing call, (M, N, K) = (4, 4096, 4096) at 3 bits, and the rows around it, in its
+    # order (each M after the one before, on one workspace). Too big for the interpreter.
+    if device != "cuda":
+        pytest.skip("4096 x 4096 runs in seconds compiled, minutes interpreted")
+    indices, codebook = _weight(4096, 4096, 0, bits, device)
+    dense = cl.dequantize(indices, codebook, 4096, None, bits).to(torch.bfloat16)
+    for m in range(1, 17):
+        x = torch.randn(m, 4096, device=device, dtype=torch.bfloat16)
+        for _ in range(3):  # the same call again: a workspace left dirty shows on the next one
+            y = K.codebook_matmul(x, indices, codebook, 0, bits).float()
+            expected = (x @ dense.t()).float()
+            rel = ((y - expected).norm() / expected.norm()).item()
+            assert rel < 1e-2, (m, rel)
