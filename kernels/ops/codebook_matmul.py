@@ -188,6 +188,7 @@ def launch(
             BITS=bits, GROUP=group_size, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
             BLOCK_K=cfg["BLOCK_K"], GEMV=cfg["BLOCK_M"] == 1, MODE=mode,
             DOT_FP32=interpreting() and x2.dtype == torch.bfloat16, num_warps=4,
+            **({"num_stages": cfg["num_stages"]} if "num_stages" in cfg else {}),
         )  # fmt: skip
     return y.to(x2.dtype)
 
