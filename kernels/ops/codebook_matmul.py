@@ -158,6 +158,11 @@ def _codebook_matmul(
     n_out, k_in = indices.shape[0], x.shape[-1]
     x2 = x.reshape(-1, k_in)
     sms = None if interpreting() else sm_count(x.device)
+    if bits == 3 and sms is not None and x2.shape[0] > 1:
+        # Held back on GPUs: the 3-bit tensor-core path answered 0.147 off (relative) at M=4, K=N=4096 on
+        # the H100 (2026-11-23) and no interpreter run of its configuration reproduces it; until
+        # tests/gpu/codebook_probe.py clears it, several rows take the lookup-then-matmul reference.
+        return reference.codebook_matmul(x, indices, codebook, group_size, bits)
     cfg = launch_config(x2.shape[0], n_out, k_in, group_size, sms)
     return launch(x2, indices, codebook, group_size, bits, cfg).reshape(*x.shape[:-1], n_out)
 
