@@ -57,10 +57,11 @@ def prompt_ids(tokenizer, length: int) -> list[int]:
     return ids[:length]
 
 
-# llama.cpp runs in a child process without torch: in this one, after torch has run, its OpenMP threads and
-# llama.cpp's share the two cores and llama.cpp decoded at 0.4 tok/s instead of 24 (AMD EPYC, 2 threads).
-# The child also keeps a broken native build's crash (SIGSEGV in llama_decode) out of this process. It
-# answers one JSON line per request: [seconds to the first token, seconds for the rest].
+# llama.cpp runs in a child process: a broken native build's crash (SIGSEGV in llama_decode) stays out of
+# this one, and its OpenMP threads (libgomp, like torch's) do not share a process with torch's. The
+# first generate after loading is several times slower than the next (weights repacked, pages faulted in):
+# the warm-up round pays it. The child answers one JSON line per request: [seconds to the first token,
+# seconds for the rest].
 CHILD = """
 import importlib.metadata, json, sys, time
 import llama_cpp
