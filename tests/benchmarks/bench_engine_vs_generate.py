@@ -13,38 +13,25 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import csv
 import datetime
 import os
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from squeezeserve.service.validate.latency import LoadSettings, sweep
-from squeezeserve.service.validate.server import WorkerProcess
+sys.path.insert(0, str(Path(__file__).parent))
+from cpu_common import TEXT, append_rows, cpu_description  # noqa: E402
+
+from squeezeserve.service.validate.latency import LoadSettings, sweep  # noqa: E402
+from squeezeserve.service.validate.server import WorkerProcess  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "engine_vs_generate.csv"
-TEXT = (
-    "The history of the Roman Empire spans more than a thousand years, from the founding of the city "
-    "to the fall of Constantinople. Its roads, laws and language shaped much of Europe, and historians "
-    "still argue about why the western half collapsed while the eastern half endured for centuries."
-)
 FIELDS = ["date", "cpu", "flags", "threads", "load_before", "load_after", "model", "dtype", "provider",
           "round", "prompt_tokens", "output_tokens", "decode_tok_s", "ttft_ms"]  # fmt: skip
-
-
-def cpu_description() -> tuple[str, str]:
-    name, flags = "unknown", set()
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            name = line.split(":", 1)[1].strip()
-        elif line.startswith("flags"):
-            flags = set(line.split(":", 1)[1].split())
-    vector = sorted(f for f in flags if f.startswith(("avx2", "avx512", "amx")))
-    return name, " ".join(vector)
 
 
 def generate_speed(model, ids: torch.Tensor, tokens: int) -> tuple[float, float]:
@@ -95,14 +82,8 @@ def main() -> None:
             "load_before": f"{load_before:.2f}", "load_after": f"{os.getloadavg()[0]:.2f}",
             "model": Path(args.model).name, "dtype": args.dtype, "prompt_tokens": len(ids),
             "output_tokens": args.output_tokens}  # fmt: skip
-    new = not RESULTS.exists()
-    with RESULTS.open("a", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=FIELDS)
-        if new:
-            writer.writeheader()
-        for row in rows:
-            writer.writerow({**meta, **row, "decode_tok_s": f"{row['decode_tok_s']:.2f}",
-                             "ttft_ms": f"{row['ttft_ms']:.1f}"})  # fmt: skip
+    append_rows(RESULTS, FIELDS, [{**meta, **row, "decode_tok_s": f"{row['decode_tok_s']:.2f}",
+                                   "ttft_ms": f"{row['ttft_ms']:.1f}"} for row in rows])  # fmt: skip
     for provider in ("generate", "worker"):
         median = statistics.median(r["decode_tok_s"] for r in rows if r["provider"] == provider)
         print(f"median {provider:>8}: {median:5.1f} tok/s")  # noqa: T201

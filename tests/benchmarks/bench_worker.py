@@ -15,12 +15,16 @@ import csv
 import datetime
 import os
 import platform
+import sys
 from pathlib import Path
 
 from transformers import AutoTokenizer
 
-from squeezeserve.service.validate.latency import LoadSettings, sweep
-from squeezeserve.service.validate.server import WorkerProcess
+sys.path.insert(0, str(Path(__file__).parent))
+from cpu_common import TEXT, cpu_description  # noqa: E402
+
+from squeezeserve.service.validate.latency import LoadSettings, sweep  # noqa: E402
+from squeezeserve.service.validate.server import WorkerProcess  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "worker_cpu.csv"
 FIELDS = [
@@ -28,18 +32,6 @@ FIELDS = [
     "output_tokens", "ttft_p50_ms", "tpot_p50_ms", "tpot_p90_ms", "single_stream_tok_s",
     "output_tok_s", "requests",
 ]  # fmt: skip
-TEXT = (
-    "The history of the Roman Empire spans more than a thousand years, from the founding of the city "
-    "to the fall of Constantinople. Its roads, laws and language shaped much of Europe, and historians "
-    "still argue about why the western half collapsed while the eastern half endured for centuries."
-)
-
-
-def cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown"
 
 
 def main() -> None:
@@ -67,7 +59,7 @@ def main() -> None:
         for row in rows:
             out = {
                 "date": datetime.date.today().isoformat(),
-                "machine": f"{cpu_name()} ({platform.machine()})",
+                "machine": f"{cpu_description()[0]} ({platform.machine()})",
                 "cores": os.cpu_count(),
                 "load_before": f"{load_before:.2f}",
                 "model": Path(args.model).name,
