@@ -8,6 +8,7 @@ from typing import Any
 
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
+from starlette.requests import ClientDisconnect
 
 from squeezeserve.service.errors import APIError, invalid_request, model_not_found
 from squeezeserve.service.models.loader import LoadedModel
@@ -108,7 +109,11 @@ class WorkerService:
 
 async def parse_body(http: Request, model: type[BaseModel]) -> Any:
     """The request body validated against ``model``; 400 naming the field when it does not fit."""
-    raw = await http.body()
+    try:
+        raw = await http.body()
+    except ClientDisconnect as exc:  # gone before its body arrived (a gateway's deadline): nobody reads this
+        message = "The client closed the request."
+        raise APIError(499, message, "invalid_request_error", "client_closed") from exc
     try:
         data = json.loads(raw)
     except ValueError as exc:

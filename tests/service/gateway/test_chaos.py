@@ -48,9 +48,10 @@ class Worker:
         self.process: subprocess.Popen | None = None
 
     def launch(self) -> None:
-        _, self.process = self._servers.launch_worker(
-            self._model_dir, load.MODEL, "--threads", "1", port=self.port
-        )
+        # float32: the same speed on every CPU (bfloat16 is emulated on AVX2-only ones, where a batch of 4
+        # streams could outlast the 4 s deadline of the frozen-worker test on the healthy worker)
+        args = ("--threads", "1", "--dtype", "float32")
+        _, self.process = self._servers.launch_worker(self._model_dir, load.MODEL, *args, port=self.port)
 
     def healthy(self) -> bool:
         try:
