@@ -105,9 +105,6 @@ def main() -> int:
             measured = trial(base, args.worker, args.model, args.events, args.limit_s)
             row = {"path": path, "trial": i, **measured}
             print(row, flush=True)
-            if not rows:  # once: what vLLM's /metrics says about generation right after the first trial
-                text = httpx.get(f"{args.worker}/metrics").text.splitlines()
-                print([x for x in text if re.match(r"vllm:(generation_tokens|num_requests_running)", x)])
             rows.append(row)
     with open(args.csv, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=FIELDS)
