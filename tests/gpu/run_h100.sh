@@ -7,7 +7,7 @@
 #   bash tests/gpu/run_h100.sh ab      # run 3: our ops on vs off (+ int4 by Marlin vs quant_matmul), CPUs clean
 #   bash tests/gpu/run_h100.sh ckpt    # run 1: baseline/int8/int4/fp8 by vLLM behind our gateway + validate
 #   bash tests/gpu/run_h100.sh synth   # run 2: 8B-class synthetic Llama: bf16 / W4A16 vLLM / W4A16 ours
-#   bash tests/gpu/run_h100.sh disconnect  # issue 15.3: streams closed after 5 events stop vLLM within 1 s
+#   bash tests/gpu/run_h100.sh disconnect  # issue 15.3: streams closed after ~1 s of reading stop vLLM within 1 s
 #   bash tests/gpu/run_h100.sh serve-pruned  # issue 19.4 in one call: vLLM speed of the recipe's shapes (below)
 #   bash tests/gpu/run_h100.sh recipes # issue 19: mlp-width ratios x kd/lm recovery, prune -> kd -> int4, vLLM speed
 #                                      # (resumable: run it again until it says 'recipes complete')
