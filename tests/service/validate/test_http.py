@@ -17,9 +17,8 @@ SERVED = "smollm2-135m-instruct"  # the name tests/conftest.py serves the baseli
 # Both sides run the checkpoint in float32: the worker's static decoder (fused projections, its own norms)
 # and transformers' modules then differ only in reduction order, inside 1e-4 relative (the level not
 # measured below that), which still catches a misaligned window, moving perplexity by whole percents.
-# In bfloat16 the two
-# implementations round differently: equal to 1e-4 on an AVX2 CPU, 0.6% apart on an AVX-512/AMX one
-# (CI, 2026-11-23), so a bfloat16 comparison would test the CPU's matmul blocking, not our windows.
+# In bfloat16 the two implementations round differently: equal to 1e-4 on an AVX2 CPU, 0.6% apart on an
+# AVX-512/AMX one (CI, 2026-11-23): a bfloat16 comparison would test the CPU's matmul blocking.
 HTTP_REL_TOL = 1e-4
 
 
