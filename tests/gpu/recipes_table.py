@@ -31,15 +31,18 @@ BASELINE = "baseline"
 def write_recipe(args: argparse.Namespace) -> None:
     data = yaml.safe_load(recipe_path(SOURCE).read_text())
     prune, distill, quantize = data["stages"]
-    if prune.get("structure") != "mlp-width" or distill.get("method") != "distill":
-        raise SystemExit(f"{SOURCE} no longer starts with mlp-width pruning and distillation: update me")
+    if "structure" not in prune or distill.get("method") != "distill":
+        raise SystemExit(f"{SOURCE} no longer starts with structured pruning and distillation: update me")
+    prune["structure"] = args.structure
     prune["ratio"] = args.ratio
     distill["recover_loss"] = args.loss
     distill["recover_steps"] = args.steps
+    if args.lr:
+        distill["recover_lr"] = args.lr
     data["stages"] = [prune, distill] + ([quantize] if args.quantize else [])
     data["calibration"] = args.calibration
     quantized = " -> int4" if args.quantize else ""
-    data["description"] = f"mlp-width {args.ratio} -> {args.loss} {args.steps} steps{quantized}"
+    data["description"] = f"{args.structure} {args.ratio} -> {args.loss} {args.steps} steps{quantized}"
     validate = data["validate"]
     validate.pop("max_tokens", None)  # the whole test file unless --max-tokens
     if args.max_tokens:
@@ -63,6 +66,7 @@ def runs(root: Path) -> list[dict]:
         rows.append(
             {
                 "run": record_path.parent.parent.name,
+                "structure": stages.get("prune", {}).get("options", {}).get("structure"),
                 "ratio": stages.get("prune", {}).get("options", {}).get("ratio"),
                 "recover_loss": recovery.get("loss"),
                 "recover_steps": recovery.get("steps"),
@@ -114,7 +118,12 @@ def table(args: argparse.Namespace) -> None:
     speed = serving(Path(args.serving) if args.serving else None)
     concurrency = (1, 64)
     out = []
-    for row in [baseline, *sorted(rows, key=lambda r: (r["int4"], r["ratio"] or 0, r["recover_loss"] or ""))]:
+    for row in [
+        baseline,
+        *sorted(
+            rows, key=lambda r: (r["int4"], r["structure"] or "", r["ratio"] or 0, r["recover_loss"] or "")
+        ),
+    ]:
         row = {key: value for key, value in row.items() if key not in ("baseline_parameters", "model")}
         row.pop("baseline_size_bytes", None)
         row.pop("ppl_baseline", None)
@@ -179,9 +188,13 @@ def main() -> None:
     )
     sub = parser.add_subparsers(dest="command", required=True)
     recipe = sub.add_parser("recipe", help="write one run's recipe")
-    recipe.add_argument("--ratio", type=float, required=True, help="mlp-width pruning ratio")
+    recipe.add_argument(
+        "--structure", choices=("mlp-width", "heads", "layers"), default="mlp-width", help="what is pruned"
+    )
+    recipe.add_argument("--ratio", type=float, required=True, help="pruning ratio")
     recipe.add_argument("--loss", choices=("kd", "lm"), required=True, help="recovery loss")
     recipe.add_argument("--steps", type=int, required=True, help="recovery steps")
+    recipe.add_argument("--lr", type=float, help="recovery learning rate (default: the recipe's)")
     recipe.add_argument("--quantize", action="store_true", help="keep the recipe's int4 stage")
     recipe.add_argument("--calibration", required=True, help="calibration text of every stage")
     recipe.add_argument("--dataset", required=True, help="validation text (scored whole)")

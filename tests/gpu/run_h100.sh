@@ -311,23 +311,38 @@ disconnect)
   ;;
 serve-pruned)
   # Issue 19.4's serving half without the training: serving speed depends on the shapes and the format, not
-  # on the recovered weights, so mlp-width 0.25 (no recovery) and it in int4 (RTN: the recipe's GPTQ writes the
-  # same tensors) stand in for the recipe's fp16 and int4 models. Same vLLM settings as the recipes stage.
+  # on the recovered weights, so pruned checkpoints with no recovery (and them in int4 RTN: the recipe's
+  # GPTQ writes the same tensors) stand in for the recipes' models. SHAPES lists "structure ratio" pairs
+  # ('|'-separated); each is served in fp16 and int4 (vLLM's own W4A16 kernels) beside the baseline, with
+  # the recipes stage's vLLM settings, and measured alone at c=1 and c=64.
   convert_baseline
-  P=$MODELS/mlp0.25
-  timeout "$(cap 120)" $SQ compress --model $MODELS/hf --method prune --structure mlp-width --ratio 0.25 --out $P \
-    --calibration sample:wikitext-2-calibration \
-    --device cuda --overwrite > "$LOGS/compress-prune.log" 2>&1; note "prune: exit $?; $(tail -n 1 "$LOGS/compress-prune.log")"
-  timeout "$(cap 120)" $SQ compress --model $P --method int4 --algorithm rtn --out $P-int4 --overwrite \
-    > "$LOGS/compress-int4.log" 2>&1; note "int4: exit $?; $(tail -n 1 "$LOGS/compress-int4.log")"
+  stage_data
+  IFS='|' read -r -a SHAPE_LIST <<< "${SHAPES:-mlp-width 0.25|layers 0.25}"
   COMMON=(--dtype float16 --max-model-len 1024 --max-num-seqs 64 --gpu-memory-utilization 0.1
           --kv-cache-memory-bytes 2147483648)
-  start_server baseline 0-2 8601 $MODELS/hf "${COMMON[@]}"
-  start_server mlp0.25 3-5 8602 $P "${COMMON[@]}"
-  start_server mlp0.25-int4 6-8 8603 $P-int4 "${COMMON[@]}"
-  read -r -a up <<< "$(wait_servers "$(cap 300)" baseline mlp0.25 mlp0.25-int4)"
+  declare -A SERVE=([baseline]=$MODELS/hf)
+  for shape in "${SHAPE_LIST[@]}"; do
+    read -r structure ratio <<< "$shape"
+    P=$MODELS/${structure%%-*}$ratio
+    timeout "$(cap 120)" $SQ compress --model $MODELS/hf --method prune --structure "$structure" --ratio "$ratio" \
+      --out "$P" --calibration $DATA/calibration.txt --device cuda --overwrite > "$LOGS/compress-$(basename "$P").log" 2>&1
+    note "$(basename "$P"): prune exit $?; $(tail -n 1 "$LOGS/compress-$(basename "$P").log")"
+    timeout "$(cap 120)" $SQ compress --model "$P" --method int4 --algorithm rtn --out "$P-int4" --overwrite \
+      > "$LOGS/compress-$(basename "$P")-int4.log" 2>&1
+    note "$(basename "$P")-int4: exit $?; $(tail -n 1 "$LOGS/compress-$(basename "$P")-int4.log")"
+    SERVE[$(basename "$P")]=$P; SERVE[$(basename "$P")-int4]=$P-int4
+  done
+  labels=(); i=0
+  for label in "${!SERVE[@]}"; do  # 3 CPUs each (5 servers: 0-14), the client on 12-15
+    start_server "$label" "$((3 * i))-$((3 * i + 2))" $((8601 + i)) "${SERVE[$label]}" "${COMMON[@]}" && labels+=("$label")
+    i=$((i + 1))
+  done
+  read -r -a up <<< "$(wait_servers "$(cap 300)" "${labels[@]}")"
   note "serving: ${up[*]}"
-  for label in "${up[@]}"; do
+  order=()  # the baseline first and again last: the drift between its two rows bounds the noise
+  for label in "${up[@]}"; do [ "$label" = baseline ] || order+=("$label"); done
+  [[ " ${up[*]} " == *" baseline "* ]] && order=(baseline "${order[@]}" baseline)
+  for label in "${order[@]}"; do
     timeout "$(cap 90)" taskset -c 12-15 python3 tests/benchmarks/bench_serving.py \
       --base-url "http://127.0.0.1:${PORT[$label]}" --model "$label" --run serve-pruned --label "$label" \
       --vocab 49152 --concurrency 1 64 --prompt-tokens 256 --output-tokens 128 --csv "$OUT/serve_pruned.csv" 2>&1 \
@@ -349,15 +364,20 @@ recipes)
   RUNS=$MODELS/recipes
   RT="python3 tests/gpu/recipes_table.py"
   mkdir -p "$RUNS" "$LOGS/runs"
-  RECIPE=mlp0.25-kd-int4
-  # The recipe: 500 steps, scored on the whole test file. The curve: CURVE_STEPS for kd and lm alike, scored
-  # on the first CURVE_TOKENS (a run here: ~3 steps/s, and ~1 min per model for the whole file).
-  # RECIPE_PLAN (runs separated by '|', e.g. "0.5 kd|0.5 lm") narrows a call to some runs.
+  # RECIPE names the run served as the recipe (with its fp16 stage before int4).
+  RECIPE=${RECIPE:-mlp0.25-kd-int4}
+  # The recipe: RECIPE_STEPS (500) steps, scored on the whole test file. The curve: CURVE_STEPS for kd and
+  # lm alike, scored on the first CURVE_TOKENS (a run here: ~3 steps/s, and ~1 min per model for the whole
+  # file). RECIPE_PLAN (runs separated by '|', e.g. "0.5 kd|0.5 lm") narrows a call to some runs; an entry
+  # may start with the structure ("layers 0.25 kd int4"; default mlp-width); RECIPE_LR sets the learning rate.
   IFS='|' read -r -a PLAN <<< "${RECIPE_PLAN:-0.25 kd int4|0.25 kd|0.25 lm|0.5 kd|0.5 lm|0.75 kd|0.75 lm}"
   pending=0
   for entry in "${PLAN[@]}"; do
+    structure=mlp-width
+    case "$entry" in mlp-width\ *|layers\ *|heads\ *) read -r structure entry <<< "$entry" ;; esac
     read -r ratio loss quant <<< "$entry"
-    name=mlp$ratio-$loss${quant:+-$quant}
+    prefix=${structure%%-*}  # mlp, layers, heads
+    name=$prefix$ratio-$loss${quant:+-$quant}
     if grep -qs '"validation"' "$RUNS/$name/model/squeeze.json"; then continue; fi
     # A run that cannot finish in this call is not started (RUN_S: seconds one run takes here).
     if [ $((BUDGET_S - SECONDS)) -lt "${RUN_S:-150}" ]; then
@@ -365,7 +385,8 @@ recipes)
     fi
     if [ -n "$quant" ]; then knobs=(--steps "${RECIPE_STEPS:-500}" --quantize)
     else knobs=(--steps "${CURVE_STEPS:-200}" --max-tokens "${CURVE_TOKENS:-65536}"); fi
-    $RT recipe --ratio "$ratio" --loss "$loss" "${knobs[@]}" \
+    [ -n "${RECIPE_LR:-}" ] && knobs+=(--lr "$RECIPE_LR")
+    $RT recipe --structure "$structure" --ratio "$ratio" --loss "$loss" "${knobs[@]}" \
       --calibration $DATA/calibration.txt --dataset $DATA/test.txt --out "$RUNS/$name.yaml"
     start=$SECONDS
     timeout "$(cap 480)" $SQ pipeline "$RUNS/$name.yaml" --model $MODELS/hf --out "$RUNS/$name" --device cuda \
