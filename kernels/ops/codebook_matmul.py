@@ -158,11 +158,6 @@ def _codebook_matmul(
     n_out, k_in = indices.shape[0], x.shape[-1]
     x2 = x.reshape(-1, k_in)
     sms = None if interpreting() else sm_count(x.device)
-    if bits == 3 and sms is not None and x2.shape[0] > 1:
-        # Held back on GPUs: the 3-bit tensor-core path answered 0.147 off (relative) at M=4, K=N=4096 on
-        # the H100 (2026-11-23) and no interpreter run of its configuration reproduces it; until
-        # tests/gpu/codebook_probe.py clears it, several rows take the lookup-then-matmul reference.
-        return reference.codebook_matmul(x, indices, codebook, group_size, bits)
     cfg = launch_config(x2.shape[0], n_out, k_in, group_size, sms)
     return launch(x2, indices, codebook, group_size, bits, cfg).reshape(*x.shape[:-1], n_out)
 
@@ -170,7 +165,8 @@ def _codebook_matmul(
 def launch(
     x2: torch.Tensor, indices: torch.Tensor, codebook: torch.Tensor, group_size: int, bits: int, cfg: dict
 ) -> torch.Tensor:
-    """y [M, N] = x2 [M, K] @ W.T with the tiles and split-K of ``cfg`` (:func:`launch_config`'s keys)."""
+    """y [M, N] = x2 [M, K] @ W.T with the tiles and split-K of ``cfg`` (:func:`launch_config`'s keys; a
+    probe may add ``num_stages``, or ``mode`` to pick how split-K partials meet, ``_write_tile``'s MODE)."""
     n_out, k_in = indices.shape[0], x2.shape[-1]
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
@@ -182,7 +178,7 @@ def launch(
     grid = (cdiv(n_out, cfg["BLOCK_N"]), cdiv(m, cfg["BLOCK_M"]), split)
     # Split-K partials meet as quant_matmul's do: in its self-cleaning workspace (one launch, no memset or
     # cast kernel, which at decode sizes would cost as much as the matmul) unless torch may be tracing.
-    mode = 0 if split == 1 else (2 if eager(x2, indices, codebook) else 1)
+    mode = 0 if split == 1 else cfg.get("mode", 2 if eager(x2, indices, codebook) else 1)
     y_dtype = torch.float32 if mode == 1 else x2.dtype
     y = (torch.zeros if mode == 1 else torch.empty)((m, n_out), dtype=y_dtype, device=x2.device)
     ws, counts = _workspace(x2.device, m * n_out, grid[0] * grid[1]) if mode == 2 and m else (y, y)

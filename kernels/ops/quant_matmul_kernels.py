@@ -105,7 +105,12 @@ def _write_tile(acc, y_ptr, ws_ptr, count_ptr, offs_n, offs_m, mask_n, mask_m, y
         tl.debug_barrier()  # every thread's partial is in before the (releasing) count below
         tile = count_ptr + tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
         if tl.atomic_add(tile, 1, sem="acq_rel") == n_splits - 1:
-            total = tl.load(ws_ptrs, mask=y_mask, other=0.0, cache_modifier=".cg")  # L2, where atomics add
+            tl.debug_barrier()
+            # The sums are read with atomics (strong reads at L2, where the adds happened). A plain load,
+            # even ".cg", missed other programs' partial sums on the H100: 1-35% of launches off by up to
+            # 0.2 (relative) at 3-12 rows; with atomic reads none in 2,000 (tests/gpu/splitk_probe.py,
+            # 2026-11-23), at the old speed (quant_matmul median 1.00x, worst 1.05x over 38 shapes).
+            total = tl.atomic_add(ws_ptrs, tl.zeros_like(acc), mask=y_mask, sem="relaxed")
             tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=y_mask)
             tl.store(ws_ptrs, tl.zeros_like(total), mask=y_mask)
             tl.store(tile, 0)
