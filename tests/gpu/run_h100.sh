@@ -366,7 +366,7 @@ recipes)
   mkdir -p "$RUNS" "$LOGS/runs"
   # RECIPE names the run served as the recipe (with its fp16 stage before int4).
   RECIPE=${RECIPE:-mlp0.25-kd-int4}
-  # The recipe: RECIPE_STEPS (500) steps, scored on the whole test file. The curve: CURVE_STEPS for kd and
+  # The recipe: RECIPE_STEPS (1000) steps, scored on the whole test file. The curve: CURVE_STEPS for kd and
   # lm alike, scored on the first CURVE_TOKENS (a run here: ~3 steps/s, and ~1 min per model for the whole
   # file). RECIPE_PLAN (runs separated by '|', e.g. "0.5 kd|0.5 lm") narrows a call to some runs; an entry
   # may start with the structure ("layers 0.25 kd int4"; default mlp-width); RECIPE_LR sets the learning rate.
@@ -383,7 +383,7 @@ recipes)
     if [ $((BUDGET_S - SECONDS)) -lt "${RUN_S:-150}" ]; then
       note "$name: not started, $((BUDGET_S - SECONDS)) s left in this call"; pending=$((pending + 1)); continue
     fi
-    if [ -n "$quant" ]; then knobs=(--steps "${RECIPE_STEPS:-500}" --quantize)
+    if [ -n "$quant" ]; then knobs=(--steps "${RECIPE_STEPS:-1000}" --quantize)
     else knobs=(--steps "${CURVE_STEPS:-200}" --max-tokens "${CURVE_TOKENS:-65536}"); fi
     [ -n "${RECIPE_LR:-}" ] && knobs+=(--lr "$RECIPE_LR")
     $RT recipe --structure "$structure" --ratio "$ratio" --loss "$loss" "${knobs[@]}" \

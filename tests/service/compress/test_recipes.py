@@ -121,4 +121,4 @@ def test_shipped_recipes_load(baseline_dir: Path) -> None:
         assert recipe.stages and "--dataset" in recipe.validate_argv
     issue = recipes.load_recipe("sample:prune-distill-int4", str(baseline_dir))
     assert [s.options.method for s in issue.stages] == ["prune", "distill", "int4"]
-    assert issue.stages[1].options.recover_loss == "kd" and issue.stages[1].options.recover_steps == 500
+    assert issue.stages[1].options.recover_loss == "kd" and issue.stages[1].options.recover_steps == 1000

@@ -48,7 +48,7 @@ def test_curve_recipe_changes_only_ratio_loss_and_steps(monkeypatch, tmp_path: P
 
 
 def test_recipe_with_quantize_keeps_the_int4_stage(monkeypatch, tmp_path: Path) -> None:
-    recipe = write(monkeypatch, tmp_path / "r.yaml", "--quantize", ratio="0.25", loss="kd", steps="500")
+    recipe = write(monkeypatch, tmp_path / "r.yaml", "--quantize", ratio="0.25", loss="kd", steps="1000")
     shipped = recipes.load_recipe("sample:prune-distill-int4", "teacher-dir")
     assert recipe.stages[-1].options.record() == shipped.stages[-1].options.record()
     assert [s.options.record() for s in recipe.stages[:2]] == [s.options.record() for s in shipped.stages[:2]]
