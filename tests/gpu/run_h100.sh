@@ -9,6 +9,7 @@
 #   bash tests/gpu/run_h100.sh synth   # run 2: 8B-class synthetic Llama: bf16 / W4A16 vLLM / W4A16 ours
 #   bash tests/gpu/run_h100.sh disconnect  # issue 15.3: streams closed after ~1 s of reading stop vLLM within 1 s
 #   bash tests/gpu/run_h100.sh serve-pruned  # issue 19.4 in one call: vLLM speed of the recipe's shapes (below)
+#   bash tests/gpu/run_h100.sh int8    # issue 19.5: int8 RTN vs GPTQ on the whole wikitext-2 test file
 #   bash tests/gpu/run_h100.sh recipes # issue 19: mlp-width ratios x kd/lm recovery, prune -> kd -> int4, vLLM speed
 #                                      # (resumable: run it again until it says 'recipes complete')
 #
@@ -25,7 +26,7 @@
 # cache from memory another one is still allocating), each pinned to its own CPUs; measurements run one
 # server at a time while the others sit idle. One failing configuration leaves the others measured.
 set -uo pipefail
-STAGE=${1:?usage: run_h100.sh prep|ab|ckpt|synth|disconnect|serve-pruned|recipes|tp|tp8b|scale}
+STAGE=${1:?usage: run_h100.sh prep|ab|ckpt|synth|disconnect|serve-pruned|int8|recipes|tp|tp8b|scale}
 OUT=${OUT:-/tmp/vllm-out}
 LOGS=/tmp/vllm-logs/$STAGE
 mkdir -p "$OUT" "$LOGS"
@@ -347,6 +348,30 @@ serve-pruned)
       --base-url "http://127.0.0.1:${PORT[$label]}" --model "$label" --run serve-pruned --label "$label" \
       --vocab 49152 --concurrency 1 64 --prompt-tokens 256 --output-tokens 128 --csv "$OUT/serve_pruned.csv" 2>&1 \
       | tee -a "$SUMMARY"
+  done
+  ;;
+int8)
+  # Issue 19.5 on the whole wikitext-2 test file: sample:int8-gptq (GPTQ per channel) and the same recipe
+  # with round-to-nearest, calibrated on the whole calibration file, each validated against the fp16 baseline.
+  stage_data
+  convert_baseline
+  for algo in rtn gptq; do
+    python3 - "$algo" "$DATA" "$MODELS/int8-$algo.yaml" <<'PY'
+import sys, yaml
+from squeezeserve.service.compress.recipes import recipe_path
+algo, data, out = sys.argv[1:]
+recipe = yaml.safe_load(recipe_path("sample:int8-gptq").read_text())
+recipe["stages"][0]["algorithm"] = algo
+recipe["calibration"] = f"{data}/calibration.txt"
+recipe["validate"].pop("max_tokens", None)
+recipe["validate"].update(dataset=f"{data}/test.txt", dtype="float16")
+open(out, "w").write(yaml.safe_dump(recipe, sort_keys=False))
+PY
+    timeout "$(cap 280)" $SQ pipeline "$MODELS/int8-$algo.yaml" --model $MODELS/hf --out "$MODELS/int8-$algo" \
+      --device cuda > "$LOGS/pipeline-int8-$algo.log" 2>&1
+    note "int8 $algo: pipeline exit $?; $(grep -E '^  (pass|FAIL) ' "$LOGS/pipeline-int8-$algo.log" | tr -s ' ')"
+    cp "$MODELS/int8-$algo/report/report.md" "$OUT/int8-$algo-report.md" 2>/dev/null
+    cp "$MODELS/int8-$algo/report/report.json" "$OUT/int8-$algo-report.json" 2>/dev/null
   done
   ;;
 recipes)
