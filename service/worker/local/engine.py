@@ -162,7 +162,7 @@ class Engine:
     def _run(self) -> None:
         if self.threads is not None:  # OpenMP's thread count is per calling thread: set it on this one
             torch.set_num_threads(self.threads)
-        try:  # on this thread: compiled CPU kernels take their OpenMP thread count from the compiling thread
+        try:  # here, after set_num_threads: inductor writes CPU kernels for the compiling thread's count
             seconds = self.decoder.warm_up()
             if seconds:
                 log.info("decoder compiled in %.1f s", seconds)

@@ -148,39 +148,41 @@ def test_dense_bfloat16_runs_fbgemm_fp16_and_matches_f_linear(rows: int) -> None
     assert DenseLinear(weight.float(), None).fp16 is None  # float32 keeps its precision
 
 
+class CharTokenizer:  # token ids as text, one character per token
+    def decode(self, ids, **_: object) -> str:
+        return "".join(chr(0x4E00 + i) for i in ids)
+
+
+async def serve(decoder) -> list[list[int]]:
+    """Greedy tokens of three concurrent requests (one with n=2) through an Engine over ``decoder``."""
+    engine = Engine(decoder, CharTokenizer(), eos_token_ids=set(), max_batch_size=4, max_waiting=8)
+    engine.start()
+    try:
+        prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13, 14]]
+        requests = []
+        for i, prompt in enumerate(prompts):
+            request = Request(
+                [prompt], 2 if i == 1 else 1, SamplingParams(max_tokens=6 + 3 * i, temperature=0.0)
+            )
+            engine.submit(request)
+            requests.append(request)
+        results = []
+        for request in requests:
+            tokens: dict[int, list[int]] = {}
+            done = 0
+            while done < request.size:
+                for event in await asyncio.wait_for(request.queue.get(), 60):
+                    assert event.error is None
+                    tokens.setdefault(event.index, []).extend(event.token_ids)
+                    done += event.finish_reason is not None
+            results += [tokens[k] for k in sorted(tokens)]
+        return results
+    finally:
+        engine.stop()
+
+
 def test_engine_serves_concurrent_requests_through_the_static_decoder_like_transformers() -> None:
     model = tiny_llama(seed=7)
-
-    class Tokenizer:  # token ids as text, one character per token
-        def decode(self, ids, **_: object) -> str:
-            return "".join(chr(0x4E00 + i) for i in ids)
-
-    async def serve(decoder) -> list[list[int]]:
-        engine = Engine(decoder, Tokenizer(), eos_token_ids=set(), max_batch_size=4, max_waiting=8)
-        engine.start()
-        try:
-            prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13, 14]]
-            requests = []
-            for i, prompt in enumerate(prompts):
-                request = Request(
-                    [prompt], 2 if i == 1 else 1, SamplingParams(max_tokens=6 + 3 * i, temperature=0.0)
-                )
-                engine.submit(request)
-                requests.append(request)
-            results = []
-            for request in requests:
-                tokens: dict[int, list[int]] = {}
-                done = 0
-                while done < request.size:
-                    for event in await asyncio.wait_for(request.queue.get(), 60):
-                        assert event.error is None
-                        tokens.setdefault(event.index, []).extend(event.token_ids)
-                        done += event.finish_reason is not None
-                results += [tokens[k] for k in sorted(tokens)]
-            return results
-        finally:
-            engine.stop()
-
     static = asyncio.run(serve(StaticDecoder(model, 4)))
     reference = asyncio.run(serve(TransformersDecoder(copy.deepcopy(model))))
     assert static == reference
@@ -298,3 +300,8 @@ def test_compile_choice_and_errors() -> None:
         make_decoder(model, "auto", 2, "yes")
     with pytest.raises(ValueError, match="needs the static decoder"):
         make_decoder(model, "transformers", 2, "on")
+
+
+def test_engine_warms_up_a_compiled_decoder_and_serves_what_eager_serves(compiled) -> None:
+    decoder, eager = compiled
+    assert asyncio.run(serve(decoder)) == asyncio.run(serve(eager))
