@@ -20,6 +20,8 @@ Engine = Literal["local", "vllm"]
 ENGINES: tuple[str, ...] = typing.get_args(Engine)
 Decoder = Literal["auto", "static", "transformers"]  # local engine: see service/worker/local/decoder.py
 DECODERS: tuple[str, ...] = typing.get_args(Decoder)
+Compile = Literal["auto", "on", "off"]  # local engine, static decoder: torch.compile of its decode step
+COMPILES: tuple[str, ...] = typing.get_args(Compile)
 
 
 def available_cores() -> int:
@@ -44,6 +46,7 @@ class WorkerSettings(BaseModel):
     dtype: Dtype = "auto"
     # Embedded engine only (vLLM has its own flags, passed after ``--``).
     decoder: Decoder = "auto"  # auto: our static decoder for Llama models on CPU, else transformers
+    compile: Compile = "auto"  # auto: off (see the README's CPU section); on: compile at start
     max_batch_size: Annotated[int, Field(ge=1)] = 16  # sequences decoded together
     max_waiting: Annotated[int, Field(ge=0)] = 256  # queued requests before 429
     threads: Annotated[int, Field(ge=1)] = Field(default_factory=available_cores)  # torch intra-op threads
@@ -65,7 +68,7 @@ class WorkerSettings(BaseModel):
         flags += ["--host", self.host, "--port", str(self.port), "--dtype", self.dtype]
         flags += ["--grace-seconds", f"{self.grace_seconds:g}"]
         if self.engine == "local":
-            flags += ["--decoder", self.decoder]
+            flags += ["--decoder", self.decoder, "--compile", self.compile]
             flags += ["--max-batch-size", str(self.max_batch_size), "--max-waiting", str(self.max_waiting)]
             flags += ["--threads", str(self.threads), "--quantized-linear", self.quantized_linear]
             if not self.use_custom_ops:
@@ -93,6 +96,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="local: static (our Llama decoder with a preallocated KV cache, CPU only), transformers (the "
         "Hugging Face model), or auto (default): static for Llama models on CPU, transformers otherwise",
+    )
+    parser.add_argument(
+        "--compile",
+        choices=COMPILES,
+        default=None,
+        help="local, static decoder: on compiles its decode step with torch.compile before serving (minutes "
+        "on a small CPU the first time; faster decode), off runs it eagerly; auto (default) is off",
     )
     parser.add_argument(
         "--max-batch-size",
@@ -124,7 +134,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-ENGINE_FLAGS = ("engine", "dtype", "decoder", "max_batch_size", "max_waiting", "threads", "grace_seconds")
+ENGINE_FLAGS = (
+    "engine", "dtype", "decoder", "compile", "max_batch_size", "max_waiting", "threads", "grace_seconds"
+)  # fmt: skip
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, object]:

@@ -41,6 +41,7 @@ from cpu_common import TEXT, append_rows, cpu_description, llama_cpp_features  #
 
 from squeezeserve.service.validate.latency import LoadSettings, sweep  # noqa: E402
 from squeezeserve.service.validate.server import WorkerProcess  # noqa: E402
+from squeezeserve.service.worker.local.decoder import fbgemm_fp16, onednn_bf16  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "cpu.csv"
 FIELDS = ["date", "cpu", "flags", "threads", "load_before", "load_after", "model", "dtype", "provider",
@@ -204,6 +205,15 @@ def labelled_dir(spec: str) -> tuple[str, Path]:
     return label, Path(path)
 
 
+def dense_linear_path(dtype: str) -> str:
+    """How the static decoder runs its dense projections in ``dtype`` on this CPU (decoder.DenseLinear)."""
+    if dtype != "bfloat16":
+        return "F.linear"
+    if onednn_bf16():
+        return "onednn-bf16"
+    return "fbgemm-fp16" if fbgemm_fp16() else "F.linear"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=default_model(), help="checkpoint dir (default %(default)s)")
@@ -218,6 +228,7 @@ def main() -> None:
     parser.add_argument("--streams", type=int, default=8)
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     parser.add_argument("--decoder", default="auto", help="the worker's --decoder")
+    parser.add_argument("--compile", default="auto", help="the worker's --compile")
     parser.add_argument("--quantized-linear", default="auto", help="the worker's --quantized-linear")
     parser.add_argument("--worker-model", type=labelled_dir, action="append", default=[], metavar="LABEL=DIR",
                         help="also run a worker on DIR as provider worker:LABEL (repeatable)")  # fmt: skip
@@ -265,12 +276,15 @@ def main() -> None:
         append_rows(RESULTS, FIELDS, [out])
 
     workers: list[WorkerProcess] = []
-    worker_settings = f"decoder={args.decoder} quantized_linear={args.quantized_linear}"
+    worker_settings = (
+        f"decoder={args.decoder} compile={args.compile} quantized_linear={args.quantized_linear} "
+        f"dense_linear={dense_linear_path(args.dtype)}"
+    )
     rows = []
     try:
         for name, path in checkpoints.items():  # started one after another, idle between their turns
             workers.append(WorkerProcess(path, "bench", "local", args.dtype, max(args.streams, 1),
-                                         threads=args.threads, decoder=args.decoder,
+                                         threads=args.threads, decoder=args.decoder, compile=args.compile,
                                          quantized_linear=args.quantized_linear))  # fmt: skip
             workers[-1].__enter__()
             runners[name] = Worker(workers[-1], worker_settings)

@@ -8,7 +8,8 @@ the batch, whose rows are the engine's sequences in order:
 - ``join(n)`` adds that prompt to the batch as ``n`` rows (``n`` choices share the prompt's cache);
 - ``step(tokens, lengths)`` feeds one token per row (row r has ``lengths[r]`` tokens cached) and returns
   [rows, vocab] logits;
-- ``retire(keep)`` keeps only the rows at those indices, in that order; ``reset()`` drops everything.
+- ``retire(keep)`` keeps only the rows at those indices, in that order; ``reset()`` drops everything;
+- ``warm_up()`` compiles what the decoder compiles before the first request (the engine thread calls it).
 
 :class:`TransformersDecoder` calls the Hugging Face model with a left-padded ``DynamicCache`` (any
 architecture). :class:`StaticDecoder` is our own Llama decoder for the CPU: fused q/k/v and gate/up
@@ -21,6 +22,7 @@ layer with no per-step allocation of the cache and none of transformers' generic
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -29,10 +31,12 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import DynamicCache
 
-from squeezeserve.kernels import functional
+from squeezeserve.kernels import functional, reference
 
 DecoderChoice = Literal["auto", "static", "transformers"]
 DECODER_CHOICES: tuple[str, ...] = ("auto", "static", "transformers")
+CompileChoice = Literal["auto", "on", "off"]
+COMPILE_CHOICES: tuple[str, ...] = ("auto", "on", "off")
 CACHE_BLOCK = 256  # the static cache grows its length in steps of this many positions
 
 
@@ -101,6 +105,10 @@ class TransformersDecoder:
     def reset(self) -> None:
         self._cache, self._rows, self._pending = None, 0, None
 
+    def warm_up(self) -> float:
+        """Nothing to compile; the interface's no-op."""
+        return 0.0
+
 
 def _left_pad(tensors: list[torch.Tensor], lengths: list[int]) -> list[torch.Tensor]:
     """Pad [B, H, T, D] tensors on the left of T to the longest length (the mask hides the zeros)."""
@@ -139,25 +147,73 @@ def onednn_bf16() -> bool:
 
 
 PACKED_MAX_ROWS = 64  # decode batches; the reorder is tuned for skinny products
+FP16_MAX = 65504.0
+
+
+def fbgemm_fp16() -> bool:
+    """torch has FBGEMM's fp16-weight linear (x86 builds): fp16 weights converted to fp32 in registers,
+    fp32 activations and accumulation, AVX2 kernels."""
+    return "fbgemm" in torch.backends.quantized.supported_engines
+
+
+# FBGEMM's packed fp16 weights, for the compiled step: dynamo traces no ScriptObject argument, so the op
+# below takes an index into this list (a constant in the graph). Entries live as long as the process.
+_FP16_WEIGHTS: list[Any] = []
+
+
+@torch.library.custom_op("squeezeserve::fbgemm_fp16_linear", mutates_args=())
+def fp16_linear(x: torch.Tensor, handle: int, out_features: int) -> torch.Tensor:
+    """``quantized.linear_dynamic_fp16`` on the packed weight ``_FP16_WEIGHTS[handle]``; x fp32 [..., in]."""
+    return torch.ops.quantized.linear_dynamic_fp16(x, _FP16_WEIGHTS[handle])
+
+
+@fp16_linear.register_fake
+def _(x: torch.Tensor, handle: int, out_features: int) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], out_features)
 
 
 class DenseLinear:
     """y = x @ W.T (+ b), W dense in the model's dtype.
 
-    bfloat16 weights are reordered once into oneDNN's blocked layout where oneDNN has native bf16: a decode
-    step's skinny matmuls then run 1.5-3x faster than ``F.linear`` on the plain weight (measured on a Xeon
-    with AMX: 3072x576 at M=1, 336 -> 221 us; the 49152x576 lm_head, 8.5 -> 2.9 ms), with the same result
-    at decode shapes (fp32 accumulation either way).
+    Three ways to run it, chosen once from the weight and the CPU:
+
+    - bfloat16 weights where oneDNN has native bf16: reordered once into oneDNN's blocked layout; a decode
+      step's skinny matmuls then run 1.5-3x faster than ``F.linear`` on the plain weight (measured on a
+      Xeon with AMX: 3072x576 at M=1, 336 -> 221 us; the 49152x576 lm_head, 8.5 -> 2.9 ms), with the same
+      result at decode shapes (fp32 accumulation either way);
+    - bfloat16 or float16 weights on CPUs without it (AVX2: bf16 products are emulated): the weight kept
+      as fp16 in FBGEMM's packed layout and run by ``quantized.linear_dynamic_fp16`` on the fp32-cast
+      input, the result cast back. Measured on a 2-core AMD EPYC (AVX2), weights read from DRAM, against
+      bf16 ``F.linear``: 3072x576 at 1 / 8 / 256 rows 378 -> 325 us, 1869 -> 517 us, 61.7 -> 6.4 ms; the
+      lm_head at 1 and 8 rows 5.3 -> 3.1 ms, 23.8 -> 7.4 ms. fp16 holds every bf16 weight of magnitude
+      6.1e-5 to 65504 exactly; smaller ones round to fp16's subnormal step (6e-8), far under bf16's own
+      step at ordinary weights (1.2e-4 at 0.02). Products accumulate in fp32 as in ``F.linear``: one
+      projection agrees with it within a bf16 ulp (tested); over the bundled model's 30 layers the
+      logits drift apart by rounding (48 steps: at most 0.89 at logits up to 29.8, greedy tokens equal);
+    - otherwise (float32, or a weight beyond fp16's range) ``F.linear``.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         self.weight = weight.contiguous()
         self.bias = bias
         self.packed = None
-        if weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and onednn_bf16():
+        self.fp16 = None
+        self.fp16_handle = -1
+        if weight.device.type != "cpu" or weight.dtype not in (torch.bfloat16, torch.float16):
+            return
+        if weight.dtype == torch.bfloat16 and onednn_bf16():
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, 1)
+        elif fbgemm_fp16() and weight.abs().max().item() <= FP16_MAX:
+            fp32_bias = None if bias is None else bias.float()
+            self.fp16 = torch.ops.quantized.linear_prepack_fp16(self.weight.float(), fp32_bias)
+            self.fp16_handle = len(_FP16_WEIGHTS)
+            _FP16_WEIGHTS.append(self.fp16)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fp16 is not None:
+            if torch.compiler.is_compiling():  # dynamo cannot trace the packed weight: an opaque op by handle
+                return fp16_linear(x.float(), self.fp16_handle, self.weight.shape[0]).to(x.dtype)
+            return torch.ops.quantized.linear_dynamic_fp16(x.float(), self.fp16).to(x.dtype)
         if self.packed is not None and x.numel() <= PACKED_MAX_ROWS * x.shape[-1]:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)  # prefill: the plain weight serves wide matmuls well
@@ -292,7 +348,7 @@ class StaticDecoder:
 
     name = "static"
 
-    def __init__(self, model: Any, max_batch_size: int = 16) -> None:
+    def __init__(self, model: Any, max_batch_size: int = 16, compile: bool = False) -> None:
         reason = static_unsupported(model)
         if reason:
             raise ValueError(f"the static decoder does not support this model: {reason}")
@@ -324,6 +380,10 @@ class StaticDecoder:
         self.rows = 0
         self._pending_length = 0
         self._allocate(self.slots, CACHE_BLOCK)
+        # torch.compile of the whole decode step: one graph for 1 row and one for 2+ rows, the caches'
+        # capacity and slots dynamic in both (see _compiled_step); the prefill stays eager
+        self.compiled = compile
+        self._decode = torch.compile(self._step_math, fullgraph=True, dynamic=False) if compile else None
 
     # -- cache ----------------------------------------------------------------------------------------
     def _allocate(self, slots: int, capacity: int) -> None:
@@ -334,14 +394,16 @@ class StaticDecoder:
         if self.k and slots <= self.k[0].shape[0] and capacity <= self.capacity:
             return
         shape = (slots, self.kv_heads, capacity, self.head_dim)
-        new_k = [torch.zeros(shape, dtype=self.dtype) for _ in self.layers]
-        new_v = [torch.zeros(shape, dtype=self.dtype) for _ in self.layers]
-        if self.k:
-            used = self.rows + 1  # the rows and a pending prefill
-            old_slots = self.k[0].shape[0]
-            used = min(used, old_slots)
-            for dst, src in zip(new_k + new_v, self.k + self.v, strict=True):
-                dst[:used, :, : self.capacity] = src[:used]
+        # never inference tensors, wherever the cache grows: the compiled step's guards tell them apart
+        with torch.inference_mode(False):
+            new_k = [torch.zeros(shape, dtype=self.dtype) for _ in self.layers]
+            new_v = [torch.zeros(shape, dtype=self.dtype) for _ in self.layers]
+            if self.k:
+                used = self.rows + 1  # the rows and a pending prefill
+                old_slots = self.k[0].shape[0]
+                used = min(used, old_slots)
+                for dst, src in zip(new_k + new_v, self.k + self.v, strict=True):
+                    dst[:used, :, : self.capacity] = src[:used]
         self.k, self.v, self.slots, self.capacity = new_k, new_v, slots, capacity
 
     def _ensure(self, slots: int, length: int) -> None:
@@ -396,6 +458,8 @@ class StaticDecoder:
         longest = max(lengths) + 1
         self._ensure(rows, longest)
         pos = torch.tensor(lengths, dtype=torch.long)
+        if self._decode is not None:
+            return self._compiled_step(torch.tensor(tokens, dtype=torch.long), pos)
         x = F.embedding(torch.tensor(tokens, dtype=torch.long), self.embed)[:, None]  # [B, 1, hidden]
         cos, sin = self.cos[pos][:, None, None], self.sin[pos][:, None, None]  # [B, 1, 1, D]
         mask = None
@@ -419,6 +483,75 @@ class StaticDecoder:
             x = layer.down(functional.silu_and_mul(layer.gate_up(h)))
         h, _ = self._norm(x, residual, self.norm)
         return self.lm_head(h[:, 0])
+
+    def _compiled_step(self, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """The step through the compiled graph. It attends over the cache's whole capacity (the mask hides
+        the slots past each row's position): a slice to the longest row would make dynamo guard on whether
+        the slice is the whole cache, and recompile when it is. Marked dynamic, so that no step recompiles:
+        the caches' slots and capacity, and the row count from 2 rows up (1 row is its own static graph:
+        dynamo specialises size-1 dims)."""
+        mask = (torch.arange(self.capacity)[None, :] <= pos[:, None])[:, None, None]  # [B, 1, 1, capacity]
+        torch._dynamo.mark_dynamic(mask, 3)
+        if ids.shape[0] > 1:
+            for t in (ids, pos, mask):
+                torch._dynamo.mark_dynamic(t, 0)
+        for cache in self.k + self.v:
+            torch._dynamo.maybe_mark_dynamic(cache, 0)
+            torch._dynamo.maybe_mark_dynamic(cache, 2)
+        return self._decode(ids, pos, mask, self.k, self.v)
+
+    def _step_math(
+        self,
+        ids: torch.Tensor,
+        pos: torch.Tensor,
+        mask: torch.Tensor,
+        k_caches: list[torch.Tensor],
+        v_caches: list[torch.Tensor],
+    ) -> torch.Tensor:
+        """The decode step as one traceable function (what ``torch.compile`` captures): the eager step's
+        math, with attention written out (q k^T, masked softmax, p v in fp32) so inductor fuses it instead
+        of calling the flash-attention kernel, and the plain-PyTorch norms and SwiGLU of
+        ``kernels/reference.py`` so it fuses them too."""
+        rows = ids.shape[0]
+        x = F.embedding(ids, self.embed)[:, None]  # [B, 1, hidden]
+        cos, sin = self.cos[pos][:, None, None], self.sin[pos][:, None, None]  # [B, 1, 1, D]
+        batch = torch.arange(rows)
+        residual = None
+        for i, layer in enumerate(self.layers):
+            if residual is None:
+                h, residual = reference.rmsnorm(x, layer.ln1, self.eps), x
+            else:
+                h, residual = reference.add_rmsnorm(x, residual, layer.ln1, self.eps)
+            q, k, v = self._qkv(layer, h, cos, sin)  # [B, 1, heads, D]
+            kc, vc = k_caches[i], v_caches[i]
+            kc[batch, :, pos] = k[:, 0]
+            vc[batch, :, pos] = v[:, 0]
+            q = q.view(rows, self.kv_heads, self.group, self.head_dim).float()
+            keys, values = kc[:rows].float(), vc[:rows].float()
+            scores = torch.matmul(q, keys.transpose(-1, -2)) * self.scale  # [B, kv_heads, group, T]
+            probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)
+            out = torch.matmul(probs, values).to(x.dtype)
+            x = layer.o(out.reshape(rows, 1, self.q_size))
+            h, residual = reference.add_rmsnorm(x, residual, layer.ln2, self.eps)
+            x = layer.down(reference.silu_and_mul(layer.gate_up(h)))
+        h, _ = reference.add_rmsnorm(x, residual, self.norm, self.eps)
+        return self.lm_head(h[:, 0])
+
+    def warm_up(self) -> float:
+        """Compile the decode graphs now (1 row, then 2 rows) instead of at the first requests; returns the
+        seconds it took. Leaves the batch empty. No-op when not compiled."""
+        if self._decode is None:
+            return 0.0
+        start = time.perf_counter()
+        self.reset()
+        with torch.inference_mode():
+            for rows in (1, 2):
+                self.prefill([0, 1], False)
+                self.join(rows)
+                for n in range(2, 4):  # two lengths: a recompile here would show in the warm-up, not later
+                    self.step([0] * rows, [n] * rows)
+                self.reset()
+        return time.perf_counter() - start
 
     def retire(self, keep: list[int], lengths: list[int]) -> None:
         if not keep:
@@ -460,10 +593,18 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return x * cos + rotated * sin
 
 
-def make_decoder(model: Any, choice: str, max_batch_size: int) -> TransformersDecoder | StaticDecoder:
-    """The decoder ``choice`` names; ``auto`` is static for Llama models on CPU, transformers otherwise."""
+def make_decoder(
+    model: Any, choice: str, max_batch_size: int, compile: str = "off"
+) -> TransformersDecoder | StaticDecoder:
+    """The decoder ``choice`` names; ``auto`` is static for Llama models on CPU, transformers otherwise.
+    ``compile`` (static decoder only): ``on`` compiles its decode step, ``auto`` and ``off`` do not (the
+    README's CPU section has the measurements behind that default)."""
     if choice not in DECODER_CHOICES:
         raise ValueError(f"decoder must be one of {', '.join(DECODER_CHOICES)}, not {choice!r}")
+    if compile not in COMPILE_CHOICES:
+        raise ValueError(f"compile must be one of {', '.join(COMPILE_CHOICES)}, not {compile!r}")
     if choice == "transformers" or (choice == "auto" and static_unsupported(model)):
+        if compile == "on":
+            raise ValueError("compile=on needs the static decoder (a Llama model on CPU)")
         return TransformersDecoder(model)
-    return StaticDecoder(model, max_batch_size)
+    return StaticDecoder(model, max_batch_size, compile=compile == "on")

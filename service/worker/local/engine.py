@@ -129,12 +129,16 @@ class Engine:
         self._lock = threading.Lock()
         self._wakeup = threading.Event()
         self._stop = threading.Event()
+        self._warm = threading.Event()
         self._seqs: list[_Sequence] = []
         self._thread = threading.Thread(target=self._run, name="squeezeserve-engine", daemon=True)
 
     # -- called from the event loop ------------------------------------------------------------------
     def start(self) -> None:
+        """Start the engine thread and return once its decoder is warm (compiled), so that the server
+        listens only when the first request will not wait for a compile."""
         self._thread.start()
+        self._warm.wait()
 
     @property
     def alive(self) -> bool:
@@ -158,6 +162,12 @@ class Engine:
     def _run(self) -> None:
         if self.threads is not None:  # OpenMP's thread count is per calling thread: set it on this one
             torch.set_num_threads(self.threads)
+        try:  # here, after set_num_threads: inductor writes CPU kernels for the compiling thread's count
+            seconds = self.decoder.warm_up()
+            if seconds:
+                log.info("decoder compiled in %.1f s", seconds)
+        finally:
+            self._warm.set()
         with torch.inference_mode():
             while not self._stop.is_set():
                 try:

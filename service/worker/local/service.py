@@ -30,9 +30,9 @@ class WorkerService:
         self.tokenizer = loaded.tokenizer
         self.served_name = settings.served_name
         try:
-            decoder = make_decoder(loaded.model, settings.decoder, settings.max_batch_size)
+            decoder = make_decoder(loaded.model, settings.decoder, settings.max_batch_size, settings.compile)
         except ValueError as exc:
-            raise ValueError(f"--decoder {settings.decoder}: {exc}") from exc
+            raise ValueError(f"--decoder {settings.decoder} --compile {settings.compile}: {exc}") from exc
         self.decoder_name = decoder.name
         self.engine = Engine(
             decoder,

@@ -18,12 +18,15 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from squeezeserve.kernels.modules import QuantLinear
 from squeezeserve.service.worker.local.decoder import (
+    FP16_MAX,
     DenseLinear,
     Int4Linear,
     Int8Linear,
     StaticDecoder,
     TransformersDecoder,
+    fbgemm_fp16,
     make_decoder,
+    onednn_bf16,
     static_unsupported,
 )
 from squeezeserve.service.worker.local.engine import Engine, Request
@@ -125,39 +128,61 @@ def test_the_cache_grows_past_its_first_block_and_beyond_its_slots() -> None:
     assert static.capacity == 512 and static.slots >= 3
 
 
+@pytest.mark.skipif(
+    onednn_bf16() or not fbgemm_fp16(), reason="only CPUs without native bf16 take the FBGEMM fp16 path"
+)
+@pytest.mark.parametrize("rows", [1, 8, 37])
+def test_dense_bfloat16_runs_fbgemm_fp16_and_matches_f_linear(rows: int) -> None:
+    torch.manual_seed(0)
+    weight, bias = (torch.randn(96, 64) * 0.05).bfloat16(), torch.randn(96).bfloat16()
+    x = torch.randn(2, rows, 64).bfloat16()
+    linear = DenseLinear(weight, bias)
+    assert linear.fp16 is not None
+    got, want = linear(x), torch.nn.functional.linear(x, weight, bias)
+    assert got.dtype == torch.bfloat16 and got.shape == want.shape
+    # both accumulate exact products in fp32 and round once to bf16: at most one bf16 ulp apart
+    torch.testing.assert_close(got, want, rtol=2**-7, atol=2**-7 * want.abs().max().item())
+    wide = weight.clone()
+    wide[0, 0] = 2 * FP16_MAX  # beyond fp16: stays on F.linear
+    assert DenseLinear(wide, bias).fp16 is None
+    assert DenseLinear(weight.float(), None).fp16 is None  # float32 keeps its precision
+
+
+class CharTokenizer:  # token ids as text, one character per token
+    def decode(self, ids, **_: object) -> str:
+        return "".join(chr(0x4E00 + i) for i in ids)
+
+
+async def serve(decoder) -> list[list[int]]:
+    """Greedy tokens of three concurrent requests (one with n=2) through an Engine over ``decoder``."""
+    engine = Engine(decoder, CharTokenizer(), eos_token_ids=set(), max_batch_size=4, max_waiting=8)
+    engine.start()
+    try:
+        prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13, 14]]
+        requests = []
+        for i, prompt in enumerate(prompts):
+            request = Request(
+                [prompt], 2 if i == 1 else 1, SamplingParams(max_tokens=6 + 3 * i, temperature=0.0)
+            )
+            engine.submit(request)
+            requests.append(request)
+        results = []
+        for request in requests:
+            tokens: dict[int, list[int]] = {}
+            done = 0
+            while done < request.size:
+                for event in await asyncio.wait_for(request.queue.get(), 60):
+                    assert event.error is None
+                    tokens.setdefault(event.index, []).extend(event.token_ids)
+                    done += event.finish_reason is not None
+            results += [tokens[k] for k in sorted(tokens)]
+        return results
+    finally:
+        engine.stop()
+
+
 def test_engine_serves_concurrent_requests_through_the_static_decoder_like_transformers() -> None:
     model = tiny_llama(seed=7)
-
-    class Tokenizer:  # token ids as text, one character per token
-        def decode(self, ids, **_: object) -> str:
-            return "".join(chr(0x4E00 + i) for i in ids)
-
-    async def serve(decoder) -> list[list[int]]:
-        engine = Engine(decoder, Tokenizer(), eos_token_ids=set(), max_batch_size=4, max_waiting=8)
-        engine.start()
-        try:
-            prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13, 14]]
-            requests = []
-            for i, prompt in enumerate(prompts):
-                request = Request(
-                    [prompt], 2 if i == 1 else 1, SamplingParams(max_tokens=6 + 3 * i, temperature=0.0)
-                )
-                engine.submit(request)
-                requests.append(request)
-            results = []
-            for request in requests:
-                tokens: dict[int, list[int]] = {}
-                done = 0
-                while done < request.size:
-                    for event in await asyncio.wait_for(request.queue.get(), 60):
-                        assert event.error is None
-                        tokens.setdefault(event.index, []).extend(event.token_ids)
-                        done += event.finish_reason is not None
-                results += [tokens[k] for k in sorted(tokens)]
-            return results
-        finally:
-            engine.stop()
-
     static = asyncio.run(serve(StaticDecoder(model, 4)))
     reference = asyncio.run(serve(TransformersDecoder(copy.deepcopy(model))))
     assert static == reference
@@ -213,3 +238,70 @@ def test_quantized_projections_stay_packed_and_match_transformers(
     tol = 1e-4 if dtype == torch.float32 else 0.05
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, rtol=tol, atol=tol * w.abs().max().item())
+
+
+# -- the compiled decode step (--compile on) ----------------------------------------------------------
+# The static decoder's compiled decode step (`--compile on`) against its eager step on the same weights.
+#
+# float32, so the two differ only by the order of floating-point operations (inductor's fused kernels, the
+# attention written out instead of the flash-attention kernel): logits agree to 1e-5 and greedy tokens are
+# equal. After `warm_up` nothing may recompile (`fail_on_recompile`): not rows joining or retiring, not a
+# longer cache, not more rows than the slots it was made with.
+
+
+@pytest.fixture(scope="module")
+def compiled() -> tuple[StaticDecoder, StaticDecoder]:
+    """(compiled, eager) decoders over one tiny GQA Llama with biases; compiled once for the module."""
+    model = tiny_llama(seed=11, attention_bias=True, mlp_bias=True)
+    decoder = StaticDecoder(model, 2, compile=True)
+    assert decoder.warm_up() > 0
+    return decoder, StaticDecoder(model, 2)
+
+
+def test_compiled_step_logits_equal_eager_in_float32(compiled) -> None:
+    decoder, eager = compiled
+    with torch.compiler.set_stance("fail_on_recompile"):
+        got = run_script(decoder)
+    want = run_script(eager)
+    assert len(got) == len(want)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+
+
+def test_compiled_greedy_tokens_equal_eager_past_the_first_cache_block(compiled) -> None:
+    decoder, eager = compiled
+    prompt = list(range(1, 240))
+    with torch.compiler.set_stance("fail_on_recompile"):
+        got = greedy(None, prompt, 30, decoder)  # 239 + 30 positions: the cache grows to 512
+    decoder.reset()
+    assert decoder.capacity == 512
+    assert got == greedy(None, prompt, 30, eager)
+    eager.reset()
+
+
+def test_compiled_step_takes_more_rows_than_its_slots(compiled) -> None:
+    decoder, eager = compiled
+    outs = []
+    with torch.inference_mode():
+        for d in (decoder, eager):
+            d.prefill([5, 6, 7], False)
+            d.join(3)  # three rows, two slots: the cache grows its slot dim
+            with torch.compiler.set_stance("fail_on_recompile" if d is decoder else "default"):
+                outs.append(d.step([1, 2, 3], [3, 3, 3]))
+            d.reset()
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
+
+
+def test_compile_choice_and_errors() -> None:
+    model = tiny_llama()
+    assert make_decoder(model, "auto", 2, "auto").compiled is False
+    assert make_decoder(model, "static", 2, "off").compiled is False
+    with pytest.raises(ValueError, match="compile must be one of"):
+        make_decoder(model, "auto", 2, "yes")
+    with pytest.raises(ValueError, match="needs the static decoder"):
+        make_decoder(model, "transformers", 2, "on")
+
+
+def test_engine_warms_up_a_compiled_decoder_and_serves_what_eager_serves(compiled) -> None:
+    decoder, eager = compiled
+    assert asyncio.run(serve(decoder)) == asyncio.run(serve(eager))
