@@ -21,6 +21,7 @@ layer with no per-step allocation of the cache and none of transformers' generic
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from collections.abc import Callable
@@ -157,8 +158,10 @@ def fbgemm_fp16() -> bool:
 
 
 # FBGEMM's packed fp16 weights, for the compiled step: dynamo traces no ScriptObject argument, so the op
-# below takes an index into this list (a constant in the graph). Entries live as long as the process.
-_FP16_WEIGHTS: list[Any] = []
+# below takes a handle into this table (a constant in the graph). An entry goes with its DenseLinear, so a
+# process that loads models one after another (the test suite) does not keep every model's fp16 copy.
+_FP16_WEIGHTS: dict[int, Any] = {}
+_FP16_HANDLES = itertools.count()
 
 
 @torch.library.custom_op("squeezeserve::fbgemm_fp16_linear", mutates_args=())
@@ -206,8 +209,12 @@ class DenseLinear:
         elif fbgemm_fp16() and weight.abs().max().item() <= FP16_MAX:
             fp32_bias = None if bias is None else bias.float()
             self.fp16 = torch.ops.quantized.linear_prepack_fp16(self.weight.float(), fp32_bias)
-            self.fp16_handle = len(_FP16_WEIGHTS)
-            _FP16_WEIGHTS.append(self.fp16)
+            self.fp16_handle = next(_FP16_HANDLES)
+            _FP16_WEIGHTS[self.fp16_handle] = self.fp16
+
+    def __del__(self) -> None:
+        if _FP16_WEIGHTS is not None:  # None while the interpreter tears the module down
+            _FP16_WEIGHTS.pop(getattr(self, "fp16_handle", -1), None)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.fp16 is not None:

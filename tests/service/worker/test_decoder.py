@@ -17,6 +17,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from squeezeserve.kernels.modules import QuantLinear
+from squeezeserve.service.worker.local import decoder as decoder_module
 from squeezeserve.service.worker.local.decoder import (
     FP16_MAX,
     DenseLinear,
@@ -146,6 +147,17 @@ def test_dense_bfloat16_runs_fbgemm_fp16_and_matches_f_linear(rows: int) -> None
     wide[0, 0] = 2 * FP16_MAX  # beyond fp16: stays on F.linear
     assert DenseLinear(wide, bias).fp16 is None
     assert DenseLinear(weight.float(), None).fp16 is None  # float32 keeps its precision
+
+
+@pytest.mark.skipif(not fbgemm_fp16(), reason="needs FBGEMM (x86 builds of torch)")
+def test_fbgemm_fp16_weight_is_released_with_its_linear() -> None:
+    # float16 weights take the FBGEMM path on any CPU that has it; the compiled step's table holds the packed
+    # weight only while its DenseLinear lives (a process loading model after model keeps none of them)
+    linear = DenseLinear(torch.randn(32, 16).half(), None)
+    assert linear.fp16 is not None and decoder_module._FP16_WEIGHTS[linear.fp16_handle] is linear.fp16
+    handle = linear.fp16_handle
+    del linear
+    assert handle not in decoder_module._FP16_WEIGHTS
 
 
 class CharTokenizer:  # token ids as text, one character per token
