@@ -16,7 +16,6 @@ import importlib.util
 import inspect
 import sys
 import tempfile
-import textwrap
 from pathlib import Path
 
 import torch
@@ -55,14 +54,11 @@ def _write_tile_xchg(acc, y_ptr, ws_ptr, count_ptr, offs_n, offs_m, mask_n, mask
 
 def variant_kernel():
     """codebook_matmul's kernel with the exchange-reading _write_tile, from a file (Triton reads source)."""
-    src = textwrap.dedent(C._codebook_matmul_kernel.src if hasattr(C._codebook_matmul_kernel, "src") else "")
-    src = src or inspect.getsource(C._codebook_matmul_kernel.fn)
+    src = inspect.getsource(C._codebook_matmul_kernel.fn)  # with its @triton.jit line
     src = src.replace("_write_tile(", "_write_tile_xchg(").replace("_codebook_matmul_kernel", "_variant")
     src = src.replace("n_splits, MODE)", "n_splits, MODE, EXCHANGE)").replace(
         "DOT_FP32: tl.constexpr,", "DOT_FP32: tl.constexpr, EXCHANGE: tl.constexpr,"
     )
-    if not src.lstrip().startswith("@triton.jit"):
-        src = "@triton.jit\n" + src
     path = Path(tempfile.mkdtemp()) / "splitk_variant.py"
     path.write_text(VARIANT + src)
     spec = importlib.util.spec_from_file_location("splitk_variant", path)
