@@ -21,11 +21,15 @@ from squeezeserve.kernels.ops.quant_matmul_kernels import (
     _dequantize_kernel,
     _gemv_int4_kernel,
     _gemv_kernel,
+    _prefill_kernel,
     _skinny_kernel,
 )
 from squeezeserve.kernels.registry import eager, interpreting, use_reference
 
 SKINNY_MAX_M = 64
+# Prefill: "triton" (_prefill_kernel, the weight dequantized in registers) or "dequantize" (the dense
+# weight written once, then cuBLAS); the benchmark times both.
+PREFILL = "triton"
 GEMV_MAX_M = 1  # rows up to which the FMA kernel beats the tensor-core one (bench_quant_matmul --sweep)
 # bf16: 0x4300 is 128.0 with a 7-bit mantissa (integers 128..255 exact); fp16: 0x6400 is 1024.0 with a
 # 10-bit mantissa (1024..2047 exact).
@@ -148,8 +152,10 @@ def _quant_matmul(
     qweight, scales = qweight.contiguous(), scales.contiguous()
     zero_arg = zeros.contiguous() if zeros is not None else qweight
     if m > SKINNY_MAX_M:
-        weight = dequantize(qweight, scales, zeros, k_in, group_size, bits, x.dtype)
-        return (x2 @ weight.t()).reshape(*x.shape[:-1], n_out)
+        if PREFILL == "dequantize":
+            weight = dequantize(qweight, scales, zeros, k_in, group_size, bits, x.dtype)
+            return (x2 @ weight.t()).reshape(*x.shape[:-1], n_out)
+        return _prefill(x2, qweight, scales, zeros, zero_arg, group_size, bits).reshape(*x.shape[:-1], n_out)
     per16 = 16 // bits
     gemv = m <= GEMV_MAX_M and group_size % per16 == 0
     pairs = gemv and bits == 4 and group_size % 8 == 0  # the int4 FMA kernel reads whole int32 words
@@ -200,6 +206,46 @@ def _quant_matmul(
                      "DOT_FP32": interpreting() and x.dtype == torch.bfloat16}  # fmt: skip
         traceable(kernel)[grid](*args, **meta)
     return y.to(x.dtype).reshape(*x.shape[:-1], n_out)
+
+
+def prefill_tuning(m: int, n_out: int, k_in: int, group_size: int, bits: int, device: torch.device) -> dict:
+    """Tiles, warps, stages and split-K of :func:`_prefill_kernel`, from ``bench_quant_matmul.py
+    --prefill-sweep`` on the H100 (figures: tests/benchmarks/NOTES.md). BLOCK_K sits inside one group
+    where it can (scales per output row after the load, no per-value gathers)."""
+    if interpreting():
+        # Small tiles, and split-K so that the tests cover both ways partial tiles meet.
+        block_k = 32 if group_size % 32 == 0 or 32 % group_size == 0 else 64
+        return {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": block_k, "split": 2, "num_warps": 4,
+                "num_stages": 1, "SWIZZLE": 2}  # fmt: skip
+    return {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "split": 1, "num_warps": 8, "num_stages": 3,
+            "SWIZZLE": 8}  # fmt: skip
+
+
+def _prefill(x2, qweight, scales, zeros, zero_arg, group_size, bits) -> torch.Tensor:
+    """Launch :func:`_prefill_kernel` over [M, N] tiles (split along K when they alone fill few SMs)."""
+    m, k_in = x2.shape
+    n_out = qweight.shape[0]
+    cfg = prefill_tuning(m, n_out, k_in, group_size, bits, x2.device)
+    block_k = cfg["BLOCK_K"]
+    tiles = cdiv(k_in, block_k)
+    tiles_per_split = cdiv(tiles, cfg["split"])
+    split = cdiv(tiles, tiles_per_split)
+    grid = (cdiv(n_out, cfg["BLOCK_N"]) * cdiv(m, cfg["BLOCK_M"]), 1, split)
+    mode = 0 if split == 1 else (2 if eager(x2, qweight, scales, zeros) else 1)
+    dtype = torch.float32 if mode == 1 else x2.dtype
+    y = (torch.zeros if mode == 1 else torch.empty)((m, n_out), dtype=dtype, device=x2.device)
+    ws, counts = _workspace(x2.device, m * n_out, grid[0]) if mode == 2 else (y, y)
+    traceable(_prefill_kernel)[grid](
+        x2, qweight, scales, zero_arg, y, ws, counts, m, n_out, k_in,
+        x2.stride(0), qweight.stride(0), scales.stride(0), zero_arg.stride(0), y.stride(0),
+        tiles_per_split, split,
+        BITS=bits, GROUP=group_size, HAS_ZERO=zeros is not None, BLOCK_M=cfg["BLOCK_M"],
+        BLOCK_N=cfg["BLOCK_N"], BLOCK_K=block_k, MODE=mode, EVEN_K=k_in % block_k == 0,
+        GPT=_groups_per_tile(group_size, block_k, 32 // bits), SWIZZLE=cfg["SWIZZLE"],
+        DOT_FP32=interpreting() and x2.dtype == torch.bfloat16,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )  # fmt: skip
+    return y.to(x2.dtype)
 
 
 def dequantize(

@@ -446,6 +446,98 @@ def _gemv_int4_kernel(
 
 
 @triton.jit
+def _prefill_kernel(
+    x_ptr,  # [M, K] activations (fp16/bf16)
+    qw_ptr,  # [N, ceil(K / PACK)] packed int32 weight
+    scale_ptr,  # [N, ceil(K / GROUP)]
+    zero_ptr,  # [ceil(N / PACK), ceil(K / GROUP)] int32 packed zero points (only when HAS_ZERO)
+    y_ptr,  # [M, N]: the output dtype, or fp32 partial sums (MODE 1)
+    ws_ptr,  # fp32 workspace, zero between calls (MODE 2)
+    count_ptr,  # int32 arrivals per output tile, zero between calls (MODE 2)
+    M,
+    N,
+    K,
+    x_row_stride,
+    qw_row_stride,
+    scale_row_stride,
+    zero_row_stride,
+    y_row_stride,
+    tiles_per_split,
+    n_splits,
+    BITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    HAS_ZERO: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    MODE: tl.constexpr,  # how partial tiles meet: see _write_tile
+    EVEN_K: tl.constexpr,
+    GPT: tl.constexpr,  # groups per K tile when groups align to tiles (1 for groups of whole tiles), else 0
+    SWIZZLE: tl.constexpr,  # N tiles per band of the launch order (tiles sharing x run together)
+    DOT_FP32: tl.constexpr,  # upcast the dot operands (Triton's interpreter gets bf16 tl.dot wrong)
+):
+    """Prefill: a tensor-core GEMM that dequantizes the weight tile in registers (no dense weight in memory).
+
+    Each program computes ``acc[BLOCK_N, BLOCK_M] = W_tile @ x_tile.T``: the dequantized weight is the
+    MMA's A operand, which Hopper's wgmma takes straight from registers, and the activations (B) stream
+    through shared memory. Every weight becomes ``(q - z) * s`` exactly as :func:`_dequantize_kernel` writes
+    it (``q - z`` exact through the fp32 magic 2**23, times the scale in fp32, one rounding), so the
+    product matches dequantize + cuBLAS up to accumulation order.
+    """
+    PACK: tl.constexpr = 32 // BITS
+    MASK: tl.constexpr = (1 << BITS) - 1
+    W: tl.constexpr = BLOCK_K // PACK  # words per row of a tile
+    pid = tl.program_id(0)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    band = pid // (SWIZZLE * tiles_m)  # bands of SWIZZLE N tiles, each walked column by column
+    first_n = band * SWIZZLE
+    band_n = tl.minimum(tiles_n - first_n, SWIZZLE)
+    pid_n = first_n + (pid % (SWIZZLE * tiles_m)) % band_n
+    pid_m = (pid % (SWIZZLE * tiles_m)) // band_n
+    pid_k = tl.program_id(2)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_w = tl.arange(0, W)
+    offs_k = tl.arange(0, BLOCK_K)
+    shifts = tl.arange(0, PACK) * BITS
+    mask_n = offs_n < N
+    mask_m = offs_m < M
+    n_words = tl.cdiv(K, PACK)
+    qw_rows = qw_ptr + offs_n[:, None].to(tl.int64) * qw_row_stride
+    x_rows = x_ptr + offs_m[:, None].to(tl.int64) * x_row_stride
+    dtype = x_ptr.dtype.element_ty
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    tile_begin = pid_k * tiles_per_split
+    tile_end = tl.minimum(tile_begin + tiles_per_split, tl.cdiv(K, BLOCK_K))
+    for tile in range(tile_begin, tile_end):
+        k0 = tile * BLOCK_K
+        words = k0 // PACK + offs_w
+        ks = k0 + offs_k
+        if EVEN_K:
+            h = tl.load(qw_rows + words[None, :], mask=mask_n[:, None], other=0)
+            xt = tl.load(x_rows + ks[None, :], mask=mask_m[:, None], other=0.0)
+        else:
+            h = tl.load(qw_rows + words[None, :], mask=mask_n[:, None] & (words < n_words)[None, :], other=0)
+            xt = tl.load(x_rows + ks[None, :], mask=mask_m[:, None] & (ks < K)[None, :], other=0.0)
+        q = tl.reshape((h[:, :, None] >> shifts[None, None, :]) & MASK, [BLOCK_N, BLOCK_K])  # k = PACK w + j
+        if GPT > 0:
+            s, z = _tile_params(scale_ptr, zero_ptr, offs_n, mask_n, tile, K, scale_row_stride,
+                                zero_row_stride, BITS, GROUP, HAS_ZERO, BLOCK_K, GPT)  # fmt: skip
+            s, z = _per_word(s, BLOCK_N, GPT, BLOCK_K), _per_word(z, BLOCK_N, GPT, BLOCK_K)
+        else:  # groups not aligned to tiles: the group of each value
+            s, z = _group_params(scale_ptr, zero_ptr, offs_n[:, None], (ks // GROUP)[None, :],
+                                 mask_n[:, None] & (ks < K)[None, :], scale_row_stride, zero_row_stride,
+                                 BITS, HAS_ZERO)  # fmt: skip
+        w = (((q | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + z)) * s).to(dtype)
+        if DOT_FP32:
+            acc = tl.dot(w.to(tl.float32), tl.trans(xt).to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(w, tl.trans(xt), acc)
+    _write_tile(acc, y_ptr, ws_ptr, count_ptr, offs_n, offs_m, mask_n, mask_m, y_row_stride, n_splits, MODE)
+
+
+@triton.jit
 def _dequantize_kernel(
     qw_ptr,  # [N, ceil(K / PACK)] int32
     scale_ptr,

@@ -117,6 +117,57 @@ def sweep(kn=KN[:3], group=128, bits=4, ms=None):
     qm.GEMV_MAX_M = saved["GEMV_MAX_M"]
 
 
+PREFILL_MS = (128, 512, 2048, 8192)
+# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, split) of the prefill sweep.
+PREFILL_GRID = [
+    (128, 128, 64, 8, 3, 1), (128, 128, 64, 8, 4, 1), (128, 128, 128, 8, 3, 1), (256, 128, 64, 8, 3, 1),
+    (256, 128, 64, 8, 4, 1), (128, 256, 64, 8, 3, 1), (128, 64, 64, 4, 4, 1), (64, 128, 64, 4, 4, 1),
+    (128, 128, 64, 4, 4, 1), (256, 64, 64, 8, 4, 1), (64, 128, 64, 4, 4, 2), (64, 64, 64, 4, 4, 2),
+    (128, 128, 64, 8, 3, 2), (64, 128, 128, 4, 3, 1),
+]  # fmt: skip
+
+
+def prefill_sweep(kn=KN, groups=(128,), bits=4, ms=PREFILL_MS):
+    """Time the prefill GEMM under every PREFILL_GRID setting beside bf16 cuBLAS and dequantize + cuBLAS;
+    print the best per shape (it chose ``quant_matmul.prefill_tuning``)."""
+    saved = qm.prefill_tuning
+    for group in groups:
+        for k, n in kn:
+            qw, sc = _packed(n, k, bits, group)
+            packs = [(qw, sc)] + [(qw.clone(), sc.clone()) for _ in range(_copies(qw.numel() * 4) - 1)]
+            dense = quant_layout.dequantize(qw, sc, None, (n, k), group, bits).to(DTYPE)
+            denses = [dense] + [dense.clone() for _ in range(_copies(dense.numel() * 2) - 1)]
+            for m in ms:
+                x = torch.randn(m, k, device="cuda", dtype=DTYPE)
+                t_bf16 = do_bench_cudagraph(_cycle([lambda d=d, x=x: x @ d.t() for d in denses]), rep=30)
+                ours = _cycle([lambda p=p, x=x, g=group: K.quant_matmul(x, p[0], p[1], None, g, bits)
+                               for p in packs])  # fmt: skip
+                qm.PREFILL = "dequantize"
+                t_deq = do_bench_cudagraph(ours, rep=30)
+                qm.PREFILL = "triton"
+                results = []
+                for bm, bn, bk, warps, stages, split in PREFILL_GRID:
+                    cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "split": split, "num_warps": warps,
+                           "num_stages": stages, "SWIZZLE": 8}  # fmt: skip
+                    qm.prefill_tuning = lambda *a, cfg=cfg: cfg
+                    try:
+                        y = K.quant_matmul(x, qw, sc, None, group, bits).float()
+                        ref = (x @ dense.t()).float()
+                        err = ((y - ref).norm() / ref.norm()).item()
+                        t = do_bench_cudagraph(ours, rep=30)
+                    except Exception as exc:  # out of shared memory / registers for the largest tiles
+                        print(f"# prefill {cfg}: {type(exc).__name__}: {str(exc)[:120]}", file=sys.stderr)
+                        continue
+                    finally:
+                        qm.prefill_tuning = saved
+                    results.append((t, err, bm, bn, bk, warps, stages, split))
+                results.sort()
+                print(f"prefill m={m} n={n} k={k} g={group}: bf16 {t_bf16 * 1e3:.1f}us dequant+cublas "
+                      f"{t_deq * 1e3:.1f}us ({t_bf16 / t_deq:.2f}x) | " + "; ".join(
+                      f"{t * 1e3:.1f}us {t_bf16 / t:.2f}x m{bm} n{bn} k{bk} w{w} s{st} sp{sp} err{e:.1e}"
+                      for t, e, bm, bn, bk, w, st, sp in results[:4]), flush=True)  # fmt: skip
+
+
 def profile(n=14336, k=14336, group=128, bits=4):
     """Plain (not graph) calls of the decode kernels at 1 and 16 rows, for Nsight Compute to profile."""
     qw, sc = _packed(n, k, bits, group)
@@ -174,6 +225,8 @@ if __name__ == "__main__":
     parser.add_argument("--dump", type=Path, help="write the decode kernels' Triton IR and PTX here")
     parser.add_argument("--profile", action="store_true", help="a few plain calls for ncu, nothing timed")
     parser.add_argument("--shapes", help="sweep only these K:N pairs, e.g. 4096:14336,14336:4096")
+    parser.add_argument("--prefill-sweep", action="store_true", help="tile sweep of the prefill GEMM")
+    parser.add_argument("--groups", default="128", help="groups of --prefill-sweep, e.g. 128,32")
     args = parser.parse_args()
     peaks()
     if args.dump:
@@ -187,7 +240,10 @@ if __name__ == "__main__":
     if args.sweep:
         kn = [tuple(map(int, p.split(":"))) for p in args.shapes.split(",")] if args.shapes else KN[:3]
         sweep(kn)
-    if args.dump or args.sweep:
+    if args.prefill_sweep:
+        kn = [tuple(map(int, p.split(":"))) for p in args.shapes.split(",")] if args.shapes else KN
+        prefill_sweep(kn, groups=tuple(map(int, args.groups.split(","))))
+    if args.dump or args.sweep or args.prefill_sweep:
         sys.exit(0)
     recorder = Recorder("quant_matmul")
     marlin = marlin_timer() if args.marlin else None

@@ -8,13 +8,15 @@ from squeezeserve.kernels.ops import quant_matmul as qm
 
 # (M, N, K, group): decode and batched-decode rows (the skinny kernel: one tile per group with the
 # scale applied after the dot, or per-weight dequantization for groups narrower than a tile) and prefill
-# rows (M > 64: dequantize, then matmul). K = 576 and 1536 are the bundled model's widths, with groups
-# that divide K but not 128, a group that does not divide K (a partial last tile), a group narrower than
-# the int4 tile (32) and one that is no power of two (48), so groups straddle the kernel's K tiles;
-# K = 512 with group 128 is the unmasked case (K a multiple of the tile: vectorized loads, no K mask).
+# rows (M > 64: the prefill GEMM, dequantizing in registers). K = 576 and 1536 are the bundled model's
+# widths, with groups that divide K but not 128, a group that does not divide K (a partial last tile), a
+# group narrower than the int4 tile (32) and one that is no power of two (48), so groups straddle the
+# kernels' K tiles; K = 512 with group 128 is the unmasked case (K a multiple of the tile: vectorized
+# loads, no K mask). Prefill rows cover one group per tile, several (16), straddling groups (48) and a
+# partial last tile (K = 200), with M and N off the tile sizes.
 SHAPES = [
     (1, 72, 576, 64), (5, 40, 576, 32), (33, 24, 1536, 64), (3, 16, 200, 128), (2, 24, 576, 48),
-    (70, 24, 576, 64), (1, 40, 512, 128),
+    (70, 24, 576, 64), (1, 40, 512, 128), (67, 40, 200, 128), (80, 40, 576, 48), (72, 24, 512, 16),
 ]  # fmt: skip
 
 
@@ -60,7 +62,7 @@ def test_split_k_partials_meet_and_leave_the_workspace_clean(traced, device, mon
         monkeypatch.setattr(qm, "eager", lambda *tensors: False)
     n, k, group = 40, 512, 128
     tensors = {name: t.to(device) for name, t in ql.pack_weight(torch.randn(n, k), 4, group).items()}
-    for m in (1, 3, 3, 17):  # the FMA and tensor-core kernels; the same shape twice reuses the workspace
+    for m in (1, 3, 3, 17, 70):  # FMA, tensor-core and prefill kernels; one shape twice reuses the workspace
         x = torch.randn(m, k, device=device).to(torch.float16)
         y = K.quant_matmul(x, tensors["weight_packed"], tensors["weight_scale"], None, group, 4)
         ref = _dense_reference(x, tensors, (n, k), group, 4)
