@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import Recorder, compiled, liger, peaks  # noqa: E402
+from triton.testing import do_bench  # noqa: E402
 
 import squeezeserve.kernels as K  # noqa: E402
 from squeezeserve.kernels.functional import fused_linear_kd as kd_loss  # noqa: E402
@@ -75,6 +76,58 @@ def fused_linear_cross_entropy(rec):
         hidden.grad = weight.grad = None
         rec.memory(name, "fwd+bwd", (n, h, v), DTYPE, step)
         hidden.grad = weight.grad = None
+
+
+def _flce_parts(hc, tc, weight, n_tokens):
+    """One chunk's steps of fused linear cross-entropy, each a callable (buffers made once)."""
+    from squeezeserve.kernels.ops.cross_entropy import launch_cross_entropy
+
+    logits = hc @ weight.t()
+    grad_h, grad_w = torch.empty_like(hc), torch.zeros_like(weight)
+    n_valid = torch.tensor(n_tokens, device=hc.device)
+    return {
+        "logits": lambda: torch.matmul(hc, weight.t(), out=logits),
+        "ce": lambda: launch_cross_entropy(logits, tc, n_valid, -100, 0.0, "mean", True),
+        "grad_hidden": lambda: torch.matmul(logits, weight, out=grad_h),
+        "grad_weight": lambda: grad_w.addmm_(logits.t(), hc),
+    }
+
+
+def flce_breakdown(rec):
+    """Where fused linear cross-entropy's time goes at N=16k, H=4096, V=128k, per chunk size: each chunk's
+    three GEMMs and the cross-entropy kernel timed alone (summed over the chunks of the batch), then the
+    whole op with that chunk size and its peak memory. Printed, not recorded: it explains the op's row."""
+    from squeezeserve.kernels.ops import fused_linear_ce as flce
+
+    n, h, v = 16384, 4096, 128256
+    hidden = (torch.randn(n, h, device="cuda", dtype=DTYPE) / 8).requires_grad_()
+    weight = (torch.randn(v, h, device="cuda", dtype=DTYPE) / 64).requires_grad_()
+    target = torch.randint(0, v, (n,), device="cuda")
+    gflop = 2 * n * h * v / 1e9  # per GEMM
+    saved = flce.chunk_tokens
+    for chunk in (256, 512, 1024, 2048):
+        chunks = n // chunk
+        parts = _flce_parts(hidden.detach()[:chunk], target[:chunk], weight.detach(), n)
+        times = {name: do_bench(fn, rep=100) * chunks for name, fn in parts.items()}
+        flce.chunk_tokens = lambda *a, c=chunk: c
+
+        def step():
+            hidden.grad = weight.grad = None
+            K.fused_linear_cross_entropy(hidden, weight, target).backward()
+
+        total = do_bench(step, rep=300)
+        hidden.grad = weight.grad = None
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        step()
+        torch.cuda.synchronize()
+        mb = (torch.cuda.max_memory_allocated() - base) / 2**20
+        hidden.grad = weight.grad = None
+        flce.chunk_tokens = saved
+        print(f"flce chunk={chunk}: total {total:.1f} ms, peak {mb:.0f} MB | " + ", ".join(
+            f"{name} {t:.1f} ms" + (f" ({gflop / t:.0f} TFLOP/s)" if name != "ce" else "")
+            for name, t in times.items()) + f" | sum {sum(times.values()):.1f} ms", flush=True)  # fmt: skip
 
 
 def torch_kd(student_hidden, student_weight, teacher_hidden, teacher_weight, temperature=1.0):
@@ -139,7 +192,9 @@ def fused_linear_kd(rec):
     print("targets (issue 19): squeezeserve memory <= 1.5x FLCE, time <= 2.2x FLCE")
 
 
-BENCHES = {b.__name__: b for b in (cross_entropy, fused_linear_cross_entropy, fused_linear_kd)}
+BENCHES = {
+    b.__name__: b for b in (cross_entropy, fused_linear_cross_entropy, fused_linear_kd, flce_breakdown)
+}
 
 if __name__ == "__main__":
     unknown = [name for name in sys.argv[1:] if name not in BENCHES]
