@@ -216,9 +216,9 @@ def prefill_tuning(m: int, n_out: int, k_in: int, group_size: int, bits: int, de
         # Small tiles, and split-K so that the tests cover both ways partial tiles meet.
         block_k = 32 if group_size % 32 == 0 or 32 % group_size == 0 else 64
         return {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": block_k, "split": 2, "num_warps": 4,
-                "num_stages": 1, "SWIZZLE": 2}  # fmt: skip
-    return {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "split": 1, "num_warps": 8, "num_stages": 3,
-            "SWIZZLE": 8}  # fmt: skip
+                "num_stages": 1, "SWIZZLE": 2, "SWAP": False, "POST": True}  # fmt: skip
+    return {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "split": 1, "num_warps": 4, "num_stages": 4,
+            "SWIZZLE": 8, "SWAP": False, "POST": True}  # fmt: skip
 
 
 def _prefill(x2, qweight, scales, zeros, zero_arg, group_size, bits) -> torch.Tensor:
@@ -235,14 +235,17 @@ def _prefill(x2, qweight, scales, zeros, zero_arg, group_size, bits) -> torch.Te
     dtype = torch.float32 if mode == 1 else x2.dtype
     y = (torch.zeros if mode == 1 else torch.empty)((m, n_out), dtype=dtype, device=x2.device)
     ws, counts = _workspace(x2.device, m * n_out, grid[0]) if mode == 2 else (y, y)
+    gpt = _groups_per_tile(group_size, block_k, 32 // bits)
+    magic, bias, mantissa = _MAGIC[x2.dtype]
+    post = cfg["POST"] and gpt == 1 and bits < mantissa  # BIAS + q exact in the activation dtype
     traceable(_prefill_kernel)[grid](
         x2, qweight, scales, zero_arg, y, ws, counts, m, n_out, k_in,
         x2.stride(0), qweight.stride(0), scales.stride(0), zero_arg.stride(0), y.stride(0),
         tiles_per_split, split,
         BITS=bits, GROUP=group_size, HAS_ZERO=zeros is not None, BLOCK_M=cfg["BLOCK_M"],
         BLOCK_N=cfg["BLOCK_N"], BLOCK_K=block_k, MODE=mode, EVEN_K=k_in % block_k == 0,
-        GPT=_groups_per_tile(group_size, block_k, 32 // bits), SWIZZLE=cfg["SWIZZLE"],
-        DOT_FP32=interpreting() and x2.dtype == torch.bfloat16,
+        GPT=gpt, SWIZZLE=cfg["SWIZZLE"], SWAP=cfg["SWAP"], POST=post, MAGIC=magic if post else 0,
+        BIAS=bias if post else 0.0, DOT_FP32=interpreting() and x2.dtype == torch.bfloat16,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
     return y.to(x2.dtype)
@@ -267,6 +270,7 @@ def dequantize(
         qweight, scales, zero_arg, weight, n_out, k_in,
         qweight.stride(0), scales.stride(0), zero_arg.stride(0), weight.stride(0),
         BITS=bits, GROUP=group_size, HAS_ZERO=zeros is not None, BLOCK_N=block_n, BLOCK_K=block_k,
+        GPT=_groups_per_tile(group_size, block_k, 32 // bits),
     )  # fmt: skip
     return weight
 

@@ -446,6 +446,15 @@ def _gemv_int4_kernel(
 
 
 @triton.jit
+def _mma(a, b, acc, DOT_FP32: tl.constexpr):
+    """acc + a @ b on tensor cores (in fp32 under the interpreter, whose bf16 tl.dot is wrong)."""
+    if DOT_FP32:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc)
+
+
+@triton.jit
 def _prefill_kernel(
     x_ptr,  # [M, K] activations (fp16/bf16)
     qw_ptr,  # [N, ceil(K / PACK)] packed int32 weight
@@ -474,15 +483,21 @@ def _prefill_kernel(
     EVEN_K: tl.constexpr,
     GPT: tl.constexpr,  # groups per K tile when groups align to tiles (1 for groups of whole tiles), else 0
     SWIZZLE: tl.constexpr,  # N tiles per band of the launch order (tiles sharing x run together)
+    SWAP: tl.constexpr,  # acc[BLOCK_M, BLOCK_N] = x_tile @ W_tile.T (W the B operand) instead of W @ x.T
+    POST: tl.constexpr,  # a tile in one group: dot over BIAS + q, scale and zero point applied after it
+    MAGIC: tl.constexpr,  # bit pattern of BIAS in the activation dtype (POST only)
+    BIAS: tl.constexpr,
     DOT_FP32: tl.constexpr,  # upcast the dot operands (Triton's interpreter gets bf16 tl.dot wrong)
 ):
     """Prefill: a tensor-core GEMM that dequantizes the weight tile in registers (no dense weight in memory).
 
-    Each program computes ``acc[BLOCK_N, BLOCK_M] = W_tile @ x_tile.T``: the dequantized weight is the
-    MMA's A operand, which Hopper's wgmma takes straight from registers, and the activations (B) stream
-    through shared memory. Every weight becomes ``(q - z) * s`` exactly as :func:`_dequantize_kernel` writes
-    it (``q - z`` exact through the fp32 magic 2**23, times the scale in fp32, one rounding), so the
-    product matches dequantize + cuBLAS up to accumulation order.
+    Each program computes ``acc[BLOCK_N, BLOCK_M] = W_tile @ x_tile.T`` (the dequantized weight is the
+    MMA's A operand, which Hopper's wgmma may take from registers) or, with SWAP, ``x_tile @ W_tile.T``.
+    Without POST every weight becomes ``(q - z) * s`` exactly as :func:`_dequantize_kernel` writes it
+    (``q - z`` exact through the fp32 magic 2**23, times the scale in fp32, one rounding), so the product
+    matches dequantize + cuBLAS up to accumulation order. With POST (a tile inside one group) a weight
+    is only OR-ed into the float ``BIAS + q`` and ``s (sum (BIAS + q) x - (BIAS + z) sum x)`` is applied
+    per tile, as the skinny kernel does: three integer operations per weight instead of seven.
     """
     PACK: tl.constexpr = 32 // BITS
     MASK: tl.constexpr = (1 << BITS) - 1
@@ -507,7 +522,10 @@ def _prefill_kernel(
     qw_rows = qw_ptr + offs_n[:, None].to(tl.int64) * qw_row_stride
     x_rows = x_ptr + offs_m[:, None].to(tl.int64) * x_row_stride
     dtype = x_ptr.dtype.element_ty
-    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    if SWAP:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     tile_begin = pid_k * tiles_per_split
     tile_end = tl.minimum(tile_begin + tiles_per_split, tl.cdiv(K, BLOCK_K))
     for tile in range(tile_begin, tile_end):
@@ -529,11 +547,26 @@ def _prefill_kernel(
             s, z = _group_params(scale_ptr, zero_ptr, offs_n[:, None], (ks // GROUP)[None, :],
                                  mask_n[:, None] & (ks < K)[None, :], scale_row_stride, zero_row_stride,
                                  BITS, HAS_ZERO)  # fmt: skip
-        w = (((q | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + z)) * s).to(dtype)
-        if DOT_FP32:
-            acc = tl.dot(w.to(tl.float32), tl.trans(xt).to(tl.float32), acc, input_precision="ieee")
+        if POST:  # BIAS + q, exactly; s and z are [BLOCK_N, 1]
+            w = (q | MAGIC).to(tl.int16).to(dtype, bitcast=True)
         else:
-            acc = tl.dot(w, tl.trans(xt), acc)
+            w = (((q | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + z)) * s).to(dtype)
+        if SWAP:
+            if POST:
+                part = _mma(xt, tl.trans(w), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), DOT_FP32)
+                xsum = tl.sum(xt.to(tl.float32), axis=1)
+                acc += (part - xsum[:, None] * tl.trans(BIAS + z)) * tl.trans(s)
+            else:
+                acc = _mma(xt, tl.trans(w), acc, DOT_FP32)
+        else:
+            if POST:
+                part = _mma(w, tl.trans(xt), tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), DOT_FP32)
+                xsum = tl.sum(xt.to(tl.float32), axis=1)
+                acc += s * (part - (BIAS + z) * xsum[None, :])
+            else:
+                acc = _mma(w, tl.trans(xt), acc, DOT_FP32)
+    if SWAP:
+        acc = tl.trans(acc)
     _write_tile(acc, y_ptr, ws_ptr, count_ptr, offs_n, offs_m, mask_n, mask_m, y_row_stride, n_splits, MODE)
 
 
@@ -554,17 +587,32 @@ def _dequantize_kernel(
     HAS_ZERO: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    GPT: tl.constexpr,  # groups per K tile when groups align to tiles (1 for groups of whole tiles), else 0
 ):
-    """W[n, k] = ((q - z) * s) in fp32, rounded once to the output dtype (compressed-tensors' formula)."""
+    """W[n, k] = ((q - z) * s) in fp32, rounded once to the output dtype (compressed-tensors' formula).
+
+    Each packed word is loaded once and split into its values in registers, and the scales of a tile are
+    one [BLOCK_N, GPT] load when groups align to it (per-value gathers only for straddling groups)."""
     PACK: tl.constexpr = 32 // BITS
     MASK: tl.constexpr = (1 << BITS) - 1
+    W: tl.constexpr = BLOCK_K // PACK
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
-    mask = (offs_n < N)[:, None] & (offs_k < K)[None, :]
+    tile = tl.program_id(1)
+    words = tile * W + tl.arange(0, W)
+    offs_k = tile * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask_n = offs_n < N
     rows = offs_n[:, None].to(tl.int64)
-    word = tl.load(qw_ptr + rows * qw_row_stride + (offs_k // PACK)[None, :], mask=mask, other=0)
-    q = (word >> ((offs_k % PACK) * BITS)[None, :]) & MASK
-    s, z = _group_params(scale_ptr, zero_ptr, offs_n[:, None], (offs_k // GROUP)[None, :], mask,
-                         scale_row_stride, zero_row_stride, BITS, HAS_ZERO)  # fmt: skip
+    h = tl.load(qw_ptr + rows * qw_row_stride + words[None, :],
+                mask=mask_n[:, None] & (words < tl.cdiv(K, PACK))[None, :], other=0)  # fmt: skip
+    shifts = tl.arange(0, PACK) * BITS
+    q = tl.reshape((h[:, :, None] >> shifts[None, None, :]) & MASK, [BLOCK_N, BLOCK_K])  # k = PACK w + j
+    mask = mask_n[:, None] & (offs_k < K)[None, :]
+    if GPT > 0:
+        s, z = _tile_params(scale_ptr, zero_ptr, offs_n, mask_n, tile, K, scale_row_stride, zero_row_stride,
+                            BITS, GROUP, HAS_ZERO, BLOCK_K, GPT)  # fmt: skip
+        s, z = _per_word(s, BLOCK_N, GPT, BLOCK_K), _per_word(z, BLOCK_N, GPT, BLOCK_K)
+    else:
+        s, z = _group_params(scale_ptr, zero_ptr, offs_n[:, None], (offs_k // GROUP)[None, :], mask,
+                             scale_row_stride, zero_row_stride, BITS, HAS_ZERO)  # fmt: skip
     w = (q.to(tl.float32) - z) * s
     tl.store(w_ptr + rows * w_row_stride + offs_k[None, :], w.to(w_ptr.dtype.element_ty), mask=mask)

@@ -138,3 +138,28 @@ def test_quant_matmul_opaque_is_one_node_under_compile(device, check):
     check.opcheck(
         torch.ops.squeezeserve.quant_matmul_opaque.default, (torch.randn(3, 64, device=device).half(), *args)
     )
+
+
+@pytest.mark.parametrize(("swap", "post", "path"), [
+    (False, False, "triton"), (True, False, "triton"), (True, True, "triton"), (False, False, "dequantize"),
+])  # fmt: skip
+@pytest.mark.parametrize(("m", "n", "k", "group", "bits", "symmetric"), [
+    (67, 40, 200, 128, 4, False), (72, 24, 512, 16, 8, True), (80, 40, 576, 48, 4, True),
+])  # fmt: skip
+def test_prefill_variants_match(m, n, k, group, bits, symmetric, swap, post, path, device, monkeypatch):
+    # The prefill GEMM's operand orders (the weight as the MMA's A or B operand) and both ways of applying
+    # scales (per weight before the dot, or per tile after it where a tile sits in one group), as the
+    # tile sweep of bench_quant_matmul.py runs them, and the dequantize + matmul path; the default
+    # setting is covered above.
+    monkeypatch.setattr(qm, "PREFILL", path)
+    tuned = qm.prefill_tuning
+    monkeypatch.setattr(qm, "prefill_tuning", lambda *a: tuned(*a) | {"SWAP": swap, "POST": post})
+    tensors = {
+        name: t.to(device)
+        for name, t in ql.pack_weight(torch.randn(n, k).to(torch.bfloat16), bits, group, symmetric).items()
+    }
+    x = torch.randn(m, k, device=device).to(torch.bfloat16)
+    packed = (tensors["weight_packed"], tensors["weight_scale"], tensors.get("weight_zero_point"))
+    y = K.quant_matmul(x, *packed, group, bits)
+    ref = _dense_reference(x, tensors, (n, k), group, bits)
+    assert ((y.float() - ref).norm() / ref.norm()).item() < 1e-2
