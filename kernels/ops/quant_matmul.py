@@ -3,11 +3,12 @@ count, tuning, the split-K workspace, registration and autograd. The kernels and
 ``quant_matmul_kernels.py``; the layout in ``kernels/quant_layout.py``.
 
 One row (M <= GEMV_MAX_M) runs on the FMA units (``_gemv_int4_kernel`` for int4, ``_gemv_kernel`` for
-int8), up to SKINNY_MAX_M rows on tensor cores (``_skinny_kernel``); prefill (M > SKINNY_MAX_M) is
-compute-bound: ``_dequantize_kernel`` expands W to the activation dtype once (bit-exact, as
-compressed-tensors dequantizes) and cuBLAS does the matmul. The transient weight costs N x K x 2 bytes;
-at thousands of rows it is read once per row, so the expansion (a memory-bound pass) is a small part of
-the time.
+int8), up to SKINNY_MAX_M rows on tensor cores (``_skinny_kernel``). Prefill (M > SKINNY_MAX_M) is
+compute-bound and takes the faster of two paths for its shape (``PREFILL``): ``_prefill_kernel``, a
+tensor-core GEMM that dequantizes each weight tile in registers, or ``_dequantize_kernel`` expanding W to
+the activation dtype once (bit-exact, as compressed-tensors dequantizes; at memory speed) and cuBLAS. The
+transient weight costs N x K x 2 bytes; at thousands of rows it is read once per row, so the expansion is
+a small part of the time.
 """
 
 from __future__ import annotations
@@ -27,9 +28,13 @@ from squeezeserve.kernels.ops.quant_matmul_kernels import (
 from squeezeserve.kernels.registry import eager, interpreting, use_reference
 
 SKINNY_MAX_M = 64
-# Prefill: "triton" (_prefill_kernel, the weight dequantized in registers) or "dequantize" (the dense
-# weight written once, then cuBLAS); the benchmark times both.
-PREFILL = "triton"
+# Prefill: "triton" (_prefill_kernel, the weight dequantized in registers), "dequantize" (the dense weight
+# written once, then cuBLAS) or "auto": the faster of the two by `bench_quant_matmul.py --prefill-sweep`
+# on the H100 (2026-11-23, bf16, g128): the Triton GEMM only up to TRITON_PREFILL_MAX_M rows of a wide
+# output (N >= 8192: 0.54-0.55x bf16 against 0.43-0.44x); everywhere else dequantize + cuBLAS (0.83-0.95x
+# bf16 from 2048 rows, while the Triton GEMM reaches 0.37-0.45x there).
+PREFILL = "auto"
+TRITON_PREFILL_MAX_M = 128
 GEMV_MAX_M = 1  # rows up to which the FMA kernel beats the tensor-core one (bench_quant_matmul --sweep)
 # bf16: 0x4300 is 128.0 with a 7-bit mantissa (integers 128..255 exact); fp16: 0x6400 is 1024.0 with a
 # 10-bit mantissa (1024..2047 exact).
@@ -152,7 +157,8 @@ def _quant_matmul(
     qweight, scales = qweight.contiguous(), scales.contiguous()
     zero_arg = zeros.contiguous() if zeros is not None else qweight
     if m > SKINNY_MAX_M:
-        if PREFILL == "dequantize":
+        auto_triton = m <= TRITON_PREFILL_MAX_M and n_out >= 8192
+        if not (PREFILL == "triton" or (PREFILL == "auto" and auto_triton)):
             weight = dequantize(qweight, scales, zeros, k_in, group_size, bits, x.dtype)
             return (x2 @ weight.t()).reshape(*x.shape[:-1], n_out)
         return _prefill(x2, qweight, scales, zeros, zero_arg, group_size, bits).reshape(*x.shape[:-1], n_out)
@@ -218,7 +224,7 @@ def prefill_tuning(m: int, n_out: int, k_in: int, group_size: int, bits: int, de
         return {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": block_k, "split": 2, "num_warps": 4,
                 "num_stages": 1, "SWIZZLE": 2, "SWAP": False, "POST": True}  # fmt: skip
     return {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "split": 1, "num_warps": 4, "num_stages": 4,
-            "SWIZZLE": 8, "SWAP": False, "POST": True}  # fmt: skip
+            "SWIZZLE": 8, "SWAP": False, "POST": False}  # fmt: skip
 
 
 def _prefill(x2, qweight, scales, zeros, zero_arg, group_size, bits) -> torch.Tensor:

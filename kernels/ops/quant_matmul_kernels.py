@@ -33,10 +33,9 @@ weight as possible: one row (M <= GEMV_MAX_M) on the FMA units (:func:`_gemv_int
 - Split-K across programs when N alone gives too few programs to fill the GPU: partial tiles meet in a
   self-cleaning fp32 workspace (:func:`_write_tile`).
 
-Prefill (M > SKINNY_MAX_M) is compute-bound: :func:`_dequantize_kernel` expands W to the activation dtype
-once (bit-exact, as compressed-tensors dequantizes) and cuBLAS does the matmul. The transient weight
-costs N x K x 2 bytes; at 4096 rows it is read 4096 times, so the expansion (a memory-bound pass) is a
-small part of the time.
+Prefill (M > SKINNY_MAX_M) is compute-bound: :func:`_prefill_kernel` is a tensor-core GEMM that
+dequantizes the weight tile in registers; :func:`_dequantize_kernel` expands W to the activation dtype once
+(bit-exact, as compressed-tensors dequantizes) for cuBLAS. ``quant_matmul.PREFILL`` says which runs where.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ layer's weights once; timing one copy over and over would serve a 4096 x 4096 in
 
     python tests/benchmarks/bench_quant_matmul.py            # rows for results/kernels.csv
     python tests/benchmarks/bench_quant_matmul.py --sweep    # tile / split-K sweep of the skinny kernel
-    python tests/benchmarks/bench_quant_matmul.py --marlin   # also vLLM's Marlin W4A16 (vLLM staged)
+    python tests/benchmarks/bench_quant_matmul.py --marlin   # with vLLM's Marlin and Machete (vLLM staged)
     ncu -k regex:_gemv --launch-skip 2 -c 1 python tests/benchmarks/bench_quant_matmul.py --profile
 """
 
@@ -50,7 +50,7 @@ def _packed(n, k, bits, group):
     return t["weight_packed"], t["weight_scale"]
 
 
-def run(rec, bits=4, group=128, ms_=(1, 2, 4, 8, 16, 32, 64, 4096), kn=KN, marlin=None):
+def run(rec, bits=4, group=128, ms_=(1, 2, 4, 8, 16, 32, 64, 128, 512, 2048, 8192), kn=KN, peers=()):
     tag = f"int{bits}-g{group}"
     for k, n in kn:
         qw, sc = _packed(n, k, bits, group)
@@ -60,7 +60,7 @@ def run(rec, bits=4, group=128, ms_=(1, 2, 4, 8, 16, 32, 64, 4096), kn=KN, marli
         denses = [dense] + [dense.clone() for _ in range(_copies(dense.numel() * 2) - 1)]
         for m in ms_:
             x = torch.randn(m, k, device="cuda", dtype=DTYPE)
-            graph = m <= 64
+            graph = True  # GPU time, one launch per call (decode steps and prefills alike)
             ours = _cycle([lambda p=p, x=x: K.quant_matmul(x, p[0], p[1], None, group, bits) for p in packs])
             ref = _cycle([lambda d=d, x=x: x @ d.t() for d in denses])
             y, y_ref = K.quant_matmul(x, qw, sc, None, group, bits).float(), (x @ dense.t()).float()
@@ -73,10 +73,10 @@ def run(rec, bits=4, group=128, ms_=(1, 2, 4, 8, 16, 32, 64, 4096), kn=KN, marli
             t_ref = rec.time("torch-bf16", "fwd", shape, DTYPE, ref, nbytes=n * k * 2 + io, graph=graph)
             if t_ours and t_ref:
                 rec.add(f"squeezeserve-{tag}", "fwd", shape, DTYPE, "speedup_vs_bf16", [t_ref / t_ours], "x")
-            if marlin is not None and bits == 4 and graph:
-                t_m = marlin(rec, m, n, k, group, x, dense, shape, w_bytes + io)
-                if t_m and t_ref:
-                    rec.add(f"vllm-marlin-{tag}", "fwd", shape, DTYPE, "speedup_vs_bf16", [t_ref / t_m], "x")
+            for name, peer in peers if bits == 4 else ():
+                t_p = peer(rec, m, n, k, group, x, dense, shape, w_bytes + io)
+                if t_p and t_ref:
+                    rec.add(f"vllm-{name}-{tag}", "fwd", shape, DTYPE, "speedup_vs_bf16", [t_ref / t_p], "x")
 
 
 def sweep(kn=KN[:3], group=128, bits=4, ms=None):
@@ -207,16 +207,52 @@ def marlin_timer():
         print(f"# marlin unavailable: {type(exc).__name__}: {exc}", file=sys.stderr)
         return None
     wtype = scalar_types.uint4b8
+    packed = {}
 
     def timer(rec, m, n, k, group, x, dense, shape, nbytes):
-        _, q_w, s, g_idx, sort_idx, _ = marlin_quantize(dense.t().contiguous(), wtype, group, False)
+        if (n, k, group) not in packed:  # one re-quantized weight per shape, whatever the row count
+            _, q_w, s, g_idx, sort_idx, _ = marlin_quantize(dense.t().contiguous(), wtype, group, False)
+            copies = [(q_w, s)] + [(q_w.clone(), s.clone()) for _ in range(_copies(q_w.numel() * 4) - 1)]
+            packed.clear()
+            packed[(n, k, group)] = (copies, g_idx, sort_idx)
+        copies, g_idx, sort_idx = packed[(n, k, group)]
         zp, ws = mu.marlin_make_empty_g_idx(x.device), mu.marlin_make_workspace_new(x.device)
-        copies = [(q_w, s)] + [(q_w.clone(), s.clone()) for _ in range(_copies(q_w.numel() * 4) - 1)]
         fn = _cycle([
             lambda c=c: mu.apply_gptq_marlin_linear(x, c[0], c[1], zp, g_idx, sort_idx, ws, wtype, n, k, True)
             for c in copies
         ])  # fmt: skip
         return rec.time(f"vllm-marlin-int4-g{group}", "fwd", shape, DTYPE, fn, nbytes=nbytes, graph=True)
+
+    return timer
+
+
+def machete_timer():
+    """A timer for vLLM's Machete W4A16 GEMM (Hopper's mixed-input CUTLASS kernel, what vLLM picks for
+    compressed-tensors W4A16 on an H100) on the same re-quantized weights, or None without vLLM."""
+    try:
+        from vllm import _custom_ops as ops
+        from vllm.model_executor.layers.quantization.utils.quant_utils import pack_rows, quantize_weights
+        from vllm.scalar_type import scalar_types
+    except Exception as exc:
+        print(f"# machete unavailable: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return None
+    wtype = scalar_types.uint4b8
+    packed = {}
+
+    def timer(rec, m, n, k, group, x, dense, shape, nbytes):
+        if (n, k, group) not in packed:  # one prepacked weight per shape, whatever the row count
+            _, w_q, w_s, _ = quantize_weights(dense.t().contiguous(), wtype, group)
+            w_q = pack_rows(w_q, 4, k, n).t().contiguous().t()
+            b = ops.machete_prepack_B(w_q, DTYPE, wtype, DTYPE)
+            copies = [(b, w_s)] + [(b.clone(), w_s.clone()) for _ in range(_copies(b.numel() * 4) - 1)]
+            packed.clear()
+            packed[(n, k, group)] = copies
+        fn = _cycle([
+            lambda c=c, x=x: ops.machete_mm(a=x, b_q=c[0], b_type=wtype, b_group_scales=c[1],
+                                            b_group_size=group)
+            for c in packed[(n, k, group)]
+        ])  # fmt: skip
+        return rec.time(f"vllm-machete-int4-g{group}", "fwd", shape, DTYPE, fn, nbytes=nbytes, graph=True)
 
     return timer
 
@@ -249,9 +285,11 @@ if __name__ == "__main__":
     if args.dump or args.sweep or args.prefill_sweep:
         sys.exit(0)
     recorder = Recorder("quant_matmul")
-    marlin = marlin_timer() if args.marlin else None
-    run(recorder, marlin=marlin)
+    peers = [(name, t) for name, t in (("marlin", marlin_timer()), ("machete", machete_timer()))
+             if t is not None] if args.marlin else []  # fmt: skip
+    run(recorder, peers=peers)
+    wide = [(4096, 14336), (14336, 4096)]
+    run(recorder, bits=4, group=32, ms_=(1, 4, 16, 64, 512, 2048), kn=wide, peers=peers)
     run(recorder, bits=4, group=64, ms_=(1, 16), kn=[(4096, 14336)])
-    run(recorder, bits=4, group=32, ms_=(1, 16), kn=[(4096, 14336)])
-    run(recorder, bits=8, group=128, ms_=(1, 16), kn=[(4096, 14336)])
+    run(recorder, bits=8, group=128, ms_=(1, 4, 16, 2048), kn=wide)
     recorder.write()
