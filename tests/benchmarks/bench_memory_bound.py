@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import Recorder, compiled, liger, peaks  # noqa: E402
+from common import Recorder, compiled, host_ms, liger, peaks, vllm_op  # noqa: E402
 
 import squeezeserve.kernels as K  # noqa: E402
 
@@ -27,7 +27,8 @@ SOFTMAX_SHAPES = [(16, 32768), (4096, 32768), (16, 131072), (1024, 131072), (409
 
 
 # Providers timed only at shapes of at most this many rows (host-overhead comparisons).
-SMALL_ONLY = {"squeezeserve.ops": 16}
+SMALL_ONLY = {"squeezeserve.ops": 16, "vllm": 16}
+EAGER_MAX_ROWS = 16  # shapes also timed as back-to-back eager calls ("fwd-eager", host included)
 
 
 def _bench(rec, providers, make_inputs, shape, fwd_bytes, bwd_bytes):
@@ -38,6 +39,11 @@ def _bench(rec, providers, make_inputs, shape, fwd_bytes, bwd_bytes):
         rec.time(
             name, "fwd", shape, DTYPE, lambda fn=fn, inputs=inputs: fn(*inputs), nbytes=fwd_bytes, graph=True
         )
+        if shape[0] <= EAGER_MAX_ROWS:  # host-inclusive: back-to-back eager calls
+            eager_ms = host_ms(lambda fn=fn, inputs=inputs: fn(*inputs))
+            rec.add(name, "fwd-eager", shape, DTYPE, "time", eager_ms, "ms")
+        if name.startswith("vllm"):  # vLLM's ops have no autograd
+            continue
         grads_in = [t.detach().requires_grad_() for t in inputs]
         try:
             out = fn(*grads_in)
@@ -64,10 +70,27 @@ def swiglu(rec):
         "liger": liger("liger_swiglu"),
     }
     for m, n in ROW_SHAPES:
+        if m <= EAGER_MAX_ROWS:
+            silu_and_mul(rec, m, n)
         e = m * n * 2
         make = lambda m=m, n=n: [torch.randn(m, n, device="cuda", dtype=DTYPE) for _ in range(2)]  # noqa: E731
         # fwd: read a, b, write out; bwd: read g, a, b, write da, db.
         _bench(rec, providers, make, (m, n), 3 * e, 5 * e)
+
+
+def silu_and_mul(rec, m, n):
+    """The packed form vLLM's models call ([m, 2n] -> [m, n]): ours against vLLM's CUDA op."""
+    op = vllm_op("silu_and_mul")
+
+    def theirs(x):
+        out = x.new_empty(x.shape[0], x.shape[1] // 2)
+        op(out, x)
+        return out
+
+    providers = {"squeezeserve.silu_and_mul": K.silu_and_mul, "vllm": None if op is None else theirs}
+    e = m * n * 2
+    make = lambda: [torch.randn(m, 2 * n, device="cuda", dtype=DTYPE)]  # noqa: E731
+    _bench(rec, providers, make, (m, n), 3 * e, 5 * e)
 
 
 def rmsnorm(rec):
@@ -76,11 +99,19 @@ def rmsnorm(rec):
         return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
 
     lig = liger("liger_rms_norm")
+    vllm_rms = vllm_op("rms_norm")
+
+    def vllm_rmsnorm(x, w):
+        out = torch.empty_like(x)
+        vllm_rms(out, x, w, 1e-6)
+        return out
+
     providers = {
         "squeezeserve": lambda x, w: K.rmsnorm(x, w, 1e-6),
         "squeezeserve.ops": lambda x, w: torch.ops.squeezeserve.rmsnorm(x, w, 1e-6),
         "torch": eager, "torch.compile": compiled(eager),
         "liger": None if lig is None else (lambda x, w: lig(x, w, 1e-6, 0.0, "llama", False)),
+        "vllm": None if vllm_rms is None else vllm_rmsnorm,
     }  # fmt: skip
     for m, n in ROW_SHAPES:
         e = m * n * 2
@@ -92,6 +123,36 @@ def rmsnorm(rec):
             ]
 
         _bench(rec, providers, make, (m, n), 2 * e, 3 * e)
+
+
+def add_rmsnorm(rec):
+    """Residual add + RMSNorm (what every decoder layer after the first runs): ours fused, torch eager and
+    compiled, vLLM's fused CUDA op (in place on x and the residual, as vLLM calls it). Decode shapes."""
+
+    def eager(x, r, w):
+        h = x + r
+        hf = h.float()
+        return w * (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(h.dtype)
+
+    op = vllm_op("fused_add_rms_norm")
+
+    def theirs(x, r, w):
+        op(x, r, w, 1e-6)
+        return x
+
+    providers = {
+        "squeezeserve": lambda x, r, w: K.add_rmsnorm(x, r, w, 1e-6)[0],
+        "torch": eager, "torch.compile": compiled(eager), "vllm": None if op is None else theirs,
+    }  # fmt: skip
+    for m, n in [(1, 4096), (16, 4096), (16, 14336)]:
+        e = m * n * 2
+
+        def make(m=m, n=n):
+            x, r = (torch.randn(m, n, device="cuda", dtype=DTYPE) for _ in range(2))
+            return [x, r, torch.rand(n, device="cuda", dtype=DTYPE) + 0.5]
+
+        # fwd: read x, residual, write y, h; bwd: read g, h, write dx
+        _bench(rec, providers, make, (m, n), 4 * e, 3 * e)
 
 
 def softmax(rec):
@@ -113,10 +174,10 @@ if __name__ == "__main__":
     import argparse
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--ops", default="swiglu,rmsnorm,softmax", help="comma-separated subset to run")
+    parser.add_argument("--ops", default="swiglu,rmsnorm,add_rmsnorm,softmax", help="comma-separated subset")
     chosen = parser.parse_args().ops.split(",")
     peaks()
-    for bench in [b for b in (swiglu, rmsnorm, softmax) if b.__name__ in chosen]:
+    for bench in [b for b in (swiglu, rmsnorm, add_rmsnorm, softmax) if b.__name__ in chosen]:
         recorder = Recorder(bench.__name__)
         bench(recorder)
         recorder.write()

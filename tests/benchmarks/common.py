@@ -6,6 +6,7 @@ import csv
 import datetime
 import os
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -63,6 +64,33 @@ def time_ms(fn: Callable[[], object], graph: bool = False, rep: int = 100) -> li
     if graph:
         return list(do_bench_cudagraph(fn, rep=rep, quantiles=q))
     return list(do_bench(fn, warmup=25, rep=rep, quantiles=q))
+
+
+def host_ms(fn: Callable[[], object], calls: int = 200, repeats: int = 7) -> list[float]:
+    """[p20, p50, p80] in ms per call of ``calls`` back-to-back eager calls, synchronized once at the end:
+    what a Python caller pays per call where the host, not the GPU, is the bound (small shapes)."""
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+        samples.append((time.perf_counter() - start) * 1e3 / calls)
+    samples.sort()
+    return [samples[round(q * (len(samples) - 1))] for q in (0.2, 0.5, 0.8)]
+
+
+def vllm_op(name: str):
+    """One of vLLM's own CUDA ops (``torch.ops._C.<name>``), or None without vLLM."""
+    try:
+        import vllm._custom_ops  # noqa: F401  (loads and registers vLLM's _C library)
+    except Exception as exc:
+        print(f"# vllm unavailable: {type(exc).__name__}: {str(exc)[:100]}", file=sys.stderr)
+        return None
+    return getattr(torch.ops._C, name, None)
 
 
 def peak_memory_mb(fn: Callable[[], object]) -> float:
