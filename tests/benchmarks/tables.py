@@ -33,20 +33,25 @@ def main() -> None:
         print(f"| {op} | {mode} | {shape} | {ours} | {pct.get((op, mode, shape, 'squeezeserve'), '-')} | "
               + " | ".join(cells) + " |")  # fmt: skip
     print()
-    print("| M x N x K | kernel | ours ms | bf16 matmul ms | ours speedup | Marlin ms | Marlin speedup |")
+    print("| M x N x K | kernel | ours ms | bf16 ms | ours speedup | Marlin speedup | Machete speedup |")
     print("|---|---|---|---|---|---|---|")
     quant = defaultdict(dict)
     for r in rows:
         if r["op"] == "quant_matmul":
             quant[r["shape"]][(r["provider"], r["metric"])] = r["p50"]
-    for shape, cells in quant.items():
+    for shape, cells in sorted(quant.items(), key=lambda item: _mnk(item[0])):
         for provider in sorted({p for p, _ in cells if p.startswith("squeezeserve")}):
             tag = provider.removeprefix("squeezeserve-")
-            marlin = f"vllm-marlin-{tag}"
             keys = [(provider, "time"), ("torch-bf16", "time"), (provider, "speedup_vs_bf16")]
-            keys += [(marlin, "time"), (marlin, "speedup_vs_bf16")]
+            keys += [(f"vllm-{peer}-{tag}", "speedup_vs_bf16") for peer in ("marlin", "machete")]
             values = [cells.get(key, "-") for key in keys]
             print(f"| {shape} | {tag} | " + " | ".join(values) + " |")
+
+
+def _mnk(shape: str) -> tuple[int, ...]:
+    """Sort key of an M x N x K shape: by N, K, then M."""
+    m, n, k = map(int, shape.split("x"))
+    return n, k, m
 
 
 if __name__ == "__main__":
