@@ -1,6 +1,7 @@
 """Markdown tables of ``results/kernels.csv`` for tests/benchmarks/README.md (p50 values).
 
 python tests/benchmarks/tables.py > /tmp/tables.md
+python tests/benchmarks/tables.py /tmp/bench-out/kernels.csv    # a fresh run's CSV (run_gpu.sh prints it)
 """
 
 from __future__ import annotations
@@ -10,11 +11,13 @@ from collections import defaultdict
 from pathlib import Path
 
 CSV = Path(__file__).parent / "results" / "kernels.csv"
-PROVIDERS = ("torch", "torch.compile", "liger")
+# vLLM's column is its own CUDA op: silu_and_mul (packed input; beside it our silu_and_mul is the
+# "squeezeserve.silu_and_mul" provider of the swiglu rows), rms_norm, fused_add_rms_norm.
+PROVIDERS = ("torch", "torch.compile", "liger", "vllm")
 
 
-def main() -> None:
-    rows = list(csv.DictReader(CSV.open()))
+def main(path: Path = CSV) -> None:
+    rows = list(csv.DictReader(path.open()))
     p50: dict[tuple, str] = {}
     pct: dict[tuple, str] = {}
     order: dict[tuple, None] = {}
@@ -25,8 +28,8 @@ def main() -> None:
             pct[(*key, r["provider"])] = r["pct_of_peak"]
         if r["op"] != "quant_matmul" and r["provider"] == "squeezeserve":
             order[key] = None
-    print("| op | mode | shape | ours ms | ours % | torch ms | torch.compile ms | liger ms |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| op | mode | shape | ours ms | ours % | torch ms | torch.compile ms | liger ms | vLLM ms |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for op, mode, shape in order:
         cells = [p50.get((op, mode, shape, p, "time"), "-") for p in PROVIDERS]
         ours = p50.get((op, mode, shape, "squeezeserve", "time"), "-")
@@ -55,4 +58,6 @@ def _mnk(shape: str) -> tuple[int, ...]:
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    main(Path(sys.argv[1]) if len(sys.argv) > 1 else CSV)
