@@ -34,6 +34,7 @@ plain function here so it is tested on CPU without vLLM; the vLLM classes are bu
 from __future__ import annotations
 
 import collections
+import functools
 import math
 import os
 from dataclasses import dataclass
@@ -254,7 +255,19 @@ def register_quantization() -> bool:
     return True
 
 
+def _rebuild_quantization_config(scheme: Any, state: dict[str, Any]) -> Any:
+    """Unpickles a ``SqueezeserveConfig`` by name: the class is built at run time (vLLM is imported only
+    then), so pickle cannot find it as a module attribute. vLLM pickles the engine config, quantization
+    config included, whenever it spawns its engine core: always on CPU, where it forces spawn."""
+    config = _quantization_config_class()(scheme)
+    config.__dict__.update(state)
+    return config
+
+
+@functools.cache
 def _quantization_config_class() -> type:
+    """The ``squeezeserve`` QuantizationConfig class; one per process, so the class vLLM registered and the
+    class an unpickled config comes back as are the same."""
     from vllm.model_executor.layers.linear import (
         LinearBase,
         LinearMethodBase,
@@ -342,6 +355,9 @@ def _quantization_config_class() -> type:
         def __init__(self, scheme: WeightOnlyScheme | LowRankFormat | CodebookFormat) -> None:
             super().__init__()
             self.scheme = scheme
+
+        def __reduce__(self) -> tuple:
+            return _rebuild_quantization_config, (self.scheme, self.__dict__)
 
         def get_name(self) -> str:
             return QUANT_METHOD_NAME

