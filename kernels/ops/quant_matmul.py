@@ -215,11 +215,12 @@ def _quant_matmul(
 
 
 def prefill_tuning(m: int, n_out: int, k_in: int, group_size: int, bits: int, device: torch.device) -> dict:
-    """Tiles, warps, stages and split-K of :func:`_prefill_kernel`, from ``bench_quant_matmul.py
-    --prefill-sweep`` on the H100 (figures: tests/benchmarks/NOTES.md). BLOCK_K sits inside one group
-    where it can (scales per output row after the load, no per-value gathers)."""
+    """Tiles, warps, stages, split-K and variant of :func:`_prefill_kernel`: the best setting of
+    ``bench_quant_matmul.py --prefill-sweep`` on the H100 from 512 rows up (figures:
+    tests/benchmarks/NOTES.md); a 64-deep K tile lies inside one group for groups of 64 and more."""
     if interpreting():
-        # Small tiles, and split-K so that the tests cover both ways partial tiles meet.
+        # Small tiles, split-K (so the tests cover both ways partial tiles meet) and scales after the dot
+        # (the GPU setting, scales before it, is covered by the variant tests).
         block_k = 32 if group_size % 32 == 0 or 32 % group_size == 0 else 64
         return {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": block_k, "split": 2, "num_warps": 4,
                 "num_stages": 1, "SWIZZLE": 2, "SWAP": False, "POST": True}  # fmt: skip
@@ -228,7 +229,7 @@ def prefill_tuning(m: int, n_out: int, k_in: int, group_size: int, bits: int, de
 
 
 def _prefill(x2, qweight, scales, zeros, zero_arg, group_size, bits) -> torch.Tensor:
-    """Launch :func:`_prefill_kernel` over [M, N] tiles (split along K when they alone fill few SMs)."""
+    """Launch :func:`_prefill_kernel` over [M, N] tiles, split along K as the tuning says."""
     m, k_in = x2.shape
     n_out = qweight.shape[0]
     cfg = prefill_tuning(m, n_out, k_in, group_size, bits, x2.device)
