@@ -30,11 +30,11 @@ from squeezeserve.kernels.registry import eager, interpreting, use_reference
 SKINNY_MAX_M = 64
 # Prefill: "triton" (_prefill_kernel, the weight dequantized in registers), "dequantize" (the dense weight
 # written once, then cuBLAS) or "auto": the faster of the two by `bench_quant_matmul.py --prefill-sweep`
-# on the H100 (2026-11-23, bf16, g128): the Triton GEMM only up to TRITON_PREFILL_MAX_M rows of a wide
-# output (N >= 8192: 0.54-0.55x bf16 against 0.43-0.44x); everywhere else dequantize + cuBLAS (0.83-0.95x
-# bf16 from 2048 rows, while the Triton GEMM reaches 0.37-0.45x there).
+# on the H100 (2026-11-23, bf16, g128): the Triton GEMM only up to TRITON_PREFILL_MAX_M rows of an output
+# at least TRITON_PREFILL_MIN_N wide (0.54-0.55x bf16 against 0.43-0.44x); everywhere else dequantize +
+# cuBLAS (0.83-0.95x bf16 from 2048 rows, while the Triton GEMM reaches 0.37-0.45x there).
 PREFILL = "auto"
-TRITON_PREFILL_MAX_M = 128
+TRITON_PREFILL_MAX_M, TRITON_PREFILL_MIN_N = 128, 8192
 GEMV_MAX_M = 1  # rows up to which the FMA kernel beats the tensor-core one (bench_quant_matmul --sweep)
 # bf16: 0x4300 is 128.0 with a 7-bit mantissa (integers 128..255 exact); fp16: 0x6400 is 1024.0 with a
 # 10-bit mantissa (1024..2047 exact).
@@ -157,7 +157,7 @@ def _quant_matmul(
     qweight, scales = qweight.contiguous(), scales.contiguous()
     zero_arg = zeros.contiguous() if zeros is not None else qweight
     if m > SKINNY_MAX_M:
-        auto_triton = m <= TRITON_PREFILL_MAX_M and n_out >= 8192
+        auto_triton = m <= TRITON_PREFILL_MAX_M and n_out >= TRITON_PREFILL_MIN_N
         if not (PREFILL == "triton" or (PREFILL == "auto" and auto_triton)):
             weight = dequantize(qweight, scales, zeros, k_in, group_size, bits, x.dtype)
             return (x2 @ weight.t()).reshape(*x.shape[:-1], n_out)
@@ -215,17 +215,16 @@ def _quant_matmul(
 
 
 def prefill_tuning(m: int, n_out: int, k_in: int, group_size: int, bits: int, device: torch.device) -> dict:
-    """Tiles, warps, stages, split-K and variant of :func:`_prefill_kernel`: the best setting of
+    """Tiles, warps, stages and split-K of :func:`_prefill_kernel`: the best setting of
     ``bench_quant_matmul.py --prefill-sweep`` on the H100 from 512 rows up (figures:
     tests/benchmarks/NOTES.md); a 64-deep K tile lies inside one group for groups of 64 and more."""
     if interpreting():
-        # Small tiles, split-K (so the tests cover both ways partial tiles meet) and scales after the dot
-        # (the GPU setting, scales before it, is covered by the variant tests).
+        # Small tiles, and split-K so that the tests cover both ways partial tiles meet.
         block_k = 32 if group_size % 32 == 0 or 32 % group_size == 0 else 64
         return {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": block_k, "split": 2, "num_warps": 4,
-                "num_stages": 1, "SWIZZLE": 2, "SWAP": False, "POST": True}  # fmt: skip
+                "num_stages": 1, "SWIZZLE": 2}  # fmt: skip
     return {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "split": 1, "num_warps": 4, "num_stages": 4,
-            "SWIZZLE": 8, "SWAP": False, "POST": False}  # fmt: skip
+            "SWIZZLE": 8}  # fmt: skip
 
 
 def _prefill(x2, qweight, scales, zeros, zero_arg, group_size, bits) -> torch.Tensor:
@@ -242,17 +241,14 @@ def _prefill(x2, qweight, scales, zeros, zero_arg, group_size, bits) -> torch.Te
     dtype = torch.float32 if mode == 1 else x2.dtype
     y = (torch.zeros if mode == 1 else torch.empty)((m, n_out), dtype=dtype, device=x2.device)
     ws, counts = _workspace(x2.device, m * n_out, grid[0]) if mode == 2 else (y, y)
-    gpt = _groups_per_tile(group_size, block_k, 32 // bits)
-    magic, bias, mantissa = _MAGIC[x2.dtype]
-    post = cfg["POST"] and gpt == 1 and bits < mantissa  # BIAS + q exact in the activation dtype
     traceable(_prefill_kernel)[grid](
         x2, qweight, scales, zero_arg, y, ws, counts, m, n_out, k_in,
         x2.stride(0), qweight.stride(0), scales.stride(0), zero_arg.stride(0), y.stride(0),
         tiles_per_split, split,
         BITS=bits, GROUP=group_size, HAS_ZERO=zeros is not None, BLOCK_M=cfg["BLOCK_M"],
         BLOCK_N=cfg["BLOCK_N"], BLOCK_K=block_k, MODE=mode, EVEN_K=k_in % block_k == 0,
-        GPT=gpt, SWIZZLE=cfg["SWIZZLE"], SWAP=cfg["SWAP"], POST=post, MAGIC=magic if post else 0,
-        BIAS=bias if post else 0.0, DOT_FP32=interpreting() and x2.dtype == torch.bfloat16,
+        GPT=_groups_per_tile(group_size, block_k, 32 // bits), SWIZZLE=cfg["SWIZZLE"],
+        DOT_FP32=interpreting() and x2.dtype == torch.bfloat16,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
     return y.to(x2.dtype)

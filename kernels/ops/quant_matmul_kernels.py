@@ -445,6 +445,30 @@ def _gemv_int4_kernel(
 
 
 @triton.jit
+def _unpack(h, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BITS: tl.constexpr):
+    """Packed words h [BLOCK_N, BLOCK_K / PACK] -> their values q [BLOCK_N, BLOCK_K] (k = PACK w + j), in
+    registers: each word is loaded once."""
+    shifts = tl.arange(0, 32 // BITS) * BITS
+    return tl.reshape((h[:, :, None] >> shifts[None, None, :]) & ((1 << BITS) - 1), [BLOCK_N, BLOCK_K])
+
+
+@triton.jit
+def _value_params(scale_ptr, zero_ptr, offs_n, mask_n, tile, ks, K, scale_row_stride, zero_row_stride,
+                  BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr, GPT: tl.constexpr):  # fmt: skip
+    """(scale, zero point) of every value of K tile ``tile`` (columns ``ks``), broadcastable to [BLOCK_N,
+    BLOCK_K]: one [BLOCK_N, GPT] load when groups align to the tile, else a gather per value."""
+    if GPT > 0:
+        s, z = _tile_params(scale_ptr, zero_ptr, offs_n, mask_n, tile, K, scale_row_stride, zero_row_stride,
+                            BITS, GROUP, HAS_ZERO, BLOCK_K, GPT)  # fmt: skip
+        return _per_word(s, BLOCK_N, GPT, BLOCK_K), _per_word(z, BLOCK_N, GPT, BLOCK_K)
+    else:
+        return _group_params(scale_ptr, zero_ptr, offs_n[:, None], (ks // GROUP)[None, :],
+                             mask_n[:, None] & (ks < K)[None, :], scale_row_stride, zero_row_stride, BITS,
+                             HAS_ZERO)  # fmt: skip
+
+
+@triton.jit
 def _mma(a, b, acc, DOT_FP32: tl.constexpr):
     """acc + a @ b on tensor cores (in fp32 under the interpreter, whose bf16 tl.dot is wrong)."""
     if DOT_FP32:
@@ -482,24 +506,17 @@ def _prefill_kernel(
     EVEN_K: tl.constexpr,
     GPT: tl.constexpr,  # groups per K tile when groups align to tiles (1 for groups of whole tiles), else 0
     SWIZZLE: tl.constexpr,  # N tiles per band of the launch order (tiles sharing x run together)
-    SWAP: tl.constexpr,  # acc[BLOCK_M, BLOCK_N] = x_tile @ W_tile.T (W the B operand) instead of W @ x.T
-    POST: tl.constexpr,  # a tile in one group: dot over BIAS + q, scale and zero point applied after it
-    MAGIC: tl.constexpr,  # bit pattern of BIAS in the activation dtype (POST only)
-    BIAS: tl.constexpr,
     DOT_FP32: tl.constexpr,  # upcast the dot operands (Triton's interpreter gets bf16 tl.dot wrong)
 ):
     """Prefill: a tensor-core GEMM that dequantizes the weight tile in registers (no dense weight in memory).
 
-    Each program computes ``acc[BLOCK_N, BLOCK_M] = W_tile @ x_tile.T`` (the dequantized weight is the
-    MMA's A operand, which Hopper's wgmma may take from registers) or, with SWAP, ``x_tile @ W_tile.T``.
-    Without POST every weight becomes ``(q - z) * s`` exactly as :func:`_dequantize_kernel` writes it
-    (``q - z`` exact through the fp32 magic 2**23, times the scale in fp32, one rounding), so the product
-    matches dequantize + cuBLAS up to accumulation order. With POST (a tile inside one group) a weight
-    is only OR-ed into the float ``BIAS + q`` and ``s (sum (BIAS + q) x - (BIAS + z) sum x)`` is applied
-    per tile, as the skinny kernel does: three integer operations per weight instead of seven.
+    Each program computes ``acc[BLOCK_N, BLOCK_M] = W_tile @ x_tile.T``: the dequantized weight is the MMA's
+    A operand, which Hopper's wgmma may take from registers. Every weight becomes ``(q - z) * s`` exactly as
+    :func:`_dequantize_kernel` writes it (``q - z`` exact through the fp32 magic 2**23, times the scale in
+    fp32, one rounding), so the product matches dequantize + cuBLAS up to accumulation order. (The weight
+    as the B operand, and scales applied per tile after the dot, were slower on the H100: NOTES.md.)
     """
     PACK: tl.constexpr = 32 // BITS
-    MASK: tl.constexpr = (1 << BITS) - 1
     W: tl.constexpr = BLOCK_K // PACK  # words per row of a tile
     pid = tl.program_id(0)
     tiles_n = tl.cdiv(N, BLOCK_N)
@@ -514,17 +531,13 @@ def _prefill_kernel(
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_w = tl.arange(0, W)
     offs_k = tl.arange(0, BLOCK_K)
-    shifts = tl.arange(0, PACK) * BITS
     mask_n = offs_n < N
     mask_m = offs_m < M
     n_words = tl.cdiv(K, PACK)
     qw_rows = qw_ptr + offs_n[:, None].to(tl.int64) * qw_row_stride
     x_rows = x_ptr + offs_m[:, None].to(tl.int64) * x_row_stride
     dtype = x_ptr.dtype.element_ty
-    if SWAP:
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    else:
-        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     tile_begin = pid_k * tiles_per_split
     tile_end = tl.minimum(tile_begin + tiles_per_split, tl.cdiv(K, BLOCK_K))
     for tile in range(tile_begin, tile_end):
@@ -537,35 +550,11 @@ def _prefill_kernel(
         else:
             h = tl.load(qw_rows + words[None, :], mask=mask_n[:, None] & (words < n_words)[None, :], other=0)
             xt = tl.load(x_rows + ks[None, :], mask=mask_m[:, None] & (ks < K)[None, :], other=0.0)
-        q = tl.reshape((h[:, :, None] >> shifts[None, None, :]) & MASK, [BLOCK_N, BLOCK_K])  # k = PACK w + j
-        if GPT > 0:
-            s, z = _tile_params(scale_ptr, zero_ptr, offs_n, mask_n, tile, K, scale_row_stride,
-                                zero_row_stride, BITS, GROUP, HAS_ZERO, BLOCK_K, GPT)  # fmt: skip
-            s, z = _per_word(s, BLOCK_N, GPT, BLOCK_K), _per_word(z, BLOCK_N, GPT, BLOCK_K)
-        else:  # groups not aligned to tiles: the group of each value
-            s, z = _group_params(scale_ptr, zero_ptr, offs_n[:, None], (ks // GROUP)[None, :],
-                                 mask_n[:, None] & (ks < K)[None, :], scale_row_stride, zero_row_stride,
-                                 BITS, HAS_ZERO)  # fmt: skip
-        if POST:  # BIAS + q, exactly; s and z are [BLOCK_N, 1]
-            w = (q | MAGIC).to(tl.int16).to(dtype, bitcast=True)
-        else:
-            w = (((q | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + z)) * s).to(dtype)
-        if SWAP:
-            if POST:
-                part = _mma(xt, tl.trans(w), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), DOT_FP32)
-                xsum = tl.sum(xt.to(tl.float32), axis=1)
-                acc += (part - xsum[:, None] * tl.trans(BIAS + z)) * tl.trans(s)
-            else:
-                acc = _mma(xt, tl.trans(w), acc, DOT_FP32)
-        else:
-            if POST:
-                part = _mma(w, tl.trans(xt), tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), DOT_FP32)
-                xsum = tl.sum(xt.to(tl.float32), axis=1)
-                acc += s * (part - (BIAS + z) * xsum[None, :])
-            else:
-                acc = _mma(w, tl.trans(xt), acc, DOT_FP32)
-    if SWAP:
-        acc = tl.trans(acc)
+        q = _unpack(h, BLOCK_N, BLOCK_K, BITS)
+        s, z = _value_params(scale_ptr, zero_ptr, offs_n, mask_n, tile, ks, K, scale_row_stride,
+                             zero_row_stride, BITS, GROUP, HAS_ZERO, BLOCK_N, BLOCK_K, GPT)  # fmt: skip
+        w = (((q | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + z)) * s).to(dtype)
+        acc = _mma(w, tl.trans(xt), acc, DOT_FP32)
     _write_tile(acc, y_ptr, ws_ptr, count_ptr, offs_n, offs_m, mask_n, mask_m, y_row_stride, n_splits, MODE)
 
 
@@ -593,7 +582,6 @@ def _dequantize_kernel(
     Each packed word is loaded once and split into its values in registers, and the scales of a tile are
     one [BLOCK_N, GPT] load when groups align to it (per-value gathers only for straddling groups)."""
     PACK: tl.constexpr = 32 // BITS
-    MASK: tl.constexpr = (1 << BITS) - 1
     W: tl.constexpr = BLOCK_K // PACK
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     tile = tl.program_id(1)
@@ -603,15 +591,9 @@ def _dequantize_kernel(
     rows = offs_n[:, None].to(tl.int64)
     h = tl.load(qw_ptr + rows * qw_row_stride + words[None, :],
                 mask=mask_n[:, None] & (words < tl.cdiv(K, PACK))[None, :], other=0)  # fmt: skip
-    shifts = tl.arange(0, PACK) * BITS
-    q = tl.reshape((h[:, :, None] >> shifts[None, None, :]) & MASK, [BLOCK_N, BLOCK_K])  # k = PACK w + j
+    q = _unpack(h, BLOCK_N, BLOCK_K, BITS)
     mask = mask_n[:, None] & (offs_k < K)[None, :]
-    if GPT > 0:
-        s, z = _tile_params(scale_ptr, zero_ptr, offs_n, mask_n, tile, K, scale_row_stride, zero_row_stride,
-                            BITS, GROUP, HAS_ZERO, BLOCK_K, GPT)  # fmt: skip
-        s, z = _per_word(s, BLOCK_N, GPT, BLOCK_K), _per_word(z, BLOCK_N, GPT, BLOCK_K)
-    else:
-        s, z = _group_params(scale_ptr, zero_ptr, offs_n[:, None], (offs_k // GROUP)[None, :], mask,
-                             scale_row_stride, zero_row_stride, BITS, HAS_ZERO)  # fmt: skip
+    s, z = _value_params(scale_ptr, zero_ptr, offs_n, mask_n, tile, offs_k, K, scale_row_stride,
+                         zero_row_stride, BITS, GROUP, HAS_ZERO, BLOCK_N, BLOCK_K, GPT)  # fmt: skip
     w = (q.to(tl.float32) - z) * s
     tl.store(w_ptr + rows * w_row_stride + offs_k[None, :], w.to(w_ptr.dtype.element_ty), mask=mask)

@@ -118,13 +118,12 @@ def sweep(kn=KN[:3], group=128, bits=4, ms=None):
 
 
 PREFILL_MS = (128, 512, 2048, 8192)
-# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, split, SWAP, POST) of the prefill sweep.
+# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, split) of the prefill sweep. (The weight as the MMA's B operand
+# and scales after the dot were swept too, on 2026-11-23, and were slower everywhere: NOTES.md.)
 PREFILL_GRID = [
-    (128, 128, 64, 4, 4, 1, 0, 0), (128, 128, 64, 4, 4, 1, 0, 1), (128, 128, 128, 4, 3, 1, 0, 1),
-    (128, 128, 64, 8, 3, 1, 0, 1), (256, 128, 64, 8, 3, 1, 0, 1), (128, 256, 64, 8, 3, 1, 0, 1),
-    (128, 64, 64, 4, 4, 1, 0, 1), (64, 128, 64, 4, 4, 2, 0, 1), (128, 128, 64, 4, 4, 1, 1, 1),
-    (128, 128, 64, 8, 3, 1, 1, 1), (128, 256, 64, 8, 3, 1, 1, 1), (256, 128, 64, 8, 3, 1, 1, 1),
-    (128, 128, 128, 8, 3, 1, 1, 1), (128, 128, 64, 8, 4, 1, 1, 0), (64, 128, 64, 4, 4, 2, 1, 1),
+    (128, 128, 64, 4, 4, 1), (128, 128, 128, 4, 3, 1), (128, 128, 64, 8, 3, 1), (256, 128, 64, 8, 3, 1),
+    (128, 256, 64, 8, 3, 1), (128, 64, 64, 4, 4, 1), (64, 128, 64, 4, 4, 2), (64, 64, 64, 4, 4, 2),
+    (128, 128, 64, 8, 4, 1),
 ]  # fmt: skip
 
 
@@ -147,10 +146,9 @@ def prefill_sweep(kn=KN, groups=(128,), bits=4, ms=PREFILL_MS):
                 t_deq = do_bench_cudagraph(ours, rep=30)
                 qm.PREFILL = "triton"
                 results = []
-                for bm, bn, bk, warps, stages, split, swap, post in PREFILL_GRID:
+                for bm, bn, bk, warps, stages, split in PREFILL_GRID:
                     cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "split": split, "num_warps": warps,
-                           "num_stages": stages, "SWIZZLE": 8, "SWAP": bool(swap),
-                           "POST": bool(post)}  # fmt: skip
+                           "num_stages": stages, "SWIZZLE": 8}  # fmt: skip
                     qm.prefill_tuning = lambda *a, cfg=cfg: cfg
                     try:
                         y = K.quant_matmul(x, qw, sc, None, group, bits).float()
@@ -162,13 +160,12 @@ def prefill_sweep(kn=KN, groups=(128,), bits=4, ms=PREFILL_MS):
                         continue
                     finally:
                         qm.prefill_tuning = saved
-                    results.append((t, err, bm, bn, bk, warps, stages, split, swap, post))
+                    results.append((t, err, bm, bn, bk, warps, stages, split))
                 results.sort()
                 print(f"prefill m={m} n={n} k={k} g={group}: bf16 {t_bf16 * 1e3:.1f}us dequant+cublas "
                       f"{t_deq * 1e3:.1f}us ({t_bf16 / t_deq:.2f}x) | " + "; ".join(
-                      f"{t * 1e3:.1f}us {t_bf16 / t:.2f}x m{bm} n{bn} k{bk} w{w} s{st} sp{sp} swap{sw} "
-                      f"post{po} err{e:.1e}" for t, e, bm, bn, bk, w, st, sp, sw, po in results[:4]),
-                      flush=True)  # fmt: skip
+                      f"{t * 1e3:.1f}us {t_bf16 / t:.2f}x m{bm} n{bn} k{bk} w{w} s{st} sp{sp} err{e:.1e}"
+                      for t, e, bm, bn, bk, w, st, sp in results[:4]), flush=True)  # fmt: skip
 
 
 def profile(n=14336, k=14336, group=128, bits=4):

@@ -140,20 +140,14 @@ def test_quant_matmul_opaque_is_one_node_under_compile(device, check):
     )
 
 
-@pytest.mark.parametrize(("swap", "post", "path"), [
-    (False, False, "triton"), (True, False, "triton"), (True, True, "triton"), (False, False, "dequantize"),
-])  # fmt: skip
+@pytest.mark.parametrize("path", ["triton", "dequantize"])
 @pytest.mark.parametrize(("m", "n", "k", "group", "bits", "symmetric"), [
     (67, 40, 200, 128, 4, False), (72, 24, 512, 16, 8, True), (80, 40, 576, 48, 4, True),
 ])  # fmt: skip
-def test_prefill_variants_match(m, n, k, group, bits, symmetric, swap, post, path, device, monkeypatch):
-    # The prefill GEMM's operand orders (the weight as the MMA's A or B operand) and both ways of applying
-    # scales (per weight before the dot, or per tile after it where a tile sits in one group), as the
-    # tile sweep of bench_quant_matmul.py runs them, and the dequantize + matmul path; the default
-    # setting is covered above.
+def test_prefill_paths_match(m, n, k, group, bits, symmetric, path, device, monkeypatch):
+    # Both prefill paths whatever the shape ("auto" picks one by shape): the Triton GEMM dequantizing in
+    # registers and dequantize + matmul, over one group per tile, several, and groups straddling tiles.
     monkeypatch.setattr(qm, "PREFILL", path)
-    tuned = qm.prefill_tuning
-    monkeypatch.setattr(qm, "prefill_tuning", lambda *a: tuned(*a) | {"SWAP": swap, "POST": post})
     tensors = {
         name: t.to(device)
         for name, t in ql.pack_weight(torch.randn(n, k).to(torch.bfloat16), bits, group, symmetric).items()
