@@ -106,6 +106,88 @@ def _codebook_matmul_kernel(
     _write_tile(acc, y_ptr, ws_ptr, count_ptr, offs_n, offs_m, mask_n, mask_m, y_row_stride, n_splits, MODE)
 
 
+@triton.jit
+def _codebook_lut_kernel(
+    x_ptr,  # [M, K] activations (fp16/bf16)
+    idx_ptr,  # [N, ceil(K / (32 // BITS))] int32 packed codebook indices
+    cb_ptr,  # [N, groups * 2**BITS] codebook values (fp16)
+    y_ptr,  # [M, N]: the output dtype, or fp32 partial sums (MODE 1)
+    ws_ptr,  # fp32 split-K workspace, zero between calls (MODE 2)
+    count_ptr,  # int32 arrivals per output tile, zero between calls (MODE 2)
+    M,
+    N,
+    K,
+    x_row_stride,
+    idx_row_stride,
+    cb_row_stride,
+    y_row_stride,
+    tiles_per_split,
+    BITS: tl.constexpr,
+    GROUP: tl.constexpr,  # input columns per codebook; 0: one codebook per row
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_W: tl.constexpr,  # index words per K tile (BLOCK_W * 32 // BITS input columns)
+    GEMV: tl.constexpr,  # one activation row: multiply and sum on the FMA units instead of tl.dot
+    MODE: tl.constexpr,  # how split-K partial tiles meet: quant_matmul's _write_tile
+    DOT_FP32: tl.constexpr,  # upcast the dot operands (Triton's interpreter gets bf16 tl.dot wrong)
+):
+    """The same product as :func:`_codebook_matmul_kernel`, computed word-wise: a K tile is BLOCK_W whole
+    index words per row, and for each of a word's P slots j the kernel takes index (word >> BITS j) & (E-1)
+    for every word of the tile at once, loads the weight from the row's codebook in memory (E values, 32
+    bytes at 4 bits, so the tile's codebooks stay in L1 after the first touch: a load per weight, no
+    shuffles) and meets the activations of columns w P + j. Every tensor keeps the words' [BLOCK_N, BLOCK_W]
+    layout: no reshape, no layout conversion per value. One row sums in a [BLOCK_N, BLOCK_W] accumulator
+    reduced once at the end; more rows take P tensor-core dots of depth BLOCK_W per tile."""
+    P: tl.constexpr = 32 // BITS
+    E: tl.constexpr = 1 << BITS
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    mask_n = offs_n < N
+    mask_m = offs_m < M
+    idx_rows = idx_ptr + offs_n[:, None].to(tl.int64) * idx_row_stride
+    cb_rows = cb_ptr + offs_n[:, None].to(tl.int64) * cb_row_stride
+    dtype = x_ptr.dtype.element_ty
+    n_words = tl.cdiv(K, P)
+    if GEMV:
+        acc_w = tl.zeros([BLOCK_N, BLOCK_W], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    tile_begin = pid_k * tiles_per_split
+    tile_end = tl.minimum(tile_begin + tiles_per_split, tl.cdiv(n_words, BLOCK_W))
+    for tile in range(tile_begin, tile_end):
+        offs_w = tile * BLOCK_W + tl.arange(0, BLOCK_W)
+        words = tl.load(
+            idx_rows + offs_w[None, :], mask=mask_n[:, None] & (offs_w < n_words)[None, :], other=0
+        )
+        for j in tl.static_range(P):
+            ks = offs_w * P + j
+            mask_k = ks < K
+            index = (words >> (j * BITS)) & (E - 1)
+            if GROUP > 0:
+                index += (ks // GROUP)[None, :] * E
+            w = tl.load(cb_rows + index, mask=mask_n[:, None] & mask_k[None, :], other=0.0).to(dtype)
+            if GEMV:
+                x = tl.load(x_ptr + ks, mask=mask_k, other=0.0)
+                acc_w += w.to(tl.float32) * x.to(tl.float32)[None, :]
+            else:
+                x = tl.load(
+                    x_ptr + offs_m[:, None].to(tl.int64) * x_row_stride + ks[None, :],
+                    mask=mask_m[:, None] & mask_k[None, :],
+                    other=0.0,
+                )
+                if DOT_FP32:
+                    acc += tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)))
+                else:
+                    acc += tl.dot(w, tl.trans(x))
+    if GEMV:
+        acc = tl.sum(acc_w, axis=1)[:, None]
+    n_splits = tl.num_programs(2)
+    _write_tile(acc, y_ptr, ws_ptr, count_ptr, offs_n, offs_m, mask_n, mask_m, y_row_stride, n_splits, MODE)
+
+
 def check_inputs(
     x: torch.Tensor, indices: torch.Tensor, codebook: torch.Tensor, group_size: int, bits: int
 ) -> None:
@@ -172,7 +254,8 @@ def launch(
         x2 = x2.contiguous()
     m = x2.shape[0]
     indices, codebook = indices.contiguous(), codebook.contiguous()
-    tiles = cdiv(k_in, cfg["BLOCK_K"])
+    lut = cfg.get("kernel") == "lut"
+    tiles = cdiv(cdiv(k_in, 32 // bits), cfg["BLOCK_W"]) if lut else cdiv(k_in, cfg["BLOCK_K"])
     tiles_per_split = cdiv(tiles, cfg["split"])
     split = cdiv(tiles, tiles_per_split)
     grid = (cdiv(n_out, cfg["BLOCK_N"]), cdiv(m, cfg["BLOCK_M"]), split)
@@ -182,13 +265,22 @@ def launch(
     y_dtype = torch.float32 if mode == 1 else x2.dtype
     y = (torch.zeros if mode == 1 else torch.empty)((m, n_out), dtype=y_dtype, device=x2.device)
     ws, counts = _workspace(x2.device, m * n_out, grid[0] * grid[1]) if mode == 2 and m else (y, y)
-    if m:
+    if m and lut:
+        traceable(_codebook_lut_kernel)[grid](
+            x2, indices, codebook, y, ws, counts, m, n_out, k_in,
+            x2.stride(0), indices.stride(0), codebook.stride(0), y.stride(0), tiles_per_split,
+            BITS=bits, GROUP=group_size, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
+            BLOCK_W=cfg["BLOCK_W"], GEMV=cfg["BLOCK_M"] == 1, MODE=mode,
+            DOT_FP32=interpreting() and x2.dtype == torch.bfloat16, num_warps=cfg.get("num_warps", 4),
+            **({"num_stages": cfg["num_stages"]} if "num_stages" in cfg else {}),
+        )  # fmt: skip
+    elif m:
         traceable(_codebook_matmul_kernel)[grid](
             x2, indices, codebook, y, ws, counts, m, n_out, k_in,
             x2.stride(0), indices.stride(0), codebook.stride(0), y.stride(0), tiles_per_split,
             BITS=bits, GROUP=group_size, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
             BLOCK_K=cfg["BLOCK_K"], GEMV=cfg["BLOCK_M"] == 1, MODE=mode,
-            DOT_FP32=interpreting() and x2.dtype == torch.bfloat16, num_warps=4,
+            DOT_FP32=interpreting() and x2.dtype == torch.bfloat16, num_warps=cfg.get("num_warps", 4),
             **({"num_stages": cfg["num_stages"]} if "num_stages" in cfg else {}),
         )  # fmt: skip
     return y.to(x2.dtype)

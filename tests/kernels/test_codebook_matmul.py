@@ -45,6 +45,27 @@ def test_codebook_matmul_matches_lookup_then_matmul(m, n, k, group, bits, dtype,
     assert rel < (1e-2 if dtype == torch.bfloat16 else 2e-3), rel
 
 
+@pytest.mark.parametrize("bits", [3, 4])
+@pytest.mark.parametrize(("m", "n", "k", "group"), SHAPES)
+def test_word_wise_lut_kernel_matches_lookup_then_matmul(m, n, k, group, bits, device):
+    # _codebook_lut_kernel: a tile of whole index words, one slot of every word at a time, weights loaded from
+    # the codebook in memory; split-K over two parts of the words where there are enough.
+    indices, codebook = _weight(n, k, group, bits, device)
+    x = torch.randn(m, k, device=device).to(torch.bfloat16)
+    words = indices.shape[1]
+    cfg = {"kernel": "lut", "BLOCK_M": 1 if m == 1 else 16, "BLOCK_N": 16, "BLOCK_W": 16, "split": 2}
+    if group and group % (32 // bits) == 0 and words > 16:
+        cfg["BLOCK_W"] = 8  # several tiles, so split-K runs, and tiles that cross group boundaries
+    y = cm.launch(x, indices, codebook, group, bits, cfg)
+    dense = cl.dequantize(indices.cpu(), codebook.cpu(), k, group or None, bits).to(torch.bfloat16).float()
+    expected = x.cpu().float() @ dense.T
+    rel = ((y.float().cpu() - expected).norm() / expected.norm()).item()
+    assert y.dtype == torch.bfloat16 and y.shape == (m, n)
+    assert rel < 1e-2, rel
+    for ws, counts in qm._WORKSPACES.values():
+        assert not ws.any() and not counts.any()
+
+
 @pytest.mark.parametrize("traced", [False, True])
 def test_split_k_partials_meet_and_leave_the_workspace_clean(traced, device, monkeypatch):
     # As quant_matmul's: the self-cleaning workspace when eager, a zeroed fp32 output when torch may trace.

@@ -1,0 +1,105 @@
+"""Device sweep for issue #20: the word-wise LUT codebook kernel (``_codebook_lut_kernel``) against the
+register-gather kernel it may replace and our int4 g128 ``quant_matmul``, at decode sizes, cold weights in
+CUDA graphs as ``bench_codebook_matmul.py`` times them. Every LUT setting is checked against the dense
+product before it is timed. Prints one line per (shape, M, bits, setting) and, per (shape, M, bits), the
+best LUT setting's speed against int4 g128.
+
+    python tests/gpu/codebook_lut_sweep.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+from bench_codebook_matmul import KN, _codebook, _copies, _cycle, _rel  # noqa: E402
+from common import time_ms  # noqa: E402
+
+import squeezeserve.kernels as K  # noqa: E402
+from squeezeserve.kernels import codebook_layout, quant_layout  # noqa: E402
+from squeezeserve.kernels.ops import codebook_matmul as cm  # noqa: E402
+from squeezeserve.kernels.ops.launch import cdiv, sm_count  # noqa: E402
+
+DTYPE = torch.bfloat16
+
+
+def median(fn) -> float:
+    return time_ms(fn, graph=True)[1]
+
+
+def lut_configs(m: int, n: int, k: int, bits: int, quick: bool):
+    sms = sm_count(torch.device("cuda"))
+    per_word = 32 // bits
+    block_ms = [1] if m == 1 else [16]
+    block_ns = [32, 64] if quick else [32, 64, 128]
+    block_ws = [8, 16, 32] if m == 1 else [16, 32]
+    for bm in block_ms:
+        for bn in block_ns:
+            for bw in block_ws:
+                tiles = cdiv(cdiv(k, per_word), bw)
+                programs = cdiv(n, bn) * cdiv(m, bm)
+                for fill in (1, 2, 4):
+                    split = max(1, min(tiles, cdiv(fill * sms, programs)))
+                    for warps in (4,) if quick else (4, 8):
+                        yield {"kernel": "lut", "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_W": bw, "split": split,
+                               "num_warps": warps}  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--ms", default="1,2,4,8,16")
+    args = ap.parse_args()
+    ms = [int(v) for v in args.ms.split(",")]
+    print(f"# {torch.cuda.get_device_name()} sms={sm_count(torch.device('cuda'))}")
+    summary = []
+    for k, n in KN:
+        weight = torch.randn(n, k, device="cuda", dtype=DTYPE) / 64
+        packed = quant_layout.pack_weight(weight, 4, 128)
+        qw, sc = packed["weight_packed"], packed["weight_scale"]
+        int4_bytes = qw.numel() * 4 + sc.numel() * 2
+        int4s = [(qw, sc)] + [(qw.clone(), sc.clone()) for _ in range(_copies(int4_bytes) - 1)]
+        for bits in (4, 3):
+            idx, cb = _codebook(n, k, bits)
+            cb_bytes = idx.numel() * 4 + cb.numel() * 2
+            books = [(idx, cb)] + [(idx.clone(), cb.clone()) for _ in range(_copies(cb_bytes) - 1)]
+            dense = codebook_layout.dequantize(idx, cb, k, None, bits).to(DTYPE)
+            for m in ms:
+                x = torch.randn(m, k, device="cuda", dtype=DTYPE)
+                y_ref = x @ dense.t()
+                int4 = _cycle([lambda p=p: K.quant_matmul(x, p[0], p[1], None, 128, 4) for p in int4s])
+                t_int4 = median(int4)
+                gather = _cycle([lambda p=p, b=bits: K.codebook_matmul(x, *p, 0, b) for p in books])
+                t_gather = median(gather)
+                best = None
+                for cfg in lut_configs(m, n, k, bits, args.quick):
+                    try:
+                        err = _rel(cm.launch(x, idx, cb, 0, bits, cfg), y_ref)
+                        if err > 1e-2:
+                            print(f"MISMATCH {err:.3g} {(m, n, k)} bits={bits} {cfg}", flush=True)
+                            continue
+                        fn = _cycle([lambda p=p, c=cfg, b=bits: cm.launch(x, *p, 0, b, c) for p in books])
+                        t = median(fn)
+                    except Exception as exc:  # a setting the compiler refuses (registers, shared memory)
+                        print(f"FAILED {(m, n, k)} bits={bits} {cfg}: {type(exc).__name__}: {str(exc)[:120]}")
+                        continue
+                    print(f"lut {m}x{n}x{k} bits={bits} {cfg} {t * 1e3:.2f} us", flush=True)
+                    if best is None or t < best[0]:
+                        best = (t, cfg)
+                line = (
+                    f"SUMMARY {m}x{n}x{k} bits={bits}: int4-g128 {t_int4 * 1e3:.2f} us, gather "
+                    f"{t_gather * 1e3:.2f} us ({t_int4 / t_gather:.2f}x int4)"
+                )
+                if best:
+                    line += f", best lut {best[0] * 1e3:.2f} us ({t_int4 / best[0]:.2f}x int4) {best[1]}"
+                print(line, flush=True)
+                summary.append(line)
+    print("\n".join(summary))
+
+
+if __name__ == "__main__":
+    main()
