@@ -71,9 +71,9 @@ def main() -> None:
             for m in ms:
                 x = torch.randn(m, k, device="cuda", dtype=DTYPE)
                 y_ref = x @ dense.t()
-                int4 = _cycle([lambda p=p: K.quant_matmul(x, p[0], p[1], None, 128, 4) for p in int4s])
+                int4 = _cycle([lambda p=p, x=x: K.quant_matmul(x, p[0], p[1], None, 128, 4) for p in int4s])
                 t_int4 = median(int4)
-                gather = _cycle([lambda p=p, b=bits: K.codebook_matmul(x, *p, 0, b) for p in books])
+                gather = _cycle([lambda p=p, x=x, b=bits: K.codebook_matmul(x, *p, 0, b) for p in books])
                 t_gather = median(gather)
                 best = None
                 for cfg in lut_configs(m, n, k, bits, args.quick):
@@ -82,7 +82,9 @@ def main() -> None:
                         if err > 1e-2:
                             print(f"MISMATCH {err:.3g} {(m, n, k)} bits={bits} {cfg}", flush=True)
                             continue
-                        fn = _cycle([lambda p=p, c=cfg, b=bits: cm.launch(x, *p, 0, b, c) for p in books])
+                        fn = _cycle(
+                            [lambda p=p, x=x, c=cfg, b=bits: cm.launch(x, *p, 0, b, c) for p in books]
+                        )
                         t = median(fn)
                     except Exception as exc:  # a setting the compiler refuses (registers, shared memory)
                         print(f"FAILED {(m, n, k)} bits={bits} {cfg}: {type(exc).__name__}: {str(exc)[:120]}")
