@@ -35,8 +35,10 @@ def lut_configs(m: int, n: int, k: int, bits: int, quick: bool):
     sms = sm_count(torch.device("cuda"))
     per_word = 32 // bits
     block_ms = [1] if m == 1 else [16]
-    block_ns = [32, 64] if quick else [32, 64, 128]
-    block_ws = [8, 16, 32] if m == 1 else [16, 32]
+    # One row: a warp should cover one row's words (BLOCK_W >= 128 at 4 words a thread), so its codebook
+    # loads touch one 32-byte codebook; several rows: the tl.dot path.
+    block_ns = ([8, 16, 32] if m == 1 else [32, 64]) if quick else [8, 16, 32, 64, 128]
+    block_ws = [64, 128, 256] if m == 1 else [16, 32]
     for bm in block_ms:
         for bn in block_ns:
             for bw in block_ws:
@@ -44,7 +46,7 @@ def lut_configs(m: int, n: int, k: int, bits: int, quick: bool):
                 programs = cdiv(n, bn) * cdiv(m, bm)
                 for fill in (1, 2, 4):
                     split = max(1, min(tiles, cdiv(fill * sms, programs)))
-                    for warps in (4,) if quick else (4, 8):
+                    for warps in (4,) if quick else (2, 4, 8):
                         yield {"kernel": "lut", "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_W": bw, "split": split,
                                "num_warps": warps}  # fmt: skip
 

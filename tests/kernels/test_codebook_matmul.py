@@ -18,6 +18,7 @@ from squeezeserve.kernels.ops.launch import cdiv
 # group codebooks (group 48: a K tile of 16 inside each group), split-K over several tiles.
 SHAPES = [
     (1, 40, 576, 0), (5, 24, 200, 0), (16, 33, 96, 32), (2, 24, 144, 48), (70, 20, 128, 64), (1, 17, 90, 0),
+    (1, 24, 384, 48),
 ]  # fmt: skip
 
 
@@ -53,9 +54,10 @@ def test_word_wise_lut_kernel_matches_lookup_then_matmul(m, n, k, group, bits, d
     indices, codebook = _weight(n, k, group, bits, device)
     x = torch.randn(m, k, device=device).to(torch.bfloat16)
     words = indices.shape[1]
+    # tl.dot needs a depth of 16 or more (BLOCK_W 16 at several rows); one row (the FMA path) takes any
     cfg = {"kernel": "lut", "BLOCK_M": 1 if m == 1 else 16, "BLOCK_N": 16, "BLOCK_W": 16, "split": 2}
-    if group and group % (32 // bits) == 0 and words > 16:
-        cfg["BLOCK_W"] = 8  # several tiles, so split-K runs, and tiles that cross group boundaries
+    if m == 1 and words > 16:
+        cfg["BLOCK_W"] = 8  # several tiles, so split-K runs
     y = cm.launch(x, indices, codebook, group, bits, cfg)
     dense = cl.dequantize(indices.cpu(), codebook.cpu(), k, group or None, bits).to(torch.bfloat16).float()
     expected = x.cpu().float() @ dense.T
