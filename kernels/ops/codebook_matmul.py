@@ -147,8 +147,10 @@ def _codebook_lut_kernel(
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     mask_n = offs_n < N
     mask_m = offs_m < M
-    idx_rows = idx_ptr + offs_n[:, None].to(tl.int64) * idx_row_stride
-    cb_rows = cb_ptr + offs_n[:, None].to(tl.int64) * cb_row_stride
+    # Rows past N read row N-1 (their sums are never stored), so the per-weight codebook loads need no mask.
+    rows = tl.minimum(offs_n, N - 1)[:, None]
+    idx_rows = idx_ptr + rows.to(tl.int64) * idx_row_stride
+    cb_offs = rows * cb_row_stride  # int32 offsets from one base: one add per weight address
     dtype = x_ptr.dtype.element_ty
     n_words = tl.cdiv(K, P)
     if GEMV:
@@ -159,16 +161,17 @@ def _codebook_lut_kernel(
     tile_end = tl.minimum(tile_begin + tiles_per_split, tl.cdiv(n_words, BLOCK_W))
     for tile in range(tile_begin, tile_end):
         offs_w = tile * BLOCK_W + tl.arange(0, BLOCK_W)
-        words = tl.load(
-            idx_rows + offs_w[None, :], mask=mask_n[:, None] & (offs_w < n_words)[None, :], other=0
+        # unsigned: a logical shift, no sign extension per index
+        words = tl.load(idx_rows + offs_w[None, :], mask=(offs_w < n_words)[None, :], other=0).to(
+            tl.uint32, bitcast=True
         )
         for j in tl.static_range(P):
             ks = offs_w * P + j
             mask_k = ks < K
-            index = (words >> (j * BITS)) & (E - 1)
-            if GROUP > 0:
-                index += (ks // GROUP)[None, :] * E
-            w = tl.load(cb_rows + index, mask=mask_n[:, None] & mask_k[None, :], other=0.0).to(dtype)
+            index = ((words >> (j * BITS)) & (E - 1)).to(tl.int32)
+            if GROUP > 0:  # columns past K (zero activations) read the last group
+                index += (tl.minimum(ks, K - 1) // GROUP)[None, :] * E
+            w = tl.load(cb_ptr + (cb_offs + index)).to(dtype)
             if GEMV:
                 x = tl.load(x_ptr + ks, mask=mask_k, other=0.0)
                 acc_w += w.to(tl.float32) * x.to(tl.float32)[None, :]

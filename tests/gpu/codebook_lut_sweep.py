@@ -37,14 +37,14 @@ def lut_configs(m: int, n: int, k: int, bits: int, quick: bool):
     block_ms = [1] if m == 1 else [16]
     # One row: a warp should cover one row's words (BLOCK_W >= 128 at 4 words a thread), so its codebook
     # loads touch one 32-byte codebook; several rows: the tl.dot path.
-    block_ns = ([8, 16, 32] if m == 1 else [32, 64]) if quick else [8, 16, 32, 64, 128]
+    block_ns = ([4, 8] if m == 1 else [32, 64]) if quick else [4, 8, 16, 32, 64, 128]
     block_ws = [64, 128, 256] if m == 1 else [16, 32]
     for bm in block_ms:
         for bn in block_ns:
             for bw in block_ws:
                 tiles = cdiv(cdiv(k, per_word), bw)
                 programs = cdiv(n, bn) * cdiv(m, bm)
-                for fill in (1, 2, 4):
+                for fill in (1, 2) if quick else (1, 2, 4):
                     split = max(1, min(tiles, cdiv(fill * sms, programs)))
                     for warps in (4,) if quick else (2, 4, 8):
                         yield {"kernel": "lut", "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_W": bw, "split": split,
@@ -78,9 +78,15 @@ def main() -> None:
                 gather = _cycle([lambda p=p, x=x, b=bits: K.codebook_matmul(x, *p, 0, b) for p in books])
                 t_gather = median(gather)
                 best = None
-                for cfg in lut_configs(m, n, k, bits, args.quick):
+                # The codebook as stored (fp16) or cast once to the activations' dtype (no convert per weight)
+                lut_runs = [
+                    (cfg, cast) for cfg in lut_configs(m, n, k, bits, args.quick) for cast in (False, True)
+                ]
+                for cfg, cast in lut_runs:
+                    cfg = {**cfg, "codebook": "bf16" if cast else "fp16"}
+                    runs = [(i, c.to(DTYPE) if cast else c) for i, c in books]
                     try:
-                        err = _rel(cm.launch(x, idx, cb, 0, bits, cfg), y_ref)
+                        err = _rel(cm.launch(x, *runs[0], 0, bits, cfg), y_ref)
                         if err > 1e-2:
                             print(f"MISMATCH {err:.3g} {(m, n, k)} bits={bits} {cfg}", flush=True)
                             continue

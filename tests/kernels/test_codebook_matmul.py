@@ -46,14 +46,17 @@ def test_codebook_matmul_matches_lookup_then_matmul(m, n, k, group, bits, dtype,
     assert rel < (1e-2 if dtype == torch.bfloat16 else 2e-3), rel
 
 
+@pytest.mark.parametrize("cast", [False, True], ids=["fp16-codebook", "bf16-codebook"])
 @pytest.mark.parametrize("bits", [3, 4])
 @pytest.mark.parametrize(("m", "n", "k", "group"), SHAPES)
-def test_word_wise_lut_kernel_matches_lookup_then_matmul(m, n, k, group, bits, device):
+def test_word_wise_lut_kernel_matches_lookup_then_matmul(m, n, k, group, bits, cast, device):
     # _codebook_lut_kernel: a tile of whole index words, one slot of every word at a time, weights loaded from
     # the codebook in memory; split-K over two parts of the words where there are enough.
     indices, codebook = _weight(n, k, group, bits, device)
     x = torch.randn(m, k, device=device).to(torch.bfloat16)
     words = indices.shape[1]
+    if cast:  # a codebook cast once to the activations' dtype: the same rounded weights
+        codebook = codebook.to(torch.bfloat16)
     # tl.dot needs a depth of 16 or more (BLOCK_W 16 at several rows); one row (the FMA path) takes any
     cfg = {"kernel": "lut", "BLOCK_M": 1 if m == 1 else 16, "BLOCK_N": 16, "BLOCK_W": 16, "split": 2}
     if m == 1 and words > 16:
