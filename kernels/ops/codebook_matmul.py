@@ -1,13 +1,14 @@
 """Weight-sharing matmul, ``squeezeserve::codebook_matmul``: ``y = x @ W.T`` with every weight looked up in
 its row's codebook inside the kernel (``kernels/codebook_layout.py`` defines the layout).
 
-One kernel for every row count. A program owns BLOCK_N output rows and a run of K tiles (split-K when the N
-tiles alone would leave SMs idle). Its rows' codebooks (E = 2**bits values each, per channel or per K tile's
-group) are loaded into registers; per K tile the packed indices are unpacked with shifts and
-``tl.gather`` turns them into weight values [BLOCK_N, BLOCK_K] in registers (a warp shuffle, or shared
-memory where the compiler needs it): the dequantized weight never exists in global memory. One row
-(decode) is a multiply-and-sum on the FMA units; more rows a tensor-core ``tl.dot`` with the looked-up
-tile as the A operand (``acc[BLOCK_N, BLOCK_M] = W_tile @ x_tile.T``), as ``quant_matmul``'s skinny kernel.
+Two kernels; in both a program owns BLOCK_N output rows and a run of K tiles (split-K when the N tiles
+alone would leave SMs idle), and the dequantized weight never exists in global memory. One row (decode)
+takes the word-wise LUT kernel (``_codebook_lut_kernel``: weights loaded from the codebook in L1, a
+multiply-and-sum on the FMA units). More rows take the gather kernel: its rows' codebooks (E = 2**bits
+values each, per channel or per K tile's group) are loaded into registers; per K tile the packed indices
+are unpacked with shifts and ``tl.gather`` turns them into weight values [BLOCK_N, BLOCK_K] in registers
+(a warp shuffle, or shared memory where the compiler needs it), the A operand of a tensor-core ``tl.dot``
+(``acc[BLOCK_N, BLOCK_M] = W_tile @ x_tile.T``), as ``quant_matmul``'s skinny kernel.
 4-bit tiles load whole index words (8 indices each) and split them in registers; 3-bit words (10 indices)
 straddle power-of-two tiles, so each index loads its word (neighbours share the address). Split-K partials
 meet in ``quant_matmul``'s self-cleaning workspace (``_write_tile``), in the same launch.
@@ -48,7 +49,6 @@ def _codebook_matmul_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    GEMV: tl.constexpr,  # one activation row: multiply and sum on the FMA units instead of tl.dot
     MODE: tl.constexpr,  # how split-K partial tiles meet: quant_matmul's _write_tile
     DOT_FP32: tl.constexpr,  # upcast the dot operands (Triton's interpreter gets bf16 tl.dot wrong)
 ):
@@ -96,9 +96,7 @@ def _codebook_matmul_kernel(
             index = (words >> ((ks % PER_WORD) * BITS)[None, :]) & (E - 1)
         w = tl.gather(codebook, index, axis=1).to(dtype)  # [BLOCK_N, BLOCK_K], rounded like the reference
         x = tl.load(x_rows + ks[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        if GEMV:
-            acc += tl.sum(w.to(tl.float32) * x.to(tl.float32), axis=1)[:, None]
-        elif DOT_FP32:
+        if DOT_FP32:
             acc += tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)))
         else:
             acc += tl.dot(w, tl.trans(x))
@@ -108,55 +106,44 @@ def _codebook_matmul_kernel(
 
 @triton.jit
 def _codebook_lut_kernel(
-    x_ptr,  # [M, K] activations (fp16/bf16)
+    x_ptr,  # [1, K] activations (fp16/bf16)
     idx_ptr,  # [N, ceil(K / (32 // BITS))] int32 packed codebook indices
-    cb_ptr,  # [N, groups * 2**BITS] codebook values (fp16)
-    y_ptr,  # [M, N]: the output dtype, or fp32 partial sums (MODE 1)
+    cb_ptr,  # [N, groups * 2**BITS] codebook values (fp16, or x's dtype)
+    y_ptr,  # [1, N]: the output dtype, or fp32 partial sums (MODE 1)
     ws_ptr,  # fp32 split-K workspace, zero between calls (MODE 2)
     count_ptr,  # int32 arrivals per output tile, zero between calls (MODE 2)
-    M,
     N,
     K,
-    x_row_stride,
     idx_row_stride,
     cb_row_stride,
-    y_row_stride,
     tiles_per_split,
     BITS: tl.constexpr,
     GROUP: tl.constexpr,  # input columns per codebook; 0: one codebook per row
-    BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_W: tl.constexpr,  # index words per K tile (BLOCK_W * 32 // BITS input columns)
-    GEMV: tl.constexpr,  # one activation row: multiply and sum on the FMA units instead of tl.dot
     MODE: tl.constexpr,  # how split-K partial tiles meet: quant_matmul's _write_tile
-    DOT_FP32: tl.constexpr,  # upcast the dot operands (Triton's interpreter gets bf16 tl.dot wrong)
 ):
-    """The same product as :func:`_codebook_matmul_kernel`, computed word-wise: a K tile is BLOCK_W whole
-    index words per row, and for each of a word's P slots j the kernel takes index (word >> BITS j) & (E-1)
-    for every word of the tile at once, loads the weight from the row's codebook in memory (E values, 32
-    bytes at 4 bits, so the tile's codebooks stay in L1 after the first touch: a load per weight, no
-    shuffles) and meets the activations of columns w P + j. Every tensor keeps the words' [BLOCK_N, BLOCK_W]
-    layout: no reshape, no layout conversion per value. One row sums in a [BLOCK_N, BLOCK_W] accumulator
-    reduced once at the end; more rows take P tensor-core dots of depth BLOCK_W per tile."""
+    """One activation row (decode), computed word-wise: a K tile is BLOCK_W whole index words per row, and
+    for each of a word's P slots j the kernel takes index (word >> BITS j) & (E-1) for every word of the
+    tile at once, loads the weight from the row's codebook in memory (E values, 32 bytes at 4 bits: the
+    tile's codebooks stay in L1 after the first touch, so a load per weight and no shuffles) and multiplies
+    it by the activation of column w P + j. Every tensor keeps the words' [BLOCK_N, BLOCK_W] layout: no
+    reshape, no layout conversion per value; products sum in a [BLOCK_N, BLOCK_W] accumulator reduced once
+    at the end. Against the gather kernel's one-row path, 2.2-4.3x faster on the H100 (0.30-0.45x our
+    int4 g128 kernel): about 9 instructions a weight, and the codebook loads, not DRAM, are the bound."""
     P: tl.constexpr = 32 // BITS
     E: tl.constexpr = 1 << BITS
     pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     mask_n = offs_n < N
-    mask_m = offs_m < M
     # Rows past N read row N-1 (their sums are never stored), so the per-weight codebook loads need no mask.
     rows = tl.minimum(offs_n, N - 1)[:, None]
     idx_rows = idx_ptr + rows.to(tl.int64) * idx_row_stride
     cb_offs = rows * cb_row_stride  # int32 offsets from one base: one add per weight address
     dtype = x_ptr.dtype.element_ty
     n_words = tl.cdiv(K, P)
-    if GEMV:
-        acc_w = tl.zeros([BLOCK_N, BLOCK_W], dtype=tl.float32)
-    else:
-        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    acc_w = tl.zeros([BLOCK_N, BLOCK_W], dtype=tl.float32)
     tile_begin = pid_k * tiles_per_split
     tile_end = tl.minimum(tile_begin + tiles_per_split, tl.cdiv(n_words, BLOCK_W))
     for tile in range(tile_begin, tile_end):
@@ -171,24 +158,14 @@ def _codebook_lut_kernel(
             index = ((words >> (j * BITS)) & (E - 1)).to(tl.int32)
             if GROUP > 0:  # columns past K (zero activations) read the last group
                 index += (tl.minimum(ks, K - 1) // GROUP)[None, :] * E
-            w = tl.load(cb_ptr + (cb_offs + index)).to(dtype)
-            if GEMV:
-                x = tl.load(x_ptr + ks, mask=mask_k, other=0.0)
-                acc_w += w.to(tl.float32) * x.to(tl.float32)[None, :]
-            else:
-                x = tl.load(
-                    x_ptr + offs_m[:, None].to(tl.int64) * x_row_stride + ks[None, :],
-                    mask=mask_m[:, None] & mask_k[None, :],
-                    other=0.0,
-                )
-                if DOT_FP32:
-                    acc += tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)))
-                else:
-                    acc += tl.dot(w, tl.trans(x))
-    if GEMV:
-        acc = tl.sum(acc_w, axis=1)[:, None]
-    n_splits = tl.num_programs(2)
-    _write_tile(acc, y_ptr, ws_ptr, count_ptr, offs_n, offs_m, mask_n, mask_m, y_row_stride, n_splits, MODE)
+            w = tl.load(cb_ptr + (cb_offs + index)).to(dtype)  # rounded like the reference
+            x = tl.load(x_ptr + ks, mask=mask_k, other=0.0)
+            acc_w += w.to(tl.float32) * x.to(tl.float32)[None, :]
+    acc = tl.sum(acc_w, axis=1)[:, None]
+    offs_m = tl.arange(0, 1)
+    _write_tile(
+        acc, y_ptr, ws_ptr, count_ptr, offs_n, offs_m, mask_n, offs_m < 1, N, tl.num_programs(2), MODE
+    )
 
 
 def check_inputs(
@@ -217,14 +194,27 @@ def check_inputs(
         )
 
 
-def launch_config(m: int, n_out: int, k_in: int, group_size: int, sms: int | None) -> dict:
+def launch_config(m: int, n_out: int, k_in: int, group_size: int, sms: int | None, bits: int = 4) -> dict:
     """Tile sizes and split-K for ``m`` rows on a GPU with ``sms`` SMs (None: Triton's interpreter, small
-    tiles). The K tile must lie inside one codebook group; K is split until the grid fills the GPU twice
-    over (decode shapes have few N tiles). A pure function, so tests run the GPU's choice on any backend."""
+    tiles). A pure function, so tests run the GPU's choice on any backend.
+
+    One row takes the word-wise LUT kernel (``kernel: lut``) with 4 output rows and 64 index words a
+    program, split over K only where the N tiles leave SMs idle: the best of 24 settings at every H100
+    decode shape swept (``tests/gpu/codebook_lut_sweep.py``, 2026-11-23), 2.2-4.3x the gather kernel there.
+    Several rows take the gather kernel's tensor-core path, whose K tile must lie inside one codebook group;
+    K is split until the grid fills the GPU twice over (decode shapes have few N tiles)."""
+    if m == 1:
+        block_n, block_w = (16, 8) if sms is None else (4, 64)
+        tiles = cdiv(cdiv(k_in, 32 // bits), block_w)
+        fill = 2 if sms is None else 2 * sms
+        split = max(1, min(tiles, cdiv(fill, cdiv(n_out, block_n))))
+        if sms is None:
+            split = min(2, tiles)  # split-K whenever there are two tiles, so the tests cover both paths
+        return {"kernel": "lut", "BLOCK_M": 1, "BLOCK_N": block_n, "BLOCK_W": block_w, "split": split}
     block_k = 32 if sms is None else 128
     while group_size and group_size % block_k:
         block_k //= 2  # group_size is a multiple of 16
-    block_m = 1 if m == 1 else (16 if m <= 16 else (32 if m <= 32 else 64))
+    block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
     block_n = 16 if sms is None else (64 if m <= 16 else 128)
     tiles = cdiv(k_in, block_k)
     if sms is None:  # split-K whenever there are two tiles, so the tests cover both paths
@@ -243,7 +233,7 @@ def _codebook_matmul(
     n_out, k_in = indices.shape[0], x.shape[-1]
     x2 = x.reshape(-1, k_in)
     sms = None if interpreting() else sm_count(x.device)
-    cfg = launch_config(x2.shape[0], n_out, k_in, group_size, sms)
+    cfg = launch_config(x2.shape[0], n_out, k_in, group_size, sms, bits)
     return launch(x2, indices, codebook, group_size, bits, cfg).reshape(*x.shape[:-1], n_out)
 
 
@@ -269,12 +259,12 @@ def launch(
     y = (torch.zeros if mode == 1 else torch.empty)((m, n_out), dtype=y_dtype, device=x2.device)
     ws, counts = _workspace(x2.device, m * n_out, grid[0] * grid[1]) if mode == 2 and m else (y, y)
     if m and lut:
+        if m != 1:
+            raise ValueError(f"codebook_matmul: the LUT kernel takes one row, got {m}")
         traceable(_codebook_lut_kernel)[grid](
-            x2, indices, codebook, y, ws, counts, m, n_out, k_in,
-            x2.stride(0), indices.stride(0), codebook.stride(0), y.stride(0), tiles_per_split,
-            BITS=bits, GROUP=group_size, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
-            BLOCK_W=cfg["BLOCK_W"], GEMV=cfg["BLOCK_M"] == 1, MODE=mode,
-            DOT_FP32=interpreting() and x2.dtype == torch.bfloat16, num_warps=cfg.get("num_warps", 4),
+            x2, indices, codebook, y, ws, counts, n_out, k_in, indices.stride(0), codebook.stride(0),
+            tiles_per_split, BITS=bits, GROUP=group_size, BLOCK_N=cfg["BLOCK_N"], BLOCK_W=cfg["BLOCK_W"],
+            MODE=mode, num_warps=cfg.get("num_warps", 4),
             **({"num_stages": cfg["num_stages"]} if "num_stages" in cfg else {}),
         )  # fmt: skip
     elif m:
@@ -282,7 +272,7 @@ def launch(
             x2, indices, codebook, y, ws, counts, m, n_out, k_in,
             x2.stride(0), indices.stride(0), codebook.stride(0), y.stride(0), tiles_per_split,
             BITS=bits, GROUP=group_size, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
-            BLOCK_K=cfg["BLOCK_K"], GEMV=cfg["BLOCK_M"] == 1, MODE=mode,
+            BLOCK_K=cfg["BLOCK_K"], MODE=mode,
             DOT_FP32=interpreting() and x2.dtype == torch.bfloat16, num_warps=cfg.get("num_warps", 4),
             **({"num_stages": cfg["num_stages"]} if "num_stages" in cfg else {}),
         )  # fmt: skip

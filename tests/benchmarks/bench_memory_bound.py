@@ -36,10 +36,10 @@ def _bench(rec, providers, make_inputs, shape, fwd_bytes, bwd_bytes):
         if fn is None or shape[0] > SMALL_ONLY.get(name, shape[0]):
             continue
         inputs = make_inputs()
-        rec.time(
+        graph_ms = rec.time(
             name, "fwd", shape, DTYPE, lambda fn=fn, inputs=inputs: fn(*inputs), nbytes=fwd_bytes, graph=True
         )
-        if shape[0] <= EAGER_MAX_ROWS:  # host-inclusive: back-to-back eager calls
+        if graph_ms is not None and shape[0] <= EAGER_MAX_ROWS:  # host-inclusive: back-to-back eager calls
             eager_ms = host_ms(lambda fn=fn, inputs=inputs: fn(*inputs))
             rec.add(name, "fwd-eager", shape, DTYPE, "time", eager_ms, "ms")
         if name.startswith("vllm"):  # vLLM's ops have no autograd

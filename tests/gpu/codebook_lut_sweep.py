@@ -34,11 +34,9 @@ def median(fn) -> float:
 def lut_configs(m: int, n: int, k: int, bits: int, quick: bool):
     sms = sm_count(torch.device("cuda"))
     per_word = 32 // bits
-    block_ms = [1] if m == 1 else [16]
-    # One row: a warp should cover one row's words (BLOCK_W >= 128 at 4 words a thread), so its codebook
-    # loads touch one 32-byte codebook; several rows: the tl.dot path.
-    block_ns = ([4, 8] if m == 1 else [32, 64]) if quick else [4, 8, 16, 32, 64, 128]
-    block_ws = [64, 128, 256] if m == 1 else [16, 32]
+    block_ms = [1]  # the LUT kernel takes one row
+    block_ns = [4, 8] if quick else [4, 8, 16, 32, 64, 128]
+    block_ws = [64, 128, 256]
     for bm in block_ms:
         for bn in block_ns:
             for bw in block_ws:
@@ -54,7 +52,9 @@ def lut_configs(m: int, n: int, k: int, bits: int, quick: bool):
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--ms", default="1,2,4,8,16")
+    ap.add_argument(
+        "--ms", default="1", help="rows; the LUT kernel takes one, more time int4 and gather only"
+    )
     args = ap.parse_args()
     ms = [int(v) for v in args.ms.split(",")]
     print(f"# {torch.cuda.get_device_name()} sms={sm_count(torch.device('cuda'))}")
@@ -82,7 +82,7 @@ def main() -> None:
                 lut_runs = [
                     (cfg, cast) for cfg in lut_configs(m, n, k, bits, args.quick) for cast in (False, True)
                 ]
-                for cfg, cast in lut_runs:
+                for cfg, cast in lut_runs if m == 1 else []:
                     cfg = {**cfg, "codebook": "bf16" if cast else "fp16"}
                     runs = [(i, c.to(DTYPE) if cast else c) for i, c in books]
                     try:

@@ -48,19 +48,16 @@ def test_codebook_matmul_matches_lookup_then_matmul(m, n, k, group, bits, dtype,
 
 @pytest.mark.parametrize("cast", [False, True], ids=["fp16-codebook", "bf16-codebook"])
 @pytest.mark.parametrize("bits", [3, 4])
-@pytest.mark.parametrize(("m", "n", "k", "group"), SHAPES)
+@pytest.mark.parametrize(("m", "n", "k", "group"), [s for s in SHAPES if s[0] == 1])
 def test_word_wise_lut_kernel_matches_lookup_then_matmul(m, n, k, group, bits, cast, device):
-    # _codebook_lut_kernel: a tile of whole index words, one slot of every word at a time, weights loaded from
-    # the codebook in memory; split-K over two parts of the words where there are enough.
+    # _codebook_lut_kernel (one row): a tile of whole index words, one slot of every word at a time, weights
+    # loaded from the codebook in memory; split-K over two parts of the words where there are enough.
     indices, codebook = _weight(n, k, group, bits, device)
     x = torch.randn(m, k, device=device).to(torch.bfloat16)
     words = indices.shape[1]
     if cast:  # a codebook cast once to the activations' dtype: the same rounded weights
         codebook = codebook.to(torch.bfloat16)
-    # tl.dot needs a depth of 16 or more (BLOCK_W 16 at several rows); one row (the FMA path) takes any
-    cfg = {"kernel": "lut", "BLOCK_M": 1 if m == 1 else 16, "BLOCK_N": 16, "BLOCK_W": 16, "split": 2}
-    if m == 1 and words > 16:
-        cfg["BLOCK_W"] = 8  # several tiles, so split-K runs
+    cfg = {"kernel": "lut", "BLOCK_M": 1, "BLOCK_N": 16, "BLOCK_W": 8 if words > 16 else 16, "split": 2}
     y = cm.launch(x, indices, codebook, group, bits, cfg)
     dense = cl.dequantize(indices.cpu(), codebook.cpu(), k, group or None, bits).to(torch.bfloat16).float()
     expected = x.cpu().float() @ dense.T
@@ -142,8 +139,9 @@ def _gpu_paths() -> list[tuple[int, dict]]:
     paths = {}
     for sms, (k, n_full), m in itertools.product(GPU_SMS, DECODE_KN, range(1, 17)):
         cfg = cm.launch_config(m, n_full, k, 0, sms)
-        per_split = cdiv(cdiv(k, cfg["BLOCK_K"]), cfg["split"])
-        paths.setdefault((k, cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], per_split), (k, cfg))
+        tiles = cdiv(cdiv(k, 8), cfg["BLOCK_W"]) if "BLOCK_W" in cfg else cdiv(k, cfg["BLOCK_K"])
+        per_split = cdiv(tiles, cfg["split"])
+        paths.setdefault((k, cfg["BLOCK_M"], cfg["BLOCK_N"], cfg.get("BLOCK_K"), per_split), (k, cfg))
     return list(paths.values())
 
 
@@ -151,15 +149,18 @@ GPU_PATHS = _gpu_paths()
 
 
 def test_gpu_dispatch_for_llama_decode():
-    # On 132 SMs at K = N = 4096 one row takes the FMA path and 2..16 rows the tensor-core one, both with
-    # 128-wide K tiles split 5 ways (7, 7, 7, 7 and 4 tiles): the split does not change with M, the row
-    # path does. The paths the tests below force are exactly these.
-    tiles = {"BLOCK_N": 64, "BLOCK_K": 128, "split": 5}
-    assert cm.launch_config(1, 4096, 4096, 0, 132) == {"BLOCK_M": 1, **tiles}
+    # On 132 SMs at K = N = 4096 one row takes the LUT kernel (1024 programs of 4 rows: no split) and 2..16
+    # rows the gather kernel's tensor-core path with 128-wide K tiles split 5 ways (7, 7, 7, 7 and 4 tiles):
+    # the split does not change with M. The paths the tests below force are exactly these.
+    lut = {"kernel": "lut", "BLOCK_M": 1, "BLOCK_N": 4, "BLOCK_W": 64, "split": 1}
+    assert cm.launch_config(1, 4096, 4096, 0, 132) == lut
     for m in range(2, 17):
-        assert cm.launch_config(m, 4096, 4096, 0, 132) == {"BLOCK_M": 16, **tiles}
+        assert cm.launch_config(m, 4096, 4096, 0, 132) == {
+            "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "split": 5
+        }  # fmt: skip
     assert {cfg["BLOCK_M"] for _, cfg in GPU_PATHS} == {1, 16}
     assert {cfg["split"] for _, cfg in GPU_PATHS} >= {2, 4, 5}
+    assert cm.launch_config(1, 512, 14336, 0, 132)["split"] == 3  # 128 programs: K split to fill it twice
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
