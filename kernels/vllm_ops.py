@@ -183,15 +183,18 @@ def quant_linear(
 
 # --- on vLLM's CPU backend: the packed CPU forms torch has matmuls for -------------------------------------
 
-CPU_FORMS = ("int8", "int4", "dense")  # what prepare_cpu leaves on a layer, as layer.cpu_form
+
+def _frozen(tensor: torch.Tensor) -> torch.nn.Parameter:
+    return torch.nn.Parameter(tensor, requires_grad=False)
 
 
 def prepare_cpu(layer: torch.nn.Module, scheme: WeightOnlyScheme) -> None:
     """Replace a loaded layer's packed checkpoint tensors by the form :func:`cpu_linear` runs on CPU.
 
     The reference path (``quant_matmul`` on CPU tensors) unpacks and dequantizes the whole weight on every
-    call: on the bundled model vLLM's CPU backend decoded at 3.2 (int8) / 2.3 (int4) tok/s through it,
-    against 30 tok/s for bf16 (tests/benchmarks/VLLM_CPU.md). Here the weight is unpacked once, at load:
+    call: on the bundled model vLLM's CPU backend decoded at 2.9 (int8) / 2.1 (int4) tok/s through it,
+    27.5 / 46.2 through these forms, bf16 31.0 (one core of an AVX-512 EPYC, tests/benchmarks/VLLM_CPU.md).
+    The weight is unpacked once, here, at load:
 
     - per-channel symmetric int8 and int4 in groups torch takes -> ``cpu_packed``'s layouts (the worker's
       static decoder runs the same ones): ``weight_int8`` int8 [N, K] + ``weight_int8_scale`` [N], or
@@ -201,11 +204,11 @@ def prepare_cpu(layer: torch.nn.Module, scheme: WeightOnlyScheme) -> None:
       ``weight_dense`` [N, K] in the model dtype. The trade-off: it holds what the unquantized layer holds
       (2 bytes a weight in bf16: 2x the int8 checkpoint's, 4x the int4's), where the reference held the
       packed words plus one layer's dense weight transiently per call; it runs at the dense model's speed
-      instead of a dequantization per call. A CPU host that serves a model in vLLM at all can hold its bf16
-      weights, so the speed is taken.
+      instead of a dequantization per call. The speed is taken on the assumption that a host serving the
+      checkpoint on vLLM's CPU backend can hold the unquantized model's weights.
 
     The checkpoint's ``weight_packed`` and ``weight_zero_point`` are dropped (nothing reads them on CPU);
-    ``weight_scale`` stays (small; the per-channel int8 form reads it)."""
+    ``weight_scale`` stays (small)."""
     from squeezeserve.kernels import quant_layout
     from squeezeserve.kernels.cpu_packed import Int4Linear, Int8Linear, packed_linear
 
@@ -219,19 +222,18 @@ def prepare_cpu(layer: torch.nn.Module, scheme: WeightOnlyScheme) -> None:
         shape = (n_out, layer.weight_scale.shape[1])
         zero = quant_layout.unpack_int32(zero_packed.data, scheme.bits, shape, packed_dim=0)
     packed = packed_linear(q, layer.weight_scale.data, zero, scheme.bits, group)
-    frozen = lambda t: torch.nn.Parameter(t, requires_grad=False)  # noqa: E731
     if isinstance(packed, Int8Linear):
-        layer.weight_int8, layer.weight_int8_scale = frozen(packed.q), frozen(packed.scale.to(dtype))
+        layer.weight_int8, layer.weight_int8_scale = _frozen(packed.q), _frozen(packed.scale.to(dtype))
         layer.cpu_form = "int8"
     elif isinstance(packed, Int4Linear):
-        layer.weight_int4 = frozen(packed.packed)
-        layer.weight_int4_scale_zero = frozen(packed.scale_zero.to(dtype))
+        layer.weight_int4 = _frozen(packed.packed)
+        layer.weight_int4_scale_zero = _frozen(packed.scale_zero.to(dtype))
         layer.int4_group, layer.cpu_form = group, "int4"
     else:
         dense = quant_layout.dequantize(
             layer.weight_packed.data, layer.weight_scale.data, zero_packed, (n_out, k_in), group, scheme.bits
         )
-        layer.weight_dense = frozen(dense.to(dtype))
+        layer.weight_dense = _frozen(dense.to(dtype))
         layer.cpu_form = "dense"
     del layer.weight_packed
     if zero_packed is not None:

@@ -229,7 +229,8 @@ class DenseLinear:
 
 def _packed(modules: list[nn.Module]) -> Int8Linear | Int4Linear | None:
     """Quantized projections fused into one packed CPU linear, or None when torch has no op for them
-    (mixed formats, group-wise int8, int4 groups torch does not take, K not a multiple of the group)."""
+    (mixed formats, group-wise int8, int4 groups torch does not take, K not a multiple of the group, N not a
+    multiple of 16: ``cpu_packed.packed_linear``)."""
     from squeezeserve.kernels import quant_layout
     from squeezeserve.kernels.modules import QuantLinear
 
