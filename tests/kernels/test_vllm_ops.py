@@ -136,6 +136,54 @@ def test_quant_linear_counts_its_calls():
     assert vllm_ops.call_counts()["quant_matmul"] == before + 1
 
 
+# --- on vLLM's CPU backend: the weights unpacked once at load -------------------------------------------
+
+
+def _loaded_layer(stacked: dict[str, torch.Tensor], n_out: int, k_in: int) -> torch.nn.Module:
+    """A linear layer as our method leaves it after vLLM's loader: the stacked checkpoint tensors as frozen
+    parameters, and the partition sizes ``create_weights`` sets."""
+    layer = torch.nn.Module()
+    for name, tensor in stacked.items():
+        layer.register_parameter(name, torch.nn.Parameter(tensor, requires_grad=False))
+    layer.output_size_per_partition, layer.input_size_per_partition = n_out, k_in
+    return layer
+
+
+CPU_CASES = [
+    (*CASES[0], "int4"),
+    (*CASES[1], "int4"),
+    (*CASES[2], "int8"),
+    # group-wise int8 and an int4 group torch does not take: dequantized once
+    (vllm_ops.WeightOnlyScheme(8, 32, True, ()), [40, 24], 96, "dense"),
+    (vllm_ops.WeightOnlyScheme(4, 48, False, ()), [32, 32], 96, "dense"),
+]
+
+
+@pytest.mark.parametrize(("scheme", "widths", "k_in", "form"), CPU_CASES)
+def test_prepare_cpu_keeps_a_packed_form_that_equals_dequantize_then_matmul(scheme, widths, k_in, form):
+    gen = torch.Generator().manual_seed(0)
+    dtype = torch.float16
+    shards = [(torch.randn(n, k_in, generator=gen) * 0.05).to(dtype) for n in widths]
+    stacked, dense = _stacked_checkpoint(shards, scheme)
+    layer = _loaded_layer(stacked, sum(widths), k_in)
+    vllm_ops.prepare_cpu(layer, scheme)
+    assert layer.cpu_form == form
+    assert not hasattr(layer, "weight_packed") and not hasattr(layer, "weight_zero_point")
+    x = torch.randn(2, 3, k_in, generator=gen).to(dtype)
+    bias = torch.randn(sum(widths), generator=gen).to(dtype)
+    before = vllm_ops.call_counts()
+    y = vllm_ops.cpu_linear(layer, x, bias)
+    after = vllm_ops.call_counts()
+    assert after[f"cpu_{form}_matmul"] == before.get(f"cpu_{form}_matmul", 0) + 1
+    assert after.get("quant_matmul", 0) == before.get("quant_matmul", 0)  # not the per-call reference
+    expected = x.float() @ dense.float().T + bias.float()
+    assert y.shape == (2, 3, sum(widths)) and y.dtype == dtype
+    # fp16 values multiplied on both sides: the error is the fp16 rounding of x @ W.T and of + bias (|y| up
+    # to 4.2, where an fp16 ulp is 2e-3); measured max 1.1e-3 (int8, dense) to 1.9e-3 (int4, which adds the
+    # offset -z * s per group instead of subtracting z before scaling). A wrong nibble or group is O(|y|).
+    torch.testing.assert_close(y.float(), expected, rtol=2e-3, atol=2e-3)
+
+
 # --- RMSNorm: rounding of the path it replaces -------------------------------------------------------
 
 

@@ -33,6 +33,7 @@ from torch import nn
 from transformers import DynamicCache
 
 from squeezeserve.kernels import functional, reference
+from squeezeserve.kernels.cpu_packed import Int4Linear, Int8Linear, packed_linear
 
 DecoderChoice = Literal["auto", "static", "transformers"]
 DECODER_CHOICES: tuple[str, ...] = ("auto", "static", "transformers")
@@ -226,60 +227,10 @@ class DenseLinear:
         return F.linear(x, self.weight, self.bias)  # prefill: the plain weight serves wide matmuls well
 
 
-class Int8Linear:
-    """Per-output-channel symmetric int8 weights kept as int8 [N, K]: ``torch._weight_int8pack_mm``
-    (one bf16/fp32 scale per row) reads a quarter of the bf16 bytes at decode."""
-
-    def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> None:
-        self.q, self.scale, self.bias = q.contiguous(), scale.contiguous(), bias
-        self.out_features = q.shape[0]
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch._weight_int8pack_mm(x.reshape(-1, x.shape[-1]), self.q, self.scale.to(x.dtype))
-        y = y.view(*x.shape[:-1], self.out_features)
-        return y + self.bias if self.bias is not None else y
-
-
-class Int4Linear:
-    """Group-wise int4 weights in torch's CPU int4 layout (``_convert_weight_to_int4pack_for_cpu``), run by
-    ``_weight_int4pack_mm_for_cpu``: w = (u - 8) * scale + zero with u = q + 8 unsigned, so our
-    (q - z) * s is scale = s, zero = -z * s."""
-
-    def __init__(
-        self,
-        q: torch.Tensor,
-        scale: torch.Tensor,
-        zero: torch.Tensor | None,
-        group: int,
-        bias: torch.Tensor | None,
-    ) -> None:
-        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32) + 8, 1)
-        offset = (
-            torch.zeros_like(scale, dtype=torch.float32) if zero is None else -zero.float() * scale.float()
-        )
-        self.scale_zero = (
-            torch.stack([scale.float(), offset], dim=-1).transpose(0, 1).contiguous()
-        )  # [G, N, 2]
-        self.group, self.bias, self.out_features = group, bias, q.shape[0]
-        self._cast: dict[torch.dtype, torch.Tensor] = {}
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        sz = self._cast.get(x.dtype)
-        if sz is None:
-            sz = self._cast[x.dtype] = self.scale_zero.to(x.dtype)
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
-            x.reshape(-1, x.shape[-1]), self.packed, self.group, sz
-        )
-        y = y.view(*x.shape[:-1], self.out_features)
-        return y + self.bias if self.bias is not None else y
-
-
-INT4_GROUPS = (32, 64, 128, 256)  # what torch's CPU int4 matmul takes
-
-
 def _packed(modules: list[nn.Module]) -> Int8Linear | Int4Linear | None:
     """Quantized projections fused into one packed CPU linear, or None when torch has no op for them
-    (mixed formats, group-wise int8, int4 groups torch does not take, K not a multiple of the group)."""
+    (mixed formats, group-wise int8, int4 groups torch does not take, K not a multiple of the group, N not a
+    multiple of 16: ``cpu_packed.packed_linear``)."""
     from squeezeserve.kernels import quant_layout
     from squeezeserve.kernels.modules import QuantLinear
 
@@ -303,11 +254,7 @@ def _packed(modules: list[nn.Module]) -> Int8Linear | Int4Linear | None:
     bias = None
     if any(b is not None for b in biases):
         bias = torch.cat([_bias(m, m.out_features, scale) for m in modules])
-    if first.bits == 8 and scale.shape[1] == 1 and zero is None:
-        return Int8Linear(q, scale[:, 0], bias)
-    if first.bits == 4 and first.group_size in INT4_GROUPS and k % first.group_size == 0:
-        return Int4Linear(q, scale, zero, first.group_size, bias)
-    return None
+    return packed_linear(q, scale, zero, first.bits, first.group_size, bias)
 
 
 def fuse_linears(modules: list[nn.Module]) -> Linear:
