@@ -79,7 +79,7 @@ def launch_variant(kernel, x2, indices, codebook, bits, cfg, exchange):
         x2, indices, codebook, y, ws, counts, m, n_out, k_in,
         x2.stride(0), indices.stride(0), codebook.stride(0), y.stride(0), tiles_per_split,
         BITS=bits, GROUP=0, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
-        GEMV=cfg["BLOCK_M"] == 1, MODE=2, DOT_FP32=False, EXCHANGE=exchange, num_warps=4,
+        MODE=2, DOT_FP32=False, EXCHANGE=exchange, num_warps=4,
     )  # fmt: skip
     return y
 
