@@ -129,8 +129,9 @@ def _codebook_lut_kernel(
     tile's codebooks stay in L1 after the first touch, so a load per weight and no shuffles) and multiplies
     it by the activation of column w P + j. Every tensor keeps the words' [BLOCK_N, BLOCK_W] layout: no
     reshape, no layout conversion per value; products sum in a [BLOCK_N, BLOCK_W] accumulator reduced once
-    at the end. Against the gather kernel's one-row path, 2.2-4.3x faster on the H100 (0.30-0.45x our
-    int4 g128 kernel): about 9 instructions a weight, and the codebook loads, not DRAM, are the bound."""
+    at the end. Against the gather kernel's one-row path, 2.2-3.0x faster on the H100 (0.30-0.45x our
+    int4 g128 kernel). About 9 instructions a weight (sm_90 SASS) and 0.44 TB/s from DRAM: neither bounds
+    it, which leaves the one 2-byte L1 load per weight (inferred, not profiled)."""
     P: tl.constexpr = 32 // BITS
     E: tl.constexpr = 1 << BITS
     pid_n = tl.program_id(0)
@@ -199,17 +200,18 @@ def launch_config(m: int, n_out: int, k_in: int, group_size: int, sms: int | Non
     tiles). A pure function, so tests run the GPU's choice on any backend.
 
     One row takes the word-wise LUT kernel (``kernel: lut``) with 4 output rows and 64 index words a
-    program, split over K only where the N tiles leave SMs idle: the best of 24 settings at every H100
-    decode shape swept (``tests/gpu/codebook_lut_sweep.py``, 2026-11-23), 2.2-4.3x the gather kernel there.
+    program, split over K only where the N tiles leave SMs idle: of 24 settings swept on the H100
+    (``tests/gpu/codebook_lut_sweep.py``, 2026-11-23), the best or within 1% of it at five of six decode
+    (shape, bits) points and 11% behind at 3 bits with K = 14336; 2.2-3.0x the gather kernel there.
     Several rows take the gather kernel's tensor-core path, whose K tile must lie inside one codebook group;
     K is split until the grid fills the GPU twice over (decode shapes have few N tiles)."""
     if m == 1:
         block_n, block_w = (16, 8) if sms is None else (4, 64)
         tiles = cdiv(cdiv(k_in, 32 // bits), block_w)
-        fill = 2 if sms is None else 2 * sms
-        split = max(1, min(tiles, cdiv(fill, cdiv(n_out, block_n))))
-        if sms is None:
-            split = min(2, tiles)  # split-K whenever there are two tiles, so the tests cover both paths
+        if sms is None:  # split-K whenever there are two tiles, so the tests cover both paths
+            split = min(2, tiles)
+        else:
+            split = max(1, min(tiles, cdiv(2 * sms, cdiv(n_out, block_n))))
         return {"kernel": "lut", "BLOCK_M": 1, "BLOCK_N": block_n, "BLOCK_W": block_w, "split": split}
     block_k = 32 if sms is None else 128
     while group_size and group_size % block_k:
@@ -240,8 +242,10 @@ def _codebook_matmul(
 def launch(
     x2: torch.Tensor, indices: torch.Tensor, codebook: torch.Tensor, group_size: int, bits: int, cfg: dict
 ) -> torch.Tensor:
-    """y [M, N] = x2 [M, K] @ W.T with the tiles and split-K of ``cfg`` (:func:`launch_config`'s keys; a
-    probe may add ``num_stages``, or ``mode`` to pick how split-K partials meet, ``_write_tile``'s MODE)."""
+    """y [M, N] = x2 [M, K] @ W.T with the kernel, tiles and split-K of ``cfg`` (:func:`launch_config`'s keys:
+    ``kernel: lut`` with BLOCK_W index words a tile for one row, else the gather kernel with BLOCK_K; a
+    probe may add ``num_warps``, ``num_stages``, or ``mode`` to pick how split-K partials meet,
+    ``_write_tile``'s MODE)."""
     n_out, k_in = indices.shape[0], x2.shape[-1]
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
