@@ -200,7 +200,7 @@ def launch_config(m: int, n_out: int, k_in: int, group_size: int, sms: int | Non
     tiles). A pure function, so tests run the GPU's choice on any backend.
 
     One row takes the word-wise LUT kernel (``kernel: lut``) with 4 output rows and 64 index words a
-    program, split over K only where the N tiles leave SMs idle: of 24 settings swept on the H100
+    program, split over K only where the N tiles leave SMs idle: of 12 settings swept on the H100
     (``tests/gpu/codebook_lut_sweep.py``, 2026-11-23), the best or within 1% of it at five of six decode
     (shape, bits) points and 11% behind at 3 bits with K = 14336; 2.2-3.0x the gather kernel there.
     Several rows take the gather kernel's tensor-core path, whose K tile must lie inside one codebook group;

@@ -70,7 +70,10 @@ def _check(x: torch.Tensor, idx: torch.Tensor, cb: torch.Tensor, bits: int, dens
     )
 
 
-def codebook_vs_int4(rec: Recorder) -> None:
+def decode_weights():
+    """Per (K, N) of KN and bits 4 then 3: cold copies of an int4 g128 weight [(packed, scales)] and of a
+    codebook weight [(indices, codebook)] of that shape, with their byte counts and the codebook's dense
+    bf16 weight: what the codebook benchmarks time against each other."""
     for k, n in KN:
         weight = torch.randn(n, k, device="cuda", dtype=DTYPE) / 64
         packed = quant_layout.pack_weight(weight, 4, 128)
@@ -82,22 +85,28 @@ def codebook_vs_int4(rec: Recorder) -> None:
             cb_bytes = idx.numel() * 4 + cb.numel() * 2
             books = [(idx, cb)] + [(idx.clone(), cb.clone()) for _ in range(_copies(cb_bytes) - 1)]
             dense = codebook_layout.dequantize(idx, cb, k, None, bits).to(DTYPE)
-            for m in MS:
-                x = torch.randn(m, k, device="cuda", dtype=DTYPE)
-                _check(x, idx, cb, bits, dense)
-                shape, io = (m, n, k), 2 * m * (k + n)
-                ours = _cycle([lambda p=p, x=x, b=bits: K.codebook_matmul(x, *p, 0, b) for p in books])
-                provider = f"squeezeserve-codebook{bits}"
-                t_cb = rec.time(provider, "fwd", shape, DTYPE, ours, nbytes=cb_bytes + io, graph=True)
-                if bits != 4:
-                    continue
-                int4 = _cycle([lambda p=p, x=x: K.quant_matmul(x, p[0], p[1], None, 128, 4) for p in int4s])
-                provider = "squeezeserve-int4-g128"
-                t_q = rec.time(provider, "fwd", shape, DTYPE, int4, nbytes=int4_bytes + io, graph=True)
-                if t_cb and t_q:
-                    rec.add(
-                        "squeezeserve-codebook4", "fwd", shape, DTYPE, "speed_vs_int4_g128", [t_q / t_cb], "x"
-                    )
+            yield k, n, bits, (int4s, int4_bytes), (books, cb_bytes), dense
+
+
+def codebook_vs_int4(rec: Recorder) -> None:
+    for k, n, bits, (int4s, int4_bytes), (books, cb_bytes), dense in decode_weights():
+        idx, cb = books[0]
+        for m in MS:
+            x = torch.randn(m, k, device="cuda", dtype=DTYPE)
+            _check(x, idx, cb, bits, dense)
+            shape, io = (m, n, k), 2 * m * (k + n)
+            ours = _cycle([lambda p=p, x=x, b=bits: K.codebook_matmul(x, *p, 0, b) for p in books])
+            provider = f"squeezeserve-codebook{bits}"
+            t_cb = rec.time(provider, "fwd", shape, DTYPE, ours, nbytes=cb_bytes + io, graph=True)
+            if bits != 4:
+                continue
+            int4 = _cycle([lambda p=p, x=x: K.quant_matmul(x, p[0], p[1], None, 128, 4) for p in int4s])
+            provider = "squeezeserve-int4-g128"
+            t_q = rec.time(provider, "fwd", shape, DTYPE, int4, nbytes=int4_bytes + io, graph=True)
+            if t_cb and t_q:
+                rec.add(
+                    "squeezeserve-codebook4", "fwd", shape, DTYPE, "speed_vs_int4_g128", [t_q / t_cb], "x"
+                )
 
 
 def lowrank_vs_dense(rec: Recorder) -> None:

@@ -16,11 +16,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
-from bench_codebook_matmul import KN, _codebook, _copies, _cycle, _rel  # noqa: E402
+from bench_codebook_matmul import _cycle, _rel, decode_weights  # noqa: E402
 from common import time_ms  # noqa: E402
 
 import squeezeserve.kernels as K  # noqa: E402
-from squeezeserve.kernels import codebook_layout, quant_layout  # noqa: E402
 from squeezeserve.kernels.ops import codebook_matmul as cm  # noqa: E402
 from squeezeserve.kernels.ops.launch import cdiv, sm_count  # noqa: E402
 
@@ -59,55 +58,43 @@ def main() -> None:
     ms = [int(v) for v in args.ms.split(",")]
     print(f"# {torch.cuda.get_device_name()} sms={sm_count(torch.device('cuda'))}")
     summary = []
-    for k, n in KN:
-        weight = torch.randn(n, k, device="cuda", dtype=DTYPE) / 64
-        packed = quant_layout.pack_weight(weight, 4, 128)
-        qw, sc = packed["weight_packed"], packed["weight_scale"]
-        int4_bytes = qw.numel() * 4 + sc.numel() * 2
-        int4s = [(qw, sc)] + [(qw.clone(), sc.clone()) for _ in range(_copies(int4_bytes) - 1)]
-        for bits in (4, 3):
-            idx, cb = _codebook(n, k, bits)
-            cb_bytes = idx.numel() * 4 + cb.numel() * 2
-            books = [(idx, cb)] + [(idx.clone(), cb.clone()) for _ in range(_copies(cb_bytes) - 1)]
-            dense = codebook_layout.dequantize(idx, cb, k, None, bits).to(DTYPE)
-            for m in ms:
-                x = torch.randn(m, k, device="cuda", dtype=DTYPE)
-                y_ref = x @ dense.t()
-                int4 = _cycle([lambda p=p, x=x: K.quant_matmul(x, p[0], p[1], None, 128, 4) for p in int4s])
-                t_int4 = median(int4)
-                gather = _cycle([lambda p=p, x=x, b=bits: K.codebook_matmul(x, *p, 0, b) for p in books])
-                t_gather = median(gather)
-                best = None
-                # The codebook as stored (fp16) or cast once to the activations' dtype (no convert per weight)
-                lut_runs = [
-                    (cfg, cast) for cfg in lut_configs(m, n, k, bits, args.quick) for cast in (False, True)
-                ]
-                for cfg, cast in lut_runs if m == 1 else []:
-                    cfg = {**cfg, "codebook": "bf16" if cast else "fp16"}
-                    runs = [(i, c.to(DTYPE) if cast else c) for i, c in books]
-                    try:
-                        err = _rel(cm.launch(x, *runs[0], 0, bits, cfg), y_ref)
-                        if err > 1e-2:
-                            print(f"MISMATCH {err:.3g} {(m, n, k)} bits={bits} {cfg}", flush=True)
-                            continue
-                        fn = _cycle(
-                            [lambda p=p, x=x, c=cfg, b=bits: cm.launch(x, *p, 0, b, c) for p in books]
-                        )
-                        t = median(fn)
-                    except Exception as exc:  # a setting the compiler refuses (registers, shared memory)
-                        print(f"FAILED {(m, n, k)} bits={bits} {cfg}: {type(exc).__name__}: {str(exc)[:120]}")
+    for k, n, bits, (int4s, _), (books, _), dense in decode_weights():
+        for m in ms:
+            x = torch.randn(m, k, device="cuda", dtype=DTYPE)
+            y_ref = x @ dense.t()
+            int4 = _cycle([lambda p=p, x=x: K.quant_matmul(x, p[0], p[1], None, 128, 4) for p in int4s])
+            t_int4 = median(int4)
+            gather = _cycle([lambda p=p, x=x, b=bits: K.codebook_matmul(x, *p, 0, b) for p in books])
+            t_gather = median(gather)
+            best = None
+            # The codebook as stored (fp16) or cast once to the activations' dtype (no convert per weight)
+            lut_runs = [
+                (cfg, cast) for cfg in lut_configs(m, n, k, bits, args.quick) for cast in (False, True)
+            ]
+            for cfg, cast in lut_runs if m == 1 else []:
+                cfg = {**cfg, "codebook": "bf16" if cast else "fp16"}
+                runs = [(i, c.to(DTYPE) if cast else c) for i, c in books]
+                try:
+                    err = _rel(cm.launch(x, *runs[0], 0, bits, cfg), y_ref)
+                    if err > 1e-2:
+                        print(f"MISMATCH {err:.3g} {(m, n, k)} bits={bits} {cfg}", flush=True)
                         continue
-                    print(f"lut {m}x{n}x{k} bits={bits} {cfg} {t * 1e3:.2f} us", flush=True)
-                    if best is None or t < best[0]:
-                        best = (t, cfg)
-                line = (
-                    f"SUMMARY {m}x{n}x{k} bits={bits}: int4-g128 {t_int4 * 1e3:.2f} us, gather "
-                    f"{t_gather * 1e3:.2f} us ({t_int4 / t_gather:.2f}x int4)"
-                )
-                if best:
-                    line += f", best lut {best[0] * 1e3:.2f} us ({t_int4 / best[0]:.2f}x int4) {best[1]}"
-                print(line, flush=True)
-                summary.append(line)
+                    fn = _cycle([lambda p=p, x=x, c=cfg, b=bits: cm.launch(x, *p, 0, b, c) for p in runs])
+                    t = median(fn)
+                except Exception as exc:  # a setting the compiler refuses (registers, shared memory)
+                    print(f"FAILED {(m, n, k)} bits={bits} {cfg}: {type(exc).__name__}: {str(exc)[:120]}")
+                    continue
+                print(f"lut {m}x{n}x{k} bits={bits} {cfg} {t * 1e3:.2f} us", flush=True)
+                if best is None or t < best[0]:
+                    best = (t, cfg)
+            line = (
+                f"SUMMARY {m}x{n}x{k} bits={bits}: int4-g128 {t_int4 * 1e3:.2f} us, gather "
+                f"{t_gather * 1e3:.2f} us ({t_int4 / t_gather:.2f}x int4)"
+            )
+            if best:
+                line += f", best lut {best[0] * 1e3:.2f} us ({t_int4 / best[0]:.2f}x int4) {best[1]}"
+            print(line, flush=True)
+            summary.append(line)
     print("\n".join(summary))
 
 
