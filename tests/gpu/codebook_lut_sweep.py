@@ -1,10 +1,10 @@
-"""Device sweep for issue #20: the word-wise LUT codebook kernel (``_codebook_lut_kernel``) against the
-register-gather kernel it may replace and our int4 g128 ``quant_matmul``, at decode sizes, cold weights in
-CUDA graphs as ``bench_codebook_matmul.py`` times them. Every LUT setting is checked against the dense
-product before it is timed. Prints one line per (shape, M, bits, setting) and, per (shape, M, bits), the
-best LUT setting's speed against int4 g128.
+"""Device sweep for issue #20: settings of the word-wise LUT codebook kernel (``_codebook_lut_kernel``, one
+row) against what ``codebook_matmul`` runs and our int4 g128 ``quant_matmul``, at decode sizes, cold weights
+in CUDA graphs as ``bench_codebook_matmul.py`` times them; each setting with the codebook as stored (fp16)
+and cast once to bf16. Every setting is checked against the dense product before it is timed. Prints one
+line per (shape, bits, setting) and, per (shape, M, bits), the best setting's speed against int4 g128.
 
-    python tests/gpu/codebook_lut_sweep.py [--quick]
+    python tests/gpu/codebook_lut_sweep.py [--quick] [--ms 1]
 """
 
 from __future__ import annotations
