@@ -106,6 +106,19 @@ def test_vllm_cpu_gets_a_kv_cache_size_unless_one_is_set():
     assert "VLLM_CPU_KVCACHE_SPACE" not in launch.vllm_environment({"HOME": "/h"}, "vllm")
 
 
+def test_vllm_cpu_on_a_small_host_binds_every_allowed_core_unless_told_otherwise():
+    env = launch.vllm_environment({"HOME": "/h"}, "vllm-cpu", {1, 0})
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0,1"  # vLLM's default: core 0, core 1 reserved
+    told = launch.vllm_environment({"HOME": "/h", "VLLM_CPU_OMP_THREADS_BIND": "auto"}, "vllm-cpu", {0, 1})
+    assert told["VLLM_CPU_OMP_THREADS_BIND"] == "auto"
+    # Larger hosts keep vLLM's NUMA-aware binding; several ranks need a core list each; GPUs have none.
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in launch.vllm_environment({}, "vllm-cpu", set(range(16)))
+    for extra in (["--tensor-parallel-size", "2"], ["-tp=2"], ["--data-parallel-size", "2"]):
+        assert launch.cpu_binding({0, 1, 2, 3}, extra) is None
+    assert launch.cpu_binding({2, 3}, ["--max-model-len", "2048"]) == "2,3"
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in launch.vllm_environment({"HOME": "/h"}, "vllm", {0, 1})
+
+
 def test_each_set_of_op_replacements_compiles_into_its_own_cache():
     root = {"VLLM_CACHE_ROOT": "/cache/vllm"}
     on = vllm_plugin.compile_cache_root(root)
