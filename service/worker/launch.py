@@ -60,7 +60,9 @@ CPU_KV_CACHE_GIB = 2
 # "reserved_cpus=[1]" on a 2-core host): half the machine on small hosts. Binding every allowed core there
 # (VLLM_CPU_OMP_THREADS_BIND) measured, on a 2-core AVX-512 EPYC (tests/benchmarks/VLLM_CPU.md): decode
 # unchanged, TTFT of a 256-token prompt 1.6-1.9x shorter, 8 streams 1.2-1.4x more tok/s (bf16 and int4).
-# Hosts with more cores keep vLLM's NUMA-aware default, where one reserved core costs little.
+# Hosts with more cores keep vLLM's NUMA-aware default, where one reserved core costs little. 3-4 CPUs are
+# not measured: there vLLM's default also leaves the model 1-3 of them (one logical CPU a physical core, one
+# reserved), so the 2-core result is extended to them.
 SMALL_HOST_CPUS = 4
 # Flags that give vLLM more than one worker rank, each needing its own core list ("0-1|2-3").
 _MULTI_RANK_FLAGS = (
