@@ -24,7 +24,7 @@ from torch.library import triton_op
 from squeezeserve.kernels import codebook_layout, reference
 from squeezeserve.kernels.ops.launch import cdiv, sm_count, traceable
 from squeezeserve.kernels.ops.quant_matmul import _workspace
-from squeezeserve.kernels.ops.quant_matmul_kernels import _write_tile
+from squeezeserve.kernels.ops.quant_matmul_kernels import _unpack, _write_tile
 from squeezeserve.kernels.registry import eager, interpreting, use_reference
 
 
@@ -87,8 +87,7 @@ def _codebook_matmul_kernel(
             words = tl.load(
                 idx_rows + offs_w[None, :], mask=mask_n[:, None] & (offs_w < n_words)[None, :], other=0
             )
-            shifts = tl.arange(0, PER_WORD) * BITS
-            index = tl.reshape((words[:, :, None] >> shifts[None, None, :]) & (E - 1), [BLOCK_N, BLOCK_K])
+            index = _unpack(words, BLOCK_N, BLOCK_K, BITS)
         else:  # 3 bits, 10 a word: words straddle tiles; P neighbours share a load address (one transaction)
             words = tl.load(
                 idx_rows + (ks // PER_WORD)[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0

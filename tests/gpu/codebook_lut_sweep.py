@@ -30,22 +30,17 @@ def median(fn) -> float:
     return time_ms(fn, graph=True)[1]
 
 
-def lut_configs(m: int, n: int, k: int, bits: int, quick: bool):
+def lut_configs(n: int, k: int, bits: int, quick: bool):
+    """Settings of the one-row LUT kernel for an [N, K] weight."""
     sms = sm_count(torch.device("cuda"))
-    per_word = 32 // bits
-    block_ms = [1]  # the LUT kernel takes one row
-    block_ns = [4, 8] if quick else [4, 8, 16, 32, 64, 128]
-    block_ws = [64, 128, 256]
-    for bm in block_ms:
-        for bn in block_ns:
-            for bw in block_ws:
-                tiles = cdiv(cdiv(k, per_word), bw)
-                programs = cdiv(n, bn) * cdiv(m, bm)
-                for fill in (1, 2) if quick else (1, 2, 4):
-                    split = max(1, min(tiles, cdiv(fill * sms, programs)))
-                    for warps in (4,) if quick else (2, 4, 8):
-                        yield {"kernel": "lut", "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_W": bw, "split": split,
-                               "num_warps": warps}  # fmt: skip
+    for bn in [4, 8] if quick else [4, 8, 16, 32, 64, 128]:
+        for bw in (64, 128, 256):
+            tiles = cdiv(cdiv(k, 32 // bits), bw)
+            for fill in (1, 2) if quick else (1, 2, 4):
+                split = max(1, min(tiles, cdiv(fill * sms, cdiv(n, bn))))
+                for warps in (4,) if quick else (2, 4, 8):
+                    yield {"kernel": "lut", "BLOCK_M": 1, "BLOCK_N": bn, "BLOCK_W": bw, "split": split,
+                           "num_warps": warps}  # fmt: skip
 
 
 def main() -> None:
@@ -68,9 +63,7 @@ def main() -> None:
             t_op = median(op)  # what the op runs: the LUT kernel at one row, the gather kernel at more
             best = None
             # The codebook as stored (fp16) or cast once to the activations' dtype (no convert per weight)
-            lut_runs = [
-                (cfg, cast) for cfg in lut_configs(m, n, k, bits, args.quick) for cast in (False, True)
-            ]
+            lut_runs = [(cfg, cast) for cfg in lut_configs(n, k, bits, args.quick) for cast in (False, True)]
             for cfg, cast in lut_runs if m == 1 else []:
                 cfg = {**cfg, "codebook": "bf16" if cast else "fp16"}
                 runs = [(i, c.to(DTYPE) if cast else c) for i, c in books]

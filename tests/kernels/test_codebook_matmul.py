@@ -107,6 +107,9 @@ def test_codebook_matmul_refuses_mismatched_tensors_with_the_reason(device):
         K.codebook_matmul(x, indices, codebook, 0, 3)  # 3 bits pack 10 a word: 7 words, not 8
     with pytest.raises(ValueError, match="multiple of 16"):
         K.codebook_matmul(x, indices, codebook, 24, 4)
+    lut = {"kernel": "lut", "BLOCK_M": 1, "BLOCK_N": 16, "BLOCK_W": 8, "split": 1}
+    with pytest.raises(ValueError, match="LUT kernel takes one row, got 2"):
+        cm.launch(x, indices, codebook, 0, 4, lut)
 
 
 def test_codebook_matmul_op_schema_fake_and_autograd(check, device):
