@@ -176,6 +176,19 @@ def _(x: torch.Tensor, handle: int, out_features: int) -> torch.Tensor:
     return x.new_empty(*x.shape[:-1], out_features)
 
 
+@torch.library.custom_op("squeezeserve::onednn_bf16_linear", mutates_args=())
+def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """oneDNN's linear on a weight reordered by ``mkldnn._reorder_linear_weight``; opaque to inductor,
+    whose own lowering of ``mkldnn._linear_pointwise`` takes only weights frozen into the graph as
+    constants (it fails on the reordered weight passed in, as the compiled step passes it)."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+@onednn_linear.register_fake
+def _(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], packed.shape[0])
+
+
 class DenseLinear:
     """y = x @ W.T (+ b), W dense in the model's dtype.
 
@@ -223,6 +236,8 @@ class DenseLinear:
                 return fp16_linear(x.float(), self.fp16_handle, self.weight.shape[0]).to(x.dtype)
             return torch.ops.quantized.linear_dynamic_fp16(x.float(), self.fp16).to(x.dtype)
         if self.packed is not None and x.numel() <= PACKED_MAX_ROWS * x.shape[-1]:
+            if torch.compiler.is_compiling():
+                return onednn_linear(x, self.packed, self.bias)
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)  # prefill: the plain weight serves wide matmuls well
 

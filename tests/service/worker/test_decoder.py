@@ -304,6 +304,22 @@ def test_compiled_step_takes_more_rows_than_its_slots(compiled) -> None:
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
 
 
+def test_compiled_step_runs_the_dense_bfloat16_path_this_cpu_takes() -> None:
+    """bfloat16 weights compile through whichever dense path ``DenseLinear`` picks on this CPU: oneDNN's
+    reordered weight (AVX-512 BF16 / AMX; inductor's own lowering of it failed on a weight that is a graph
+    input, not a constant) or FBGEMM's fp16 one. Logits stay within bfloat16 rounding of the eager step's
+    (inductor keeps fp32 between fused ops where eager rounds to bf16)."""
+    model = tiny_llama(seed=5, dtype=torch.bfloat16, num_hidden_layers=1)
+    decoder, eager = StaticDecoder(model, 2, compile=True), StaticDecoder(model, 2)
+    path = "onednn" if decoder.lm_head.packed is not None else "fp16" if decoder.lm_head.fp16 else "plain"
+    assert path == ("onednn" if onednn_bf16() else "fp16" if fbgemm_fp16() else "plain")
+    assert decoder.warm_up() > 0
+    with torch.compiler.set_stance("fail_on_recompile"):
+        got = run_script(decoder)
+    for g, w in zip(got, run_script(eager), strict=True):
+        torch.testing.assert_close(g, w, rtol=0.02, atol=0.02)
+
+
 def test_compile_choice_and_errors() -> None:
     model = tiny_llama()
     assert make_decoder(model, "auto", 2, "auto").compiled is False
