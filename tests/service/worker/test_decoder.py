@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import os
 
 import pytest
 import torch
@@ -318,6 +319,19 @@ def test_compiled_step_runs_the_dense_bfloat16_path_this_cpu_takes() -> None:
         got = run_script(decoder)
     for g, w in zip(got, run_script(eager), strict=True):
         torch.testing.assert_close(g, w, rtol=0.02, atol=0.02)
+
+
+def test_compile_on_keeps_inductors_cache_in_squeezeserve_home_unless_set(tmp_path, monkeypatch) -> None:
+    model = tiny_llama()
+    monkeypatch.setenv("SQUEEZESERVE_HOME", str(tmp_path))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    make_decoder(model, "static", 2, "off")
+    assert "TORCHINDUCTOR_CACHE_DIR" not in os.environ
+    make_decoder(model, "static", 2, "on")
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "inductor")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/elsewhere")
+    make_decoder(model, "static", 2, "on")
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == "/elsewhere"
 
 
 def test_compile_choice_and_errors() -> None:
