@@ -305,15 +305,22 @@ def test_compiled_step_takes_more_rows_than_its_slots(compiled) -> None:
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
 
 
-def test_compiled_step_runs_the_dense_bfloat16_path_this_cpu_takes() -> None:
-    """bfloat16 weights compile through whichever dense path ``DenseLinear`` picks on this CPU: oneDNN's
-    reordered weight (AVX-512 BF16 / AMX; inductor's own lowering of it failed on a weight that is a graph
-    input, not a constant) or FBGEMM's fp16 one. Logits stay within bfloat16 rounding of the eager step's
-    (inductor keeps fp32 between fused ops where eager rounds to bf16)."""
-    model = tiny_llama(seed=5, dtype=torch.bfloat16, num_hidden_layers=1)
+@pytest.mark.parametrize("projections", ["dense", "int4-packed"])
+def test_compiled_bfloat16_step_runs_this_cpus_paths(projections: str) -> None:
+    """bfloat16 models compile through the paths this CPU takes: the lm_head (and dense projections)
+    through whichever path ``DenseLinear`` picks, oneDNN's reordered weight (AVX-512 BF16 / AMX; inductor's
+    own lowering of it failed on a weight that is a graph input, not a constant) or FBGEMM's fp16 one; int4
+    projections through torch's packed CPU op (the fastest decode, README). Logits stay within bfloat16
+    rounding of the eager step's (inductor keeps fp32 between fused ops where eager rounds to bf16)."""
+    model = tiny_llama(seed=5, num_hidden_layers=1)
+    if projections == "int4-packed":
+        quantize_projections(model, 4, 32, False)
+    model.to(torch.bfloat16)
     decoder, eager = StaticDecoder(model, 2, compile=True), StaticDecoder(model, 2)
     path = "onednn" if decoder.lm_head.packed is not None else "fp16" if decoder.lm_head.fp16 else "plain"
     assert path == ("onednn" if onednn_bf16() else "fp16" if fbgemm_fp16() else "plain")
+    kind = Int4Linear if projections == "int4-packed" else DenseLinear
+    assert isinstance(decoder.layers[0].qkv, kind) and isinstance(decoder.layers[0].down, kind)
     assert decoder.warm_up() > 0
     with torch.compiler.set_stance("fail_on_recompile"):
         got = run_script(decoder)
