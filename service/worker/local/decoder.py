@@ -346,7 +346,7 @@ class StaticDecoder:
         cos, sin = cos[0].to(self.dtype), sin[0].to(self.dtype)
         half = self.head_dim // 2
         # rotate_half's sign folded into the table (exact): see _rope
-        self.cos, self.sin = cos.clone(), torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
+        self.cos, self.signed_sin = cos.clone(), torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
         self.slots = max(1, max_batch_size)
         self.capacity = 0  # positions per slot
         self.k: list[torch.Tensor] = []
@@ -396,7 +396,7 @@ class StaticDecoder:
         self._ensure(slot + 1, length)
         ids = torch.tensor(prompt, dtype=torch.long)
         x = F.embedding(ids, self.embed)[None]  # [1, S, hidden]
-        cos, sin = self.cos[:length][None, :, None], self.sin[:length][None, :, None]
+        cos, sin = self.cos[:length][None, :, None], self.signed_sin[:length][None, :, None]
         residual = None
         for i, layer in enumerate(self.layers):
             h, residual = self._norm(x, residual, layer.ln1)
@@ -435,7 +435,7 @@ class StaticDecoder:
         if self._decode is not None:
             return self._compiled_step(torch.tensor(tokens, dtype=torch.long), pos)
         x = F.embedding(torch.tensor(tokens, dtype=torch.long), self.embed)[:, None]  # [B, 1, hidden]
-        cos, sin = self.cos[pos][:, None, None], self.sin[pos][:, None, None]  # [B, 1, 1, D]
+        cos, sin = self.cos[pos][:, None, None], self.signed_sin[pos][:, None, None]  # [B, 1, 1, D]
         mask = None
         if rows > 1 and min(lengths) + 1 != longest:
             mask = (torch.arange(longest)[None, :] <= pos[:, None])[:, None, None]  # [B, 1, 1, T]
@@ -488,7 +488,7 @@ class StaticDecoder:
         ``kernels/reference.py`` so it fuses them too."""
         rows = ids.shape[0]
         x = F.embedding(ids, self.embed)[:, None]  # [B, 1, hidden]
-        cos, sin = self.cos[pos][:, None, None], self.sin[pos][:, None, None]  # [B, 1, 1, D]
+        cos, sin = self.cos[pos][:, None, None], self.signed_sin[pos][:, None, None]  # [B, 1, 1, D]
         batch = torch.arange(rows)
         residual = None
         for i, layer in enumerate(self.layers):
