@@ -13,6 +13,7 @@ import sys
 
 from pydantic import ValidationError
 
+from squeezeserve.service import paths
 from squeezeserve.service.models.loader import QUANTIZED_LINEAR_MODES
 from squeezeserve.service.worker.settings import (
     WorkerSettings,
@@ -81,6 +82,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def serve_local(settings: WorkerSettings) -> int:
+    if settings.compile == "on":
+        paths.keep_compile_cache_in_home()  # before the imports below import our kernels (its docstring)
     import torch
 
     from squeezeserve.service.models.loader import load_model

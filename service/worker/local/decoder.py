@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import os
 import time
 from collections.abc import Callable
 from typing import Any, Literal
@@ -35,7 +34,6 @@ from transformers import DynamicCache
 
 from squeezeserve.kernels import functional, reference
 from squeezeserve.kernels.cpu_packed import Int4Linear, Int8Linear, packed_linear
-from squeezeserve.service import paths
 
 DecoderChoice = Literal["auto", "static", "transformers"]
 DECODER_CHOICES: tuple[str, ...] = ("auto", "static", "transformers")
@@ -582,8 +580,4 @@ def make_decoder(
         if compile == "on":
             raise ValueError("compile=on needs the static decoder (a Llama model on CPU)")
         return TransformersDecoder(model)
-    if compile == "on":
-        # inductor's cache beside the models, not in /tmp: a restarted worker (a new container with the
-        # same volume) compiles from it in tens of seconds instead of minutes (README's CPU section)
-        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(paths.home() / "inductor"))
     return StaticDecoder(model, max_batch_size, compile=compile == "on")
