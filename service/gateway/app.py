@@ -48,11 +48,11 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
                 on_unresponsive=pool.abort,
             )
             metrics = GatewayMetrics()
-            metrics.watch_upstreams(upstreams)
             app.state.upstreams = upstreams
             app.state.metrics = metrics
             app.state.proxy = Proxy(pool, upstreams, build_strategy(settings), metrics, settings)
             await upstreams.start()
+            metrics.watch_upstreams(upstreams)  # after the first probes: what it publishes is known
             try:
                 yield
             finally:

@@ -103,13 +103,16 @@ class GatewayMetrics:
 
     def watch_upstreams(self, upstreams: UpstreamRegistry) -> None:
         """Report ``upstreams``' in-flight counts and health: read at scrape time in one process; with
-        several, written every second by each (so call this from the running event loop)."""
+        several, written now and then every second by each (so call this from the running event loop,
+        after the first probes: the shared health gauge is the minimum over the processes, and a process
+        that wrote "unhealthy" before probing showed every scrape an outage for a second)."""
         if not self.multiprocess:
             self.registry.register(_UpstreamCollector(upstreams))
             return
         self._upstreams = upstreams
         self._in_flight = Gauge(*IN_FLIGHT, ["upstream"], registry=None, multiprocess_mode="livesum")
         self._healthy = Gauge(*HEALTHY, ["upstream"], registry=None, multiprocess_mode="livemin")
+        self._sample_upstreams()
         self._sampler = asyncio.get_running_loop().create_task(self._sample_forever(), name="metrics-sampler")
 
     def _sample_upstreams(self) -> None:
@@ -120,8 +123,8 @@ class GatewayMetrics:
 
     async def _sample_forever(self) -> None:
         while True:
-            self._sample_upstreams()
             await asyncio.sleep(MULTIPROCESS_SAMPLE_S)
+            self._sample_upstreams()
 
     def exposition(self) -> bytes:
         """The text ``/metrics`` answers: this registry, or every process's samples in multiprocess mode."""

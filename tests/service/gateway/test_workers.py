@@ -29,3 +29,13 @@ def test_two_workers_serve_and_their_metrics_aggregate(fake_upstream, cli_gatewa
         assert (requests, tokens) == (sent, 2 * sent)
     assert metric(url, "squeezeserve_gateway_upstream_healthy", upstream=upstream.url) == 1
     assert metric(url, "squeezeserve_gateway_upstream_in_flight", upstream=upstream.url) == 0
+
+
+def test_every_process_reports_the_upstreams_health_from_its_first_scrape(fake_upstream, cli_gateway, metric):
+    """No process publishes "unhealthy" for an upstream it has not probed yet: the shared gauge is a
+    minimum over the processes, so one such sample, even for the second until the next, read as an
+    outage wherever the scrape landed (CI saw 0 right after start)."""
+    upstream = fake_upstream()
+    url, _ = cli_gateway("--upstream", upstream.url, "--workers", "2")
+    for _ in range(40):  # a new connection each: the kernel hands them to both processes
+        assert metric(url, "squeezeserve_gateway_upstream_healthy", upstream=upstream.url) == 1
