@@ -107,7 +107,12 @@ def test_python_bases_are_build_arguments_with_the_public_default(dockerfiles):
     for name in ("gateway.Dockerfile", "worker-cpu.Dockerfile"):
         dockerfile = dockerfiles[name]
         assert dockerfile.global_args.get("PYTHON_IMAGE") == "python:3.11.11-slim-bookworm", name
-        assert [i.value.split()[0] for i in dockerfile.all("FROM")] == ["${PYTHON_IMAGE}"] * 2, name
+        stages: list[str] = []
+        for instruction in dockerfile.all("FROM"):  # every base is PYTHON_IMAGE or an earlier stage
+            base, *alias = instruction.value.split()
+            assert base == "${PYTHON_IMAGE}" or base in stages, (name, instruction.value)
+            stages += alias[-1:]
+        assert dockerfile.all("FROM")[-1].value == "${PYTHON_IMAGE}", f"{name}: a fresh runtime stage"
     gateway_runs = " ".join(i.value for i in dockerfiles["gateway.Dockerfile"].all("RUN"))
     assert "torch" not in gateway_runs and "[cpu]" not in gateway_runs, (
         "the gateway image stays free of torch"

@@ -42,6 +42,8 @@ STAND_INS = {"python": "local/python:3.11-bookworm", "prometheus": "local/promet
 TORCH_WHEEL_PREFIX = "torch-2.13.0"
 BUILD_TIMEOUT_S = 1500
 RESULTS_ENV = "SQUEEZESERVE_DOCKER_RESULTS"
+# Where the find-links wheel folder is served for the builds (the Dockerfile's example port).
+WHEEL_PORT = 8765
 
 
 def run(
@@ -188,6 +190,17 @@ class _QuietHandler(http.server.SimpleHTTPRequestHandler):
         pass
 
 
+def _wheel_server(folder: Path) -> http.server.ThreadingHTTPServer:
+    """An HTTP server of ``folder`` on loopback, on ``WHEEL_PORT`` unless that is taken. The URL is the
+    worker image's PIP_FIND_LINKS build argument, and a changed argument misses Docker's cache for every
+    RUN after it (torch, the requirements): on a random port each run rebuilt them all (~3 min a CI run)."""
+    handler = functools.partial(_QuietHandler, directory=str(folder))
+    try:
+        return http.server.ThreadingHTTPServer(("127.0.0.1", WHEEL_PORT), handler)
+    except OSError:  # another run serves there: a cold build, still correct
+        return http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+
+
 @pytest.fixture(scope="session")
 def sources(engine) -> Iterator[Sources]:
     notes: list[str] = []
@@ -206,9 +219,7 @@ def sources(engine) -> Iterator[Sources]:
         pytest.skip(
             f"docker: {torch_index} is out of reach and pip's find-links names no {TORCH_WHEEL_PREFIX} wheel"
         )
-    server = http.server.ThreadingHTTPServer(
-        ("127.0.0.1", 0), functools.partial(_QuietHandler, directory=str(folder))
-    )
+    server = _wheel_server(folder)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     notes.append(
