@@ -21,7 +21,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from squeezeserve.service.gateway.upstreams import UpstreamRegistry
+from squeezeserve.service.gateway.upstreams import Upstream, UpstreamRegistry
 
 UNKNOWN_MODEL = "unknown"
 
@@ -102,10 +102,11 @@ class GatewayMetrics:
         )
 
     def watch_upstreams(self, upstreams: UpstreamRegistry) -> None:
-        """Report ``upstreams``' in-flight counts and health: read at scrape time in one process; with
-        several, written now and then every second by each (so call this from the running event loop,
-        after the first probes: the shared health gauge is the minimum over the processes, and a process
-        that wrote "unhealthy" before probing showed every scrape an outage for a second)."""
+        """Report ``upstreams``' in-flight counts and health: read at scrape time in one process. With
+        several, each writes its in-flight counts as they change (``in_flight_changed``) and its health
+        now and every second after: call this from the running event loop, after the first probes. The
+        shared health gauge is the minimum over the processes: a process that wrote "unhealthy" before
+        probing showed every scrape an outage for a second."""
         if not self.multiprocess:
             self.registry.register(_UpstreamCollector(upstreams))
             return
@@ -114,6 +115,12 @@ class GatewayMetrics:
         self._healthy = Gauge(*HEALTHY, ["upstream"], registry=None, multiprocess_mode="livemin")
         self._sample_upstreams()
         self._sampler = asyncio.get_running_loop().create_task(self._sample_forever(), name="metrics-sampler")
+
+    def in_flight_changed(self, upstream: Upstream) -> None:
+        """With several processes, publish ``upstream``'s in-flight count as it changes: a scrape answered
+        by another process then adds up exact counts, not each process's count as of its last sample."""
+        if self._upstreams is not None:
+            self._in_flight.labels(upstream.url).set(upstream.in_flight)
 
     def _sample_upstreams(self) -> None:
         assert self._upstreams is not None

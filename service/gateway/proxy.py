@@ -151,15 +151,16 @@ class Proxy:
         if upstream.in_flight >= limit:  # a strategy that awaited may have lost the race for the last slot
             raise errors.overloaded(self._settings.retry_after_seconds)
         upstream.in_flight += 1
+        self._metrics.in_flight_changed(upstream)
         return upstream
 
     def _elsewhere(self, request: RouteRequest, upstream: Upstream) -> bool:
         """Whether another healthy upstream serves ``request``'s model."""
         return any(u is not upstream for u in self._upstreams.candidates(request.model))
 
-    @staticmethod
-    def _release(upstream: Upstream) -> None:
+    def _release(self, upstream: Upstream) -> None:
         upstream.in_flight -= 1
+        self._metrics.in_flight_changed(upstream)
 
     # -- sending -----------------------------------------------------------------------------------
 

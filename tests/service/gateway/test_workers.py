@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import time
+from concurrent.futures import ThreadPoolExecutor
+
 import httpx
 import pytest
 
@@ -39,3 +42,21 @@ def test_every_process_reports_the_upstreams_health_from_its_first_scrape(fake_u
     url, _ = cli_gateway("--upstream", upstream.url, "--workers", "2")
     for _ in range(40):  # a new connection each: the kernel hands them to both processes
         assert metric(url, "squeezeserve_gateway_upstream_healthy", upstream=upstream.url) == 1
+
+
+def test_in_flight_counts_add_up_exactly_whichever_process_is_scraped(fake_upstream, cli_gateway, metric):
+    """Requests held open in both processes: every scrape shows all of them at once, not a process's count
+    as of its last periodic sample."""
+    upstream = fake_upstream()
+    url, _ = cli_gateway("--upstream", upstream.url, "--workers", "2")
+    held = 6
+    body = {"model": "fake-model", "prompt": "one two", "fake": {"delay": 4}}
+    with ThreadPoolExecutor(held) as pool:  # a connection each: the kernel spreads them over the processes
+        post = lambda: httpx.post(f"{url}/v1/completions", json=body, timeout=30)  # noqa: E731
+        replies = [pool.submit(post) for _ in range(held)]
+        while len(upstream.app.state.received) < held:
+            time.sleep(0.01)
+        for _ in range(10):
+            assert metric(url, "squeezeserve_gateway_upstream_in_flight", upstream=upstream.url) == held
+        assert all(reply.result().status_code == 200 for reply in replies)
+    assert metric(url, "squeezeserve_gateway_upstream_in_flight", upstream=upstream.url) == 0
