@@ -144,10 +144,15 @@ class Dockerfile:
         return [i for stage in self.stages for i in stage if i.keyword == keyword]
 
     def base_images(self) -> list[str]:
-        """Each stage's base image as a plain build (no --build-arg) resolves it."""
-        images = []
+        """Each stage's base image as a plain build (no --build-arg) resolves it; a stage built on an
+        earlier stage (``FROM deps AS build``) has no image of its own."""
+        images, stages = [], set()
         for instruction in self.all("FROM"):
-            image = instruction.value.split()[0]
+            image, *alias = instruction.value.split()
+            earlier_stage = image in stages
+            stages.update(alias[-1:])
+            if earlier_stage:
+                continue
             for name, default in self.global_args.items():
                 image = image.replace(f"${{{name}}}", default).replace(f"${name}", default)
             images.append(image)
