@@ -256,21 +256,32 @@ class _EngineStream(StreamingResponse):
             self._engine_request.cancel()  # a no-op for the engine once every sequence has finished
 
 
-async def _cancel_on_disconnect(http: Request, request: EngineRequest) -> None:
-    await until_disconnected(http.receive)
-    request.cancel()
+# What the worker counts for a collected request whose client left before the answer (nginx's code, as the
+# gateway's): nobody receives it.
+CLIENT_GONE = 499
 
 
 async def respond(http: Request, builder: ResponseBuilder, stream: bool) -> Response:
-    """The answer to ``http``: streamed as SSE, or collected (cancelled if the client goes away first)."""
+    """The answer to ``http``: streamed as SSE, or collected. A collected request whose client goes away
+    first is cancelled and left: the engine drops cancelled sequences without a last event, so waiting for
+    the collection would hold the handler (and the drain's in-flight count) forever."""
     metrics = builder.service.metrics
     if stream:
         metrics.requests.labels(endpoint=http.url.path, status="200").inc()
         return _EngineStream(builder.stream(), builder.request)
-    watcher = asyncio.create_task(_cancel_on_disconnect(http, builder.request))
+    collect = asyncio.ensure_future(builder.collect())
+    gone = asyncio.ensure_future(until_disconnected(http.receive))
     try:
-        body = await builder.collect()
+        await asyncio.wait((collect, gone), return_when=asyncio.FIRST_COMPLETED)
     finally:
-        watcher.cancel()
+        gone.cancel()
+        if not collect.done():
+            builder.request.cancel()
+            collect.cancel()
+            await asyncio.wait((collect,))  # it ends at its pending queue read
+    if collect.cancelled():
+        metrics.requests.labels(endpoint=http.url.path, status=str(CLIENT_GONE)).inc()
+        return Response(status_code=CLIENT_GONE)
+    body = collect.result()  # raises what the collection raised
     metrics.requests.labels(endpoint=http.url.path, status="200").inc()
     return JSONResponse(body)

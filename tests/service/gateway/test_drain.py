@@ -4,7 +4,9 @@ sends a request that an upstream answers with 503 to another upstream."""
 
 from __future__ import annotations
 
+import json
 import signal
+import socket
 import subprocess
 import time
 from collections.abc import Callable
@@ -123,3 +125,41 @@ def test_sigterm_drains_a_worker(
         _exit_code(worker, timeout=15)
     finally:
         servers.stop_process(worker, signal.SIGKILL)
+
+
+@pytest.mark.slow
+def test_a_worker_whose_clients_hung_up_has_nothing_left_to_drain(
+    baseline_dir: Any, servers: SimpleNamespace, eventually: Callable[..., None]
+) -> None:
+    """Collected (non-streamed) requests whose clients left, one decoding and one still waiting, end with
+    them: SIGTERM then exits at once. Before, their handlers waited for an answer the engine never sends
+    for cancelled sequences, and every drain after such a hang-up took the whole grace period."""
+    flags = ("--threads", "1", "--max-batch-size", "1", "--grace-seconds", "120")
+    url, worker = servers.start_worker(baseline_dir, SERVED_NAME, *flags)
+    try:
+        body = {"model": SERVED_NAME, "prompt": "Write a long essay.", "max_tokens": 2000, "ignore_eos": True}
+        host, port = url.removeprefix("http://").split(":")
+        payload = json.dumps(body).encode()
+        head = f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+        clients = []
+        for _ in range(2):  # the first decodes, the second waits for its row
+            client = socket.create_connection((host, int(port)))
+            client.sendall(f"{head}Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
+            clients.append(client)
+        eventually(lambda: _worker_gauge(url, "squeezeserve_worker_num_requests_waiting") == 1, timeout=60)
+        for client in clients:
+            client.close()
+        eventually(lambda: _worker_gauge(url, "squeezeserve_worker_num_requests_running") == 0, timeout=10)
+        started = time.monotonic()
+        worker.send_signal(signal.SIGTERM)
+        _exit_code(worker, timeout=15)
+        assert time.monotonic() - started < 10
+    finally:
+        servers.stop_process(worker, signal.SIGKILL)
+
+
+def _worker_gauge(url: str, name: str) -> float:
+    for line in httpx.get(f"{url}/metrics").text.splitlines():
+        if line.startswith(f"{name} "):
+            return float(line.split()[1])
+    raise AssertionError(f"{name} missing from the worker's metrics")
