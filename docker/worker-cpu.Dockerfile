@@ -14,7 +14,7 @@ ARG PYTHON_IMAGE=python:3.11.11-slim-bookworm
 
 # Three stages. deps: the virtual environment with torch and the other dependencies. build: our package and
 # the bundled model; compilers' caches, pip caches, the GGUF package and the export's scratch space stay
-# there. The runtime stage copies deps' environment (~1.5 GB, unchanged by a change to our code), then our
+# there. The runtime stage copies deps' environment (~2.3 GB, unchanged by a change to our code), then our
 # package's installed files and the exported checkpoint: a new release rebuilds and ships a few MB of
 # layers, not the whole environment again (that copy alone took ~1 min of every rebuild).
 FROM ${PYTHON_IMAGE} AS deps
