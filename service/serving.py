@@ -15,7 +15,7 @@ import asyncio
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import uvicorn
@@ -46,6 +46,31 @@ async def until_disconnected(receive: Receive) -> None:
     on the disconnect itself, unlike Starlette's ``Request.is_disconnected``, which has to be polled."""
     while (await receive())["type"] != "http.disconnect":
         pass  # body the caller did not read; not expected once it has been
+
+
+# The status a request gets when its client left before the answer (nginx's "client closed request"); nobody
+# receives it, but logs and metrics count it.
+CLIENT_CLOSED_REQUEST = 499
+
+
+class ClientGone(Exception):
+    """The client disconnected while we waited for the answer."""
+
+
+async def unless_gone(work: Awaitable[Any], client_gone: Callable[[], Awaitable[None]] | None) -> Any:
+    """Await ``work``, or raise ``ClientGone`` (cancelling it) as soon as ``client_gone()`` returns."""
+    task = asyncio.ensure_future(work)
+    if client_gone is None:
+        return await task
+    gone = asyncio.ensure_future(client_gone())
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():  # also when both are: use the result
+            return task.result()
+        raise ClientGone
+    finally:
+        gone.cancel()
+        task.cancel()  # no-op once done; otherwise the work's own cleanup runs (e.g. releasing its slot)
 
 
 class DrainGate:

@@ -37,6 +37,7 @@ from squeezeserve.service.gateway.upstream_http import (
 )
 from squeezeserve.service.gateway.upstreams import Upstream, UpstreamRegistry
 from squeezeserve.service.protocol import error_body
+from squeezeserve.service.serving import CLIENT_CLOSED_REQUEST, ClientGone, unless_gone
 
 log = logging.getLogger(__name__)
 
@@ -65,26 +66,6 @@ _NOT_SENT_UPSTREAM = HOP_BY_HOP | {
 }
 # Also not relayed back: recomputed by our server, or set by our middleware.
 _NOT_RETURNED = HOP_BY_HOP | {"content-length", "content-encoding", "date", "server", "x-request-id"}
-
-
-class ClientGone(Exception):
-    """The client disconnected while we waited for the upstream."""
-
-
-async def _unless_gone(work: Awaitable[Any], client_gone: Callable[[], Awaitable[None]] | None) -> Any:
-    """Await ``work``, or raise ``ClientGone`` (cancelling it) as soon as ``client_gone()`` returns."""
-    task = asyncio.ensure_future(work)
-    if client_gone is None:
-        return await task
-    gone = asyncio.ensure_future(client_gone())
-    try:
-        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
-        if task.done():  # also when both are: use the result
-            return task.result()
-        raise ClientGone
-    finally:
-        gone.cancel()
-        task.cancel()  # no-op once done; otherwise the work's own cleanup runs (e.g. releasing its slot)
 
 
 def strip_hop_by_hop(headers: Iterable[tuple[str, str]], drop: frozenset[str]) -> list[tuple[str, str]]:
@@ -241,12 +222,12 @@ class Proxy:
             async with asyncio.timeout_at(deadline):
                 # A non-streaming upstream sends its headers only with the finished answer: watch the client
                 # from here on.
-                response, upstream = await _unless_gone(
+                response, upstream = await unless_gone(
                     self._send(request, body, headers, path), None if request.stream else client_gone
                 )
         except ClientGone:
             log.info("request %s: client disconnected; closing the upstream request", request.request_id)
-            return Response(status_code=499)  # nobody reads it; nginx's code for "client closed request"
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
         except TimeoutError:
             raise errors.upstream_timeout(self._settings.request_timeout) from None
 
@@ -255,10 +236,10 @@ class Proxy:
             return self._relay(request, response, upstream, started, deadline, strip_usage)
         try:
             async with asyncio.timeout_at(deadline):
-                content = await _unless_gone(response.read(), client_gone)
+                content = await unless_gone(response.read(), client_gone)
         except ClientGone:
             log.info("request %s: client disconnected; closing the upstream request", request.request_id)
-            return Response(status_code=499)  # nobody reads it; nginx's code for "client closed request"
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
         except TimeoutError:
             raise errors.upstream_timeout(self._settings.request_timeout) from None
         except UpstreamBroken as exc:

@@ -4,7 +4,6 @@ written once in :class:`ResponseBuilder`; the two APIs differ only in how a choi
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -15,7 +14,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from squeezeserve.service.errors import APIError, server_error
 from squeezeserve.service.protocol import ChatCompletionRequest, CompletionRequest
-from squeezeserve.service.serving import until_disconnected
+from squeezeserve.service.serving import CLIENT_CLOSED_REQUEST, ClientGone, unless_gone, until_disconnected
 from squeezeserve.service.worker.local import openai_format as fmt
 from squeezeserve.service.worker.local.engine import Event
 from squeezeserve.service.worker.local.engine import Request as EngineRequest
@@ -256,11 +255,6 @@ class _EngineStream(StreamingResponse):
             self._engine_request.cancel()  # a no-op for the engine once every sequence has finished
 
 
-# What the worker counts for a collected request whose client left before the answer (nginx's code, as the
-# gateway's): nobody receives it.
-CLIENT_GONE = 499
-
-
 async def respond(http: Request, builder: ResponseBuilder, stream: bool) -> Response:
     """The answer to ``http``: streamed as SSE, or collected. A collected request whose client goes away
     first is cancelled and left: the engine drops cancelled sequences without a last event, so waiting for
@@ -269,19 +263,11 @@ async def respond(http: Request, builder: ResponseBuilder, stream: bool) -> Resp
     if stream:
         metrics.requests.labels(endpoint=http.url.path, status="200").inc()
         return _EngineStream(builder.stream(), builder.request)
-    collect = asyncio.ensure_future(builder.collect())
-    gone = asyncio.ensure_future(until_disconnected(http.receive))
     try:
-        await asyncio.wait((collect, gone), return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        gone.cancel()
-        if not collect.done():
-            builder.request.cancel()
-            collect.cancel()
-            await asyncio.wait((collect,))  # it ends at its pending queue read
-    if collect.cancelled():
-        metrics.requests.labels(endpoint=http.url.path, status=str(CLIENT_GONE)).inc()
-        return Response(status_code=CLIENT_GONE)
-    body = collect.result()  # raises what the collection raised
+        body = await unless_gone(builder.collect(), lambda: until_disconnected(http.receive))
+    except ClientGone:
+        builder.request.cancel()
+        metrics.requests.labels(endpoint=http.url.path, status=str(CLIENT_CLOSED_REQUEST)).inc()
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
     metrics.requests.labels(endpoint=http.url.path, status="200").inc()
     return JSONResponse(body)

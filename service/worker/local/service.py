@@ -13,6 +13,7 @@ from starlette.requests import ClientDisconnect
 from squeezeserve.service.errors import APIError, invalid_request, model_not_found
 from squeezeserve.service.models.loader import LoadedModel
 from squeezeserve.service.protocol import validation_message
+from squeezeserve.service.serving import CLIENT_CLOSED_REQUEST
 from squeezeserve.service.worker.local import openai_format as fmt
 from squeezeserve.service.worker.local.decoder import make_decoder
 from squeezeserve.service.worker.local.engine import Engine, EngineOverloaded
@@ -113,7 +114,7 @@ async def parse_body(http: Request, model: type[BaseModel]) -> Any:
         raw = await http.body()
     except ClientDisconnect as exc:  # gone before its body arrived (a gateway's deadline): nobody reads this
         message = "The client closed the request."
-        raise APIError(499, message, "invalid_request_error", "client_closed") from exc
+        raise APIError(CLIENT_CLOSED_REQUEST, message, "invalid_request_error", "client_closed") from exc
     try:
         data = json.loads(raw)
     except ValueError as exc:

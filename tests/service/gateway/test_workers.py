@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -44,7 +43,9 @@ def test_every_process_reports_the_upstreams_health_from_its_first_scrape(fake_u
         assert metric(url, "squeezeserve_gateway_upstream_healthy", upstream=upstream.url) == 1
 
 
-def test_in_flight_counts_add_up_exactly_whichever_process_is_scraped(fake_upstream, cli_gateway, metric):
+def test_in_flight_counts_add_up_exactly_whichever_process_is_scraped(
+    fake_upstream, cli_gateway, metric, eventually
+):
     """Requests held open in both processes: every scrape shows all of them at once, not a process's count
     as of its last periodic sample."""
     upstream = fake_upstream()
@@ -54,8 +55,7 @@ def test_in_flight_counts_add_up_exactly_whichever_process_is_scraped(fake_upstr
     with ThreadPoolExecutor(held) as pool:  # a connection each: the kernel spreads them over the processes
         post = lambda: httpx.post(f"{url}/v1/completions", json=body, timeout=30)  # noqa: E731
         replies = [pool.submit(post) for _ in range(held)]
-        while len(upstream.app.state.received) < held:
-            time.sleep(0.01)
+        eventually(lambda: len(upstream.app.state.received) == held)
         for _ in range(10):
             assert metric(url, "squeezeserve_gateway_upstream_in_flight", upstream=upstream.url) == held
         assert all(reply.result().status_code == 200 for reply in replies)
