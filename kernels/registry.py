@@ -101,11 +101,16 @@ class EagerOp:
 
     ``forward`` is the function registered with ``triton_op``; ``setup_context`` and ``backward`` have
     ``register_autograd``'s signatures, with ``backward`` calling the backward op's body directly.
+    ``materialize_grads=False`` hands ``backward`` None for outputs nothing used, instead of autograd's
+    zero-filled tensors: the fused losses return their gradients as outputs, which no caller backpropagates
+    through, and zeros for them doubled the gradients' memory at the backward's peak (2260 instead of 1130
+    MB at N=16k, V=128k, H=4096; tests/benchmarks/NOTES.md).
     """
 
     forward: Callable[..., Any]
     setup_context: Callable[[Any, tuple, Any], None]
     backward: Callable[..., tuple]
+    materialize_grads: bool = True
 
     def __call__(self, *inputs: Any) -> Any:
         if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in inputs):
@@ -119,6 +124,7 @@ class _EagerFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, op: EagerOp, *inputs):
+        ctx.set_materialize_grads(op.materialize_grads)
         with set_wrap_triton_enabled(False):
             output = op.forward(*inputs)
         op.setup_context(ctx, inputs, output)

@@ -8,8 +8,8 @@ that gradient straight into the parameter gradients:
     grad_bias += grad_logits.sum(0)
 
 so the backward only scales the saved gradients by the incoming scalar. Live memory beyond the inputs
-and the gradients themselves is one chunk of logits: the chunk holds about as many elements as
-``hidden`` does (Liger's rule), i.e. chunk = next_pow2(N / ceil(V / H)) tokens.
+and the gradients themselves is one chunk of logits (one buffer reused by every chunk): the chunk holds
+about as many elements as ``hidden`` does (Liger's rule), i.e. chunk = next_pow2(N / ceil(V / H)) tokens.
 
 grad_weight accumulates in the weight's dtype (as Liger does): each addmm accumulates in fp32 inside
 the GEMM and rounds once per chunk; the saved fp32 alternative would double the memory of the largest
@@ -69,12 +69,20 @@ def _fused_linear_cross_entropy(
     grad_hidden = torch.empty_like(hidden) if compute_grad else hidden.new_empty(0)
     grad_weight = torch.zeros_like(weight) if compute_grad else weight.new_empty(0)
     grad_bias = torch.zeros_like(bias) if (compute_grad and bias is not None) else hidden.new_empty(0)
+    # One logits buffer for every chunk: `logits = h @ weight.t()` per chunk would allocate the next chunk's
+    # logits while the last chunk's are still alive (two chunks at the peak: 1381 instead of 1258 MB at
+    # N=16k, V=128k, H=4096; tests/benchmarks/NOTES.md).
+    buffer = hidden.new_empty(
+        (min(chunk, n_tokens), vocab), dtype=torch.promote_types(hidden.dtype, weight.dtype)
+    )
     for start in range(0, n_tokens, chunk):
         end = min(start + chunk, n_tokens)
         h = hidden[start:end]
-        logits = h @ weight.t()
-        if bias is not None:
-            logits += bias
+        logits = buffer[: end - start]
+        if bias is None:
+            torch.matmul(h, weight.t(), out=logits)
+        else:
+            torch.addmm(bias, h, weight.t(), out=logits)
         losses[start:end] = launch_cross_entropy(
             logits, target[start:end], n_valid, ignore_index, label_smoothing, reduction, compute_grad
         )
@@ -114,6 +122,8 @@ def _grad(ctx, grad_loss, *_unused, in_place=False):
     private buffers and a scaled copy of grad_weight would double the largest allocation of the backward
     (so an eager graph cannot be backpropagated twice)."""
     grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
+    if grad_loss is None:  # the loss was not used (the eager op does not zero-fill unused outputs' grads)
+        return (None,) * 8
     if grad_hidden.numel() == 0 and grad_weight.numel() == 0:
         raise RuntimeError(
             "fused_linear_cross_entropy: backward called on a forward run with compute_grad=False"
@@ -126,4 +136,6 @@ def _grad(ctx, grad_loss, *_unused, in_place=False):
 
 fused_linear_cross_entropy_.register_autograd(_grad, setup_context=_setup)
 # The same body and formula for eager calls, without the dispatcher (registry.EagerOp).
-fused_linear_cross_entropy_eager = EagerOp(_fused_linear_cross_entropy, _setup, partial(_grad, in_place=True))
+fused_linear_cross_entropy_eager = EagerOp(
+    _fused_linear_cross_entropy, _setup, partial(_grad, in_place=True), materialize_grads=False
+)

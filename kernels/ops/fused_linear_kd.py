@@ -272,6 +272,8 @@ def _setup(ctx, inputs, output):
 
 def _scaled_grads(ctx, grad_loss, in_place: bool) -> tuple:
     grad_hidden, grad_weight = ctx.saved_tensors
+    if grad_loss is None:  # the loss was not used (the eager op does not zero-fill unused outputs' grads)
+        return (None,) * 11
     if grad_hidden.numel() == 0 and grad_weight.numel() == 0:
         raise RuntimeError("fused_linear_kd: backward called on a forward run with compute_grad=False")
     g = grad_loss.to(grad_hidden.dtype)
@@ -294,4 +296,4 @@ def _grad_in_place(ctx, grad_loss, *_unused):
 fused_linear_kd.register_autograd(_grad, setup_context=_setup)
 
 # The same body and formulas for eager calls, without the dispatcher (registry.EagerOp).
-fused_linear_kd_eager = EagerOp(_fused_linear_kd, _setup, _grad_in_place)
+fused_linear_kd_eager = EagerOp(_fused_linear_kd, _setup, _grad_in_place, materialize_grads=False)

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import triton
 from torch._library.triton import is_wrap_triton_enabled
 from torch.library import wrap_triton
+from triton import knobs
 
 from squeezeserve.kernels.registry import interpreting
 
@@ -28,9 +30,104 @@ def next_power_of_2(n: int) -> int:
 
 def traceable(kernel: triton.JITFunction):
     """``kernel`` to index with a grid: wrapped by ``wrap_triton`` where torch may be tracing the launch
-    (torch.compile's decomposition of a triton_op), the JIT function itself on eager paths, where
-    ``wrap_triton`` would only launch it after building two wrapper objects (host time per launch)."""
-    return wrap_triton(kernel) if is_wrap_triton_enabled() else kernel
+    (torch.compile's decomposition of a triton_op); on eager paths a :class:`FastLaunch` of it, which
+    launches a specialization Triton has already compiled without Triton's per-call dispatch
+    (``wrap_triton`` would add two wrapper objects per launch on top of that dispatch)."""
+    if is_wrap_triton_enabled():
+        return wrap_triton(kernel)
+    if interpreting():
+        return kernel
+    fast = _FAST.get(kernel)
+    if fast is None:
+        fast = _FAST[kernel] = FastLaunch(kernel)
+    return fast
+
+
+def specialization_key(args: tuple, constexprs: dict) -> tuple:
+    """What Triton's launch specializes a compiled kernel on, or finer: per tensor its dtype and whether its
+    address is 16-byte aligned; per int whether it is 1, a multiple of 16, and which of Triton's integer
+    types holds it; bools, floats and None by kind; every keyword (constexprs, num_warps, num_stages) by
+    value, in the order given (one call site passes them in one order). Two launches with equal keys run the
+    same compiled kernel."""
+    key = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            key.append((a.dtype, a.data_ptr() % 16 == 0))
+        elif isinstance(a, bool) or a is None or isinstance(a, float):
+            key.append(type(a))
+        elif isinstance(a, int):
+            key.append((a == 1, a % 16 == 0, -(2**31) <= a < 2**31, a >= 2**63))
+        else:
+            return None  # anything else (tuples, descriptors): Triton's own launch decides
+    return (*key, *constexprs.items())
+
+
+class FastLaunch:
+    """Eager launches of one ``@triton.jit`` kernel: ``FastLaunch(k)[grid](*args, **constexprs)``.
+
+    Triton's ``kernel[grid](...)`` binds and specializes the arguments, hashes a cache key and checks the
+    kernel's globals on every call: tens of microseconds of host time, more than a decode-sized kernel
+    runs. The first launch of a specialization (:func:`specialization_key`) goes through Triton, which
+    compiles it and returns the compiled kernel; later launches with the same key call that kernel's
+    launcher directly with the same arguments Triton would pass. Anything Triton's own launch would treat
+    differently takes Triton's path: a callable grid, launch hooks (profilers), arguments other than
+    tensors and scalars, the interpreter (no compiled kernel), or ``SQUEEZESERVE_FAST_LAUNCH=0``.
+    """
+
+    __slots__ = ("kernel", "names", "defaults", "compiled")
+
+    def __init__(self, kernel: triton.JITFunction):
+        self.kernel = kernel
+        self.names = list(kernel.arg_names)
+        params = kernel.signature.parameters
+        self.defaults = {n: p.default for n, p in params.items() if p.default is not p.empty}
+        self.compiled: dict[tuple, object] = {}
+
+    def __getitem__(self, grid):
+        return functools.partial(self.launch, grid)
+
+    def launch(self, grid, *args, **kwargs):
+        if not FAST_LAUNCH or not isinstance(grid, tuple) or _launch_hooks():
+            return self.kernel[grid](*args, **kwargs)
+        key = specialization_key(args, kwargs)
+        device = torch._C._cuda_getDevice()  # what Triton's launch uses: the current device
+        try:
+            compiled = self.compiled.get((device, key)) if key is not None else None
+        except TypeError:  # an unhashable keyword
+            key = compiled = None
+        if compiled is None:
+            compiled = self.kernel[grid](*args, **kwargs)
+            if key is not None and hasattr(compiled, "packed_metadata"):
+                self.compiled[(device, key)] = compiled
+            return compiled
+        bound = list(args)
+        for name in self.names[len(args) :]:
+            bound.append(kwargs[name] if name in kwargs else self.defaults[name])
+        grid_1 = grid[1] if len(grid) > 1 else 1
+        grid_2 = grid[2] if len(grid) > 2 else 1
+        stream = _current_stream(device)
+        compiled.run(grid[0], grid_1, grid_2, stream, compiled.function, compiled.packed_metadata, None, None,
+                     None, *bound)  # fmt: skip
+        return compiled
+
+
+_FAST: dict = {}
+# Off switch for the fast path (every launch through Triton's own dispatch).
+FAST_LAUNCH = os.environ.get("SQUEEZESERVE_FAST_LAUNCH", "1") != "0"
+
+
+def _launch_hooks() -> bool:
+    """True when a launch hook is installed (a profiler such as proton): Triton's launch runs it. Triton 3.6
+    keeps an empty hook chain there by default, older releases None."""
+    runtime = knobs.runtime
+    return any(
+        h is not None and getattr(h, "calls", True)
+        for h in (runtime.launch_enter_hook, runtime.launch_exit_hook)
+    )
+
+
+def _current_stream(device: int) -> int:
+    return torch._C._cuda_getCurrentRawStream(device)
 
 
 def row_block(n_cols: int, op: str, limit: int = MAX_FUSED_COLS) -> int:

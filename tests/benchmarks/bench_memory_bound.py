@@ -20,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import Recorder, compiled, host_ms, liger, peaks, vllm_op  # noqa: E402
 
 import squeezeserve.kernels as K  # noqa: E402
+from squeezeserve.kernels.ops import launch  # noqa: E402
 
 DTYPE = torch.bfloat16
 ROW_SHAPES = [(1, 4096), (16, 4096), (4096, 4096), (16384, 4096), (16, 14336), (4096, 14336), (16384, 14336)]
@@ -27,7 +28,23 @@ SOFTMAX_SHAPES = [(16, 32768), (4096, 32768), (16, 131072), (1024, 131072), (409
 
 
 # Providers timed only at shapes of at most this many rows (host-overhead comparisons).
-SMALL_ONLY = {"squeezeserve.ops": 16, "vllm": 16}
+SMALL_ONLY = {"squeezeserve.ops": 16, "vllm": 16, "squeezeserve.triton-launch": 16}
+
+
+def triton_launch(fn):
+    """``fn`` (one of our functional ops) with every kernel launched through Triton's own dispatch instead of
+    launch.FastLaunch: the same kernels, the host cost the fast path removes."""
+
+    def call(*args):
+        launch.FAST_LAUNCH = False
+        try:
+            return fn(*args)
+        finally:
+            launch.FAST_LAUNCH = True
+
+    return call
+
+
 EAGER_MAX_ROWS = 16  # shapes also timed as back-to-back eager calls ("fwd-eager", host included)
 
 
@@ -64,6 +81,7 @@ def swiglu(rec):
     eager = lambda a, b: F.silu(a) * b  # noqa: E731
     providers = {
         "squeezeserve": K.swiglu,
+        "squeezeserve.triton-launch": triton_launch(K.swiglu),
         "squeezeserve.ops": torch.ops.squeezeserve.swiglu,
         "torch": eager,
         "torch.compile": compiled(eager),
@@ -87,7 +105,11 @@ def silu_and_mul(rec, m, n):
         op(out, x)
         return out
 
-    providers = {"squeezeserve.silu_and_mul": K.silu_and_mul, "vllm": None if op is None else theirs}
+    providers = {
+        "squeezeserve.silu_and_mul": K.silu_and_mul,
+        "squeezeserve.triton-launch": triton_launch(K.silu_and_mul),
+        "vllm": None if op is None else theirs,
+    }
     e = m * n * 2
     make = lambda: [torch.randn(m, 2 * n, device="cuda", dtype=DTYPE)]  # noqa: E731
     _bench(rec, providers, make, (m, n), 3 * e, 5 * e)
@@ -108,6 +130,7 @@ def rmsnorm(rec):
 
     providers = {
         "squeezeserve": lambda x, w: K.rmsnorm(x, w, 1e-6),
+        "squeezeserve.triton-launch": triton_launch(lambda x, w: K.rmsnorm(x, w, 1e-6)),
         "squeezeserve.ops": lambda x, w: torch.ops.squeezeserve.rmsnorm(x, w, 1e-6),
         "torch": eager, "torch.compile": compiled(eager),
         "liger": None if lig is None else (lambda x, w: lig(x, w, 1e-6, 0.0, "llama", False)),
@@ -142,6 +165,7 @@ def add_rmsnorm(rec):
 
     providers = {
         "squeezeserve": lambda x, r, w: K.add_rmsnorm(x, r, w, 1e-6)[0],
+        "squeezeserve.triton-launch": triton_launch(lambda x, r, w: K.add_rmsnorm(x, r, w, 1e-6)[0]),
         "torch": eager, "torch.compile": compiled(eager), "vllm": None if op is None else theirs,
     }  # fmt: skip
     for m, n in [(1, 4096), (16, 4096), (16, 14336)]:
@@ -159,6 +183,7 @@ def softmax(rec):
     eager = lambda x: torch.softmax(x, dim=-1)  # noqa: E731
     providers = {
         "squeezeserve": K.softmax,
+        "squeezeserve.triton-launch": triton_launch(K.softmax),
         "squeezeserve.ops": torch.ops.squeezeserve.softmax,
         "torch": eager,
         "torch.compile": compiled(eager),

@@ -71,3 +71,55 @@ def test_flce_opcheck(device, check):
         torch.ops.squeezeserve.fused_linear_cross_entropy.default,
         (hidden, weight, target, None, -100, 0.0, "mean", True),
     )
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="peak memory is read from the CUDA allocator")
+def test_flce_holds_one_chunk_of_logits_at_a_time():
+    # Beyond the inputs, the step's peak is the two gradients plus one chunk of logits (a buffer every
+    # chunk reuses). Allocating each chunk's logits anew kept the last chunk alive while the next one was
+    # computed: two chunks at the peak (+128 MB at N=16k, V=128k, H=4096).
+    n, h, v = 4096, 256, 32000
+    hidden = torch.randn(n, h, device="cuda", dtype=torch.bfloat16).requires_grad_()
+    weight = (torch.randn(v, h, device="cuda", dtype=torch.bfloat16) / 16).requires_grad_()
+    target = torch.randint(0, v, (n,), device="cuda")
+    chunk_bytes = chunk_tokens(n, h, v) * v * 2
+    K.fused_linear_cross_entropy(hidden, weight, target).backward()  # cuBLAS workspaces, kernels compiled
+    hidden.grad = weight.grad = None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    K.fused_linear_cross_entropy(hidden, weight, target).backward()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    gradients = (n + v) * h * 2
+    assert peak <= gradients + chunk_bytes * 1.25, (peak, gradients, chunk_bytes)
+
+
+@pytest.mark.parametrize("op_name", ["fused_linear_cross_entropy_eager", "fused_linear_kd_eager"])
+def test_fused_losses_get_no_zero_filled_grads_for_their_gradient_outputs(op_name, device):
+    # The fused losses return their gradients as extra outputs that nothing backpropagates through; by
+    # default autograd would hand the backward a zero tensor for each (as large as the gradients: twice
+    # their memory at the backward's peak). The eager ops ask for None instead.
+    from squeezeserve.kernels.ops import fused_linear_ce, fused_linear_kd
+    from squeezeserve.kernels.registry import EagerOp
+
+    op = getattr(fused_linear_ce, op_name, None) or getattr(fused_linear_kd, op_name)
+    seen = []
+
+    def spy(ctx, grad_loss, *rest):
+        seen.extend(rest)
+        return op.backward(ctx, grad_loss, *rest)
+
+    n, h, v = 24, 16, 100
+    hidden = torch.randn(n, h, device=device, requires_grad=True)
+    weight = torch.randn(v, h, device=device, requires_grad=True)
+    target = torch.randint(0, v, (n,), device=device)
+    if op_name.startswith("fused_linear_cross_entropy"):
+        args = (hidden, weight, target, None, -100, 0.0, "mean", True)
+    else:
+        teacher = (torch.randn(n, h, device=device), torch.randn(v, h, device=device))
+        args = (hidden, weight, *teacher, None, 1.0, 0.0, -100, "mean", True, True)
+    spied = EagerOp(op.forward, op.setup_context, spy, op.materialize_grads)
+    spied(*args)[0].backward()
+    assert seen and all(g is None for g in seen), [type(g) for g in seen]
+    assert hidden.grad is not None and weight.grad is not None

@@ -1,8 +1,16 @@
+import pytest
 import torch
 import triton
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-from squeezeserve.kernels.ops.launch import block_rows, cdiv, next_power_of_2, persistent_programs
+from squeezeserve.kernels.ops.launch import (
+    block_rows,
+    cdiv,
+    next_power_of_2,
+    persistent_programs,
+    specialization_key,
+    traceable,
+)
 
 
 def test_host_launch_arithmetic_matches_triton():
@@ -29,3 +37,70 @@ def test_row_count_arithmetic_adds_no_guard_on_a_symbolic_row_count():
     assert (
         block_rows(3, 64) == 4 and block_rows(1, 64) == 1 and persistent_programs(torch.device("cpu"), 2) == 2
     )
+
+
+def test_specialization_key_separates_what_triton_specializes_on():
+    # A launch reuses a compiled kernel only when Triton would have picked the same one: a pointer's
+    # 16-byte alignment, an int equal to 1 or divisible by 16, an int's width and every constexpr are
+    # compiled into it (the kernel assumes them), so each must change the key.
+    base = torch.zeros(64, dtype=torch.bfloat16)
+    key = lambda *args, **kw: specialization_key(args, kw)  # noqa: E731
+    assert key(base, 4096, BLOCK=64) == key(torch.ones(64, dtype=torch.bfloat16), 8192, BLOCK=64)
+    assert key(base, 4096) != key(base[1:], 4096)  # 2 bytes past an aligned address
+    assert key(base, 4096) != key(base.float(), 4096)
+    assert key(base, 16) != key(base, 17) != key(base, 1)
+    assert key(base, 17) == key(base, 19)
+    assert key(base, 2**31 - 16) != key(base, 2**31)  # int32 -> int64 argument
+    assert key(base, 1.0) != key(base, 1) and key(base, True) != key(base, 1)
+    assert key(base, None) != key(base, 0)
+    assert key(base, BLOCK=64) != key(base, BLOCK=128)
+    assert key(base, BLOCK=64, num_warps=4) != key(base, BLOCK=64, num_warps=8)
+    assert key(base, (1, 2)) is None  # tuples (and anything else): Triton's own launch
+
+
+def test_interpreted_and_traced_launches_bypass_the_fast_path():
+    from torch._library.triton import set_wrap_triton_enabled
+
+    from squeezeserve.kernels.ops import launch
+    from squeezeserve.kernels.ops.swiglu import _swiglu_fwd
+
+    with set_wrap_triton_enabled(False):
+        fast = traceable(_swiglu_fwd)
+    if launch.interpreting():
+        assert fast is _swiglu_fwd
+    else:
+        assert isinstance(fast, launch.FastLaunch) and traceable(_swiglu_fwd) is not fast
+    with set_wrap_triton_enabled(True):
+        assert not isinstance(traceable(_swiglu_fwd), launch.FastLaunch)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled launches need a GPU")
+def test_fast_launches_compute_what_tritons_launch_computes():
+    # Each op twice through Triton's dispatch and twice through the fast path (the first fast call
+    # compiles through Triton and caches; the second launches directly), on an aligned tensor and on one
+    # starting 2 bytes in (its own specialization: a kernel compiled for aligned pointers would use
+    # 16-byte loads on it).
+    import squeezeserve.kernels as K
+    from squeezeserve.kernels.ops import launch
+    from squeezeserve.kernels.ops.softmax import _softmax_fwd
+
+    calls = {
+        "swiglu": lambda a, b: K.swiglu(a, b),
+        "rmsnorm": lambda a, b: K.rmsnorm(a, b[0], 1e-6),
+        "add_rmsnorm": lambda a, b: K.add_rmsnorm(a, b, b[0], 1e-6)[0],
+        "softmax": lambda a, b: K.softmax(a),
+        "silu_and_mul": lambda a, b: K.silu_and_mul(torch.cat([a, b], -1)),
+    }
+    for rows, n in ((1, 4096), (16, 4096), (5, 1000)):
+        full = torch.randn(rows, n + 8, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(rows, n, device="cuda", dtype=torch.bfloat16)
+        for a in (full[:, :n].contiguous(), full.view(-1)[1 : 1 + rows * n].view(rows, n)):
+            for name, call in calls.items():
+                launch.FAST_LAUNCH = False
+                try:
+                    expected = call(a, b)
+                finally:
+                    launch.FAST_LAUNCH = True
+                for _ in range(2):
+                    torch.testing.assert_close(call(a, b), expected, rtol=0, atol=0, msg=name)
+    assert launch._FAST[_softmax_fwd].compiled  # the fast path cached what it launched

@@ -1,0 +1,153 @@
+"""Device probe for issue #16 item 4: where the host time of one eager call of our softmax / SwiGLU goes.
+
+Each line is host microseconds per call over 2000 back-to-back calls (the GPU work, ~2-5 us, hides behind
+the launches), the minimum of 7 interleaved rounds (this machine's host timings swing +-50% between runs of
+one script). The rows peel the call apart: the functional API, the op body below it, the bare
+``torch.empty`` it allocates with, the Triton launch through ``FastLaunch``, through Triton's own
+``kernel[grid]`` and through the compiled kernel's launcher alone, against torch's and vLLM's ops.
+
+Second part: whether autograd keeps (steals) the gradients fused linear cross-entropy computes in its
+forward, or copies them into ``.grad`` (a copy doubles the gradients' memory at the peak).
+
+    python3 tests/gpu/launch_probe.py
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch._library.triton import set_wrap_triton_enabled
+
+import squeezeserve.kernels as K
+from squeezeserve.kernels.ops import fused_linear_ce as flce
+from squeezeserve.kernels.ops import launch
+from squeezeserve.kernels.ops import softmax as sm
+from squeezeserve.kernels.ops import swiglu as sw
+
+CALLS, ROUNDS = 2000, 7
+
+
+def per_call_us(fn) -> float:
+    start = time.perf_counter()
+    for _ in range(CALLS):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) * 1e6 / CALLS
+
+
+def table(rows: dict) -> None:
+    for fn in rows.values():
+        for _ in range(200):
+            fn()
+    torch.cuda.synchronize()
+    best = dict.fromkeys(rows, float("inf"))
+    for _ in range(ROUNDS):
+        for name, fn in rows.items():
+            best[name] = min(best[name], per_call_us(fn))
+    for name, us in best.items():
+        print(f"  {name:<44} {us:7.1f} us", flush=True)
+
+
+def vllm_silu_and_mul():
+    try:
+        import vllm._custom_ops  # noqa: F401
+    except Exception as exc:  # noqa: BLE001
+        print(f"# vllm unavailable: {exc}")
+        return None
+    return torch.ops._C.silu_and_mul
+
+
+def softmax_rows(x: torch.Tensor) -> dict:
+    out = torch.empty_like(x)
+    rows, n = x.shape
+    block, single, warps = sm.launch_config(n)
+    args = (x, out, x.stride(0), out.stride(0), n, rows)
+    kw = {"BLOCK_R": 1, "BLOCK": block, "SINGLE": single, "num_warps": warps}
+    fast = launch.FastLaunch(sm._softmax_fwd)
+    grid = (rows,)
+    compiled = sm._softmax_fwd[grid](*args, **kw)
+    bound = (*args, 1, block, single)
+    stream = torch.cuda.current_stream().cuda_stream
+
+    def body():
+        with set_wrap_triton_enabled(False):
+            return sm._softmax(x)
+
+    return {
+        "torch.softmax": lambda: torch.softmax(x, -1),
+        "K.softmax (functional, fast launch)": lambda: K.softmax(x),
+        "op body (fast launch)": body,
+        "torch.empty": lambda: torch.empty(x.shape, dtype=x.dtype, device=x.device),
+        "FastLaunch launch": lambda: fast[grid](*args, **kw),
+        "triton kernel[grid]": lambda: sm._softmax_fwd[grid](*args, **kw),
+        "compiled.run (launcher alone)": lambda: compiled.run(
+            rows, 1, 1, stream, compiled.function, compiled.packed_metadata, None, None, None, *bound
+        ),
+    }
+
+
+def swiglu_rows(a: torch.Tensor, b: torch.Tensor) -> dict:
+    op = vllm_silu_and_mul()
+    ab = torch.cat([a, b], -1)
+    rows = {"torch silu(a)*b": lambda: torch.nn.functional.silu(a) * b, "K.swiglu": lambda: K.swiglu(a, b)}
+    rows["K.silu_and_mul"] = lambda: K.silu_and_mul(ab)
+    if op is not None:
+
+        def theirs():
+            out = ab.new_empty(ab.shape[0], ab.shape[1] // 2)
+            op(out, ab)
+            return out
+
+        rows["vllm silu_and_mul (+ new_empty)"] = theirs
+    rows["sw._swiglu body"] = lambda: sw._swiglu(a, b)
+    return rows
+
+
+def flce_grads() -> None:
+    n, h, v = 4096, 256, 32000
+    hidden = torch.randn(n, h, device="cuda", dtype=torch.bfloat16).requires_grad_()
+    weight = (torch.randn(v, h, device="cuda", dtype=torch.bfloat16) / 16).requires_grad_()
+    target = torch.randint(0, v, (n,), device="cuda")
+    seen = {}
+    grad = flce.fused_linear_cross_entropy_eager.backward
+
+    def spy(ctx, *g):
+        out = grad(ctx, *g)
+        seen["ptrs"] = (out[0].data_ptr(), out[1].data_ptr())
+        seen["in_backward"] = torch.cuda.memory_allocated()
+        return out
+
+    op = flce.EagerOp(flce.fused_linear_cross_entropy_eager.forward, flce._setup, spy)
+    for step in range(2):
+        hidden.grad = weight.grad = None
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        loss = op(hidden, weight, target, None, -100, 0.0, "mean", True)[0]
+        after_fwd = torch.cuda.memory_allocated()
+        loss.backward()
+        torch.cuda.synchronize()
+        mb = lambda b, base=base: f"{(b - base) / 2**20:.1f} MiB"  # noqa: E731
+        kept = (hidden.grad.data_ptr(), weight.grad.data_ptr()) == seen["ptrs"]
+        print(f"  flce step {step}: after forward {mb(after_fwd)}, in backward {mb(seen['in_backward'])}, "
+              f"after {mb(torch.cuda.memory_allocated())}, peak {mb(torch.cuda.max_memory_allocated())}; "
+              f"gradients {(n + v) * h * 2 / 2**20:.1f} MiB; .grad is the op's tensor: {kept}",
+              flush=True)  # fmt: skip
+        del loss
+
+
+def main() -> None:
+    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
+    for shape in ((16, 32768), (1, 4096)):
+        print(f"softmax {shape}:")
+        table(softmax_rows(torch.randn(*shape, device="cuda", dtype=torch.bfloat16)))
+    for shape in ((1, 4096), (16, 14336)):
+        print(f"swiglu {shape}:")
+        a, b = (torch.randn(*shape, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        table(swiglu_rows(a, b))
+    flce_grads()
+
+
+if __name__ == "__main__":
+    main()
