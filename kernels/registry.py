@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch._library.triton import set_wrap_triton_enabled
+from torch._library import triton as _torch_triton
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 OP_MODULES = (
@@ -115,7 +115,7 @@ class EagerOp:
     def __call__(self, *inputs: Any) -> Any:
         if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in inputs):
             return _EagerFunction.apply(self, *inputs)
-        with set_wrap_triton_enabled(False):
+        with _UNWRAPPED:
             return self.forward(*inputs)
 
 
@@ -125,7 +125,7 @@ class _EagerFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, op: EagerOp, *inputs):
         ctx.set_materialize_grads(op.materialize_grads)
-        with set_wrap_triton_enabled(False):
+        with _UNWRAPPED:
             output = op.forward(*inputs)
         op.setup_context(ctx, inputs, output)
         ctx.op = op
@@ -133,8 +133,29 @@ class _EagerFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        with set_wrap_triton_enabled(False):
+        with _UNWRAPPED:
             return None, *ctx.op.backward(ctx, *grads)
+
+
+class _Unwrapped:
+    """``torch._library.triton.set_wrap_triton_enabled(False)`` as a class (no generator per call: this
+    wraps every eager op call): launches inside go straight to the kernels, not through the HOP."""
+
+    def __enter__(self) -> None:
+        tls = _torch_triton.wrap_triton_enabled
+        previous = getattr(tls, "value", _torch_triton.wrap_triton_enabled_default)
+        stack = getattr(tls, "squeezeserve_previous", None)
+        if stack is None:
+            stack = tls.squeezeserve_previous = []
+        stack.append(previous)
+        tls.value = False
+
+    def __exit__(self, *exc) -> None:
+        tls = _torch_triton.wrap_triton_enabled
+        tls.value = tls.squeezeserve_previous.pop()
+
+
+_UNWRAPPED = _Unwrapped()
 
 
 def load() -> None:

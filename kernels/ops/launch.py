@@ -65,13 +65,15 @@ def specialization_key(args: tuple, constexprs: dict) -> tuple:
 class FastLaunch:
     """Eager launches of one ``@triton.jit`` kernel: ``FastLaunch(k)[grid](*args, **constexprs)``.
 
-    Triton's ``kernel[grid](...)`` binds and specializes the arguments, hashes a cache key and checks the
-    kernel's globals on every call: tens of microseconds of host time, more than a decode-sized kernel
-    runs. The first launch of a specialization (:func:`specialization_key`) goes through Triton, which
-    compiles it and returns the compiled kernel; later launches with the same key call that kernel's
-    launcher directly with the same arguments Triton would pass. Anything Triton's own launch would treat
-    differently takes Triton's path: a callable grid, launch hooks (profilers), arguments other than
-    tensors and scalars, the interpreter (no compiled kernel), or ``SQUEEZESERVE_FAST_LAUNCH=0``.
+    Triton's ``kernel[grid](...)`` binds and specializes the arguments, hashes a cache key, checks the
+    kernel's globals and builds launch metadata for its (empty) hooks on every call: microseconds of host
+    time per launch that decode-sized kernels do not hide. The first launch of a specialization
+    (:func:`specialization_key`) goes through Triton, which compiles it and returns the compiled kernel;
+    later launches with the same key call that kernel's launcher directly with the arguments Triton would
+    pass (the positional ones, then every remaining parameter, constexprs included, in signature order).
+    Anything Triton's own launch would treat differently takes Triton's path: a callable grid, launch
+    hooks (profilers), arguments other than tensors and scalars, the interpreter (no compiled kernel), or
+    ``SQUEEZESERVE_FAST_LAUNCH=0``.
     """
 
     __slots__ = ("kernel", "names", "defaults", "compiled")
@@ -81,34 +83,37 @@ class FastLaunch:
         self.names = list(kernel.arg_names)
         params = kernel.signature.parameters
         self.defaults = {n: p.default for n, p in params.items() if p.default is not p.empty}
-        self.compiled: dict[tuple, object] = {}
+        # (device, key) -> (launcher, function, packed metadata, the parameters after the positional ones)
+        self.compiled: dict[tuple, tuple] = {}
 
     def __getitem__(self, grid):
         return functools.partial(self.launch, grid)
 
     def launch(self, grid, *args, **kwargs):
-        if not FAST_LAUNCH or not isinstance(grid, tuple) or _launch_hooks():
+        if not FAST_LAUNCH or type(grid) is not tuple or _launch_hooks():
             return self.kernel[grid](*args, **kwargs)
         key = specialization_key(args, kwargs)
         device = torch._C._cuda_getDevice()  # what Triton's launch uses: the current device
         try:
-            compiled = self.compiled.get((device, key)) if key is not None else None
+            entry = self.compiled.get((device, key)) if key is not None else None
         except TypeError:  # an unhashable keyword
-            key = compiled = None
-        if compiled is None:
+            key = entry = None
+        if entry is None:
             compiled = self.kernel[grid](*args, **kwargs)
             if key is not None and hasattr(compiled, "packed_metadata"):
-                self.compiled[(device, key)] = compiled
+                tail = tuple(kwargs[n] if n in kwargs else self.defaults[n] for n in self.names[len(args) :])
+                self.compiled[(device, key)] = (
+                    compiled.run,
+                    compiled.function,
+                    compiled.packed_metadata,
+                    tail,
+                )
             return compiled
-        bound = list(args)
-        for name in self.names[len(args) :]:
-            bound.append(kwargs[name] if name in kwargs else self.defaults[name])
-        grid_1 = grid[1] if len(grid) > 1 else 1
-        grid_2 = grid[2] if len(grid) > 2 else 1
-        stream = _current_stream(device)
-        compiled.run(grid[0], grid_1, grid_2, stream, compiled.function, compiled.packed_metadata, None, None,
-                     None, *bound)  # fmt: skip
-        return compiled
+        run, function, metadata, tail = entry
+        n = len(grid)
+        run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, _current_stream(device), function,
+            metadata, None, None, None, *args, *tail)  # fmt: skip
+        return None
 
 
 _FAST: dict = {}
@@ -120,9 +125,9 @@ def _launch_hooks() -> bool:
     """True when a launch hook is installed (a profiler such as proton): Triton's launch runs it. Triton 3.6
     keeps an empty hook chain there by default, older releases None."""
     runtime = knobs.runtime
-    return any(
-        h is not None and getattr(h, "calls", True)
-        for h in (runtime.launch_enter_hook, runtime.launch_exit_hook)
+    enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
+    return bool(enter is not None and getattr(enter, "calls", True)) or bool(
+        leave is not None and getattr(leave, "calls", True)
     )
 
 
