@@ -9,6 +9,7 @@
 #   bash tests/gpu/run_h100.sh synth   # run 2: 8B-class synthetic Llama: bf16 / W4A16 vLLM / W4A16 ours
 #   bash tests/gpu/run_h100.sh disconnect  # issue 15.3: streams closed after ~1 s of reading stop vLLM within 1 s
 #   bash tests/gpu/run_h100.sh serve-pruned  # issue 19.4 in one call: vLLM speed of the recipe's shapes (below)
+#   bash tests/gpu/run_h100.sh int4-serve    # issue 16.3: bundled int4 g32 through our method vs vLLM's kernels
 #   bash tests/gpu/run_h100.sh int8    # issue 19.5: int8 RTN vs GPTQ on the whole wikitext-2 test file
 #   bash tests/gpu/run_h100.sh recipes # issue 19: mlp-width ratios x kd/lm recovery, prune -> kd -> int4, vLLM speed
 #                                      # (resumable: run it again until it says 'recipes complete')
@@ -26,7 +27,7 @@
 # cache from memory another one is still allocating), each pinned to its own CPUs; measurements run one
 # server at a time while the others sit idle. One failing configuration leaves the others measured.
 set -uo pipefail
-STAGE=${1:?usage: run_h100.sh prep|ab|ckpt|synth|disconnect|serve-pruned|int8|recipes|tp|tp8b|scale}
+STAGE=${1:?usage: run_h100.sh prep|ab|ckpt|synth|disconnect|serve-pruned|int4-serve|int8|recipes|tp|tp8b|scale}
 OUT=${OUT:-/tmp/vllm-out}
 LOGS=/tmp/vllm-logs/$STAGE
 mkdir -p "$OUT" "$LOGS"
@@ -347,6 +348,36 @@ serve-pruned)
     timeout "$(cap 90)" taskset -c 12-15 python3 tests/benchmarks/bench_serving.py \
       --base-url "http://127.0.0.1:${PORT[$label]}" --model "$label" --run serve-pruned --label "$label" \
       --vocab 49152 --concurrency 1 64 --prompt-tokens 256 --output-tokens 128 --csv "$OUT/serve_pruned.csv" 2>&1 \
+      | tee -a "$SUMMARY"
+  done
+  ;;
+int4-serve)
+  # Issue 16 item 3's second half: the bundled model's int4 g32 checkpoint (RTN: the same tensors GPTQ
+  # writes, so the same serving speed) through our method vs through vLLM's own W4A16 kernels (its default
+  # choice, and Marlin with Machete disabled), beside the fp16 baseline, each measured alone at c=1 and c=64.
+  convert_baseline
+  timeout "$(cap 120)" $SQ compress --model $MODELS/hf --method int4 --algorithm rtn --out $MODELS/int4-rtn \
+    --overwrite > "$LOGS/compress-int4-rtn.log" 2>&1
+  note "int4-rtn (g32): exit $?; $(tail -n 1 "$LOGS/compress-int4-rtn.log")"
+  COMMON=(--dtype float16 --max-model-len 1024 --max-num-seqs 64 --gpu-memory-utilization 0.1
+          --kv-cache-memory-bytes 2147483648)
+  labels=()
+  start_server baseline 0-2 8701 $MODELS/hf "${COMMON[@]}" && labels+=(baseline)
+  start_server int4-vllm 3-5 8702 $MODELS/int4-rtn "${COMMON[@]}" && labels+=(int4-vllm)
+  VLLM_DISABLED_KERNELS=MacheteLinearKernel,CutlassW4A8LinearKernel \
+    start_server int4-marlin 6-8 8703 $MODELS/int4-rtn "${COMMON[@]}" && labels+=(int4-marlin)
+  start_server int4-squeezeserve 9-11 8704 $MODELS/int4-rtn "${COMMON[@]}" --quantization squeezeserve \
+    && labels+=(int4-squeezeserve)
+  read -r -a up <<< "$(wait_servers "$(cap 300)" "${labels[@]}")"
+  note "serving: ${up[*]}"
+  for label in "${up[@]}"; do
+    note "$label kernel: $(grep -m1 -oE 'Using [A-Za-z0-9]+LinearKernel[^ ]*|squeezeserve[^ ]* quantization[^.]*' \
+      "$LOGS/worker-$label.log" || true)"
+  done
+  for label in "${up[@]}"; do
+    timeout "$(cap 90)" taskset -c 12-15 python3 tests/benchmarks/bench_serving.py \
+      --base-url "http://127.0.0.1:${PORT[$label]}" --model "$label" --run int4-serve --label "$label" \
+      --vocab 49152 --concurrency 1 64 --prompt-tokens 256 --output-tokens 128 --csv "$OUT/int4_serve.csv" 2>&1 \
       | tee -a "$SUMMARY"
   done
   ;;
