@@ -115,7 +115,7 @@ class EagerOp:
     def __call__(self, *inputs: Any) -> Any:
         if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in inputs):
             return _EagerFunction.apply(self, *inputs)
-        with _UNWRAPPED:
+        with direct_launches:
             return self.forward(*inputs)
 
 
@@ -125,7 +125,7 @@ class _EagerFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, op: EagerOp, *inputs):
         ctx.set_materialize_grads(op.materialize_grads)
-        with _UNWRAPPED:
+        with direct_launches:
             output = op.forward(*inputs)
         op.setup_context(ctx, inputs, output)
         ctx.op = op
@@ -133,11 +133,11 @@ class _EagerFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        with _UNWRAPPED:
+        with direct_launches:
             return None, *ctx.op.backward(ctx, *grads)
 
 
-class _Unwrapped:
+class _DirectLaunches:
     """``torch._library.triton.set_wrap_triton_enabled(False)`` as a class (no generator per call: this
     wraps every eager op call): launches inside go straight to the kernels, not through the HOP."""
 
@@ -155,7 +155,10 @@ class _Unwrapped:
         tls.value = tls.squeezeserve_previous.pop()
 
 
-_UNWRAPPED = _Unwrapped()
+direct_launches = _DirectLaunches()
+"""Context manager for code torch does not trace (eager calls, the bodies of custom ops opaque to
+torch.compile): its kernel launches skip ``wrap_triton``'s higher-order op, which costs ~100 us of host
+time a launch (tests/benchmarks/NOTES.md), and take ``launch.FastLaunch``."""
 
 
 def load() -> None:

@@ -25,7 +25,7 @@ from squeezeserve.kernels import codebook_layout, reference
 from squeezeserve.kernels.ops.launch import cdiv, sm_count, traceable
 from squeezeserve.kernels.ops.quant_matmul import _workspace
 from squeezeserve.kernels.ops.quant_matmul_kernels import _unpack, _write_tile
-from squeezeserve.kernels.registry import eager, interpreting, use_reference
+from squeezeserve.kernels.registry import direct_launches, eager, interpreting, use_reference
 
 
 @triton.jit
@@ -298,7 +298,8 @@ def codebook_matmul_opaque(
     """``codebook_matmul`` as an opaque op for engines that compile one graph for many token counts (vLLM):
     the tile and split-K choice by row count runs on every call instead of being fixed at the traced size.
     No autograd: serving."""
-    return _codebook_matmul(x, indices, codebook, group_size, bits)
+    with direct_launches:  # never traced: launch the kernels directly, not through the HOP
+        return _codebook_matmul(x, indices, codebook, group_size, bits)
 
 
 @codebook_matmul_opaque.register_fake

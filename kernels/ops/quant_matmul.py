@@ -25,7 +25,7 @@ from squeezeserve.kernels.ops.quant_matmul_kernels import (
     _prefill_kernel,
     _skinny_kernel,
 )
-from squeezeserve.kernels.registry import eager, interpreting, use_reference
+from squeezeserve.kernels.registry import direct_launches, eager, interpreting, use_reference
 
 SKINNY_MAX_M = 64
 # Prefill: "triton" (_prefill_kernel, the weight dequantized in registers), "dequantize" (the dense weight
@@ -301,7 +301,8 @@ def quant_matmul_opaque(
     range of token counts (vLLM): traced through, the dispatch would be fixed at the trace's size (vLLM
     traces at its largest batch, which took the prefill path for every decode step). No autograd: serving.
     """
-    return _quant_matmul(x, qweight, scales, zeros, group_size, bits)
+    with direct_launches:  # never traced: launch the kernels directly, not through the HOP
+        return _quant_matmul(x, qweight, scales, zeros, group_size, bits)
 
 
 @quant_matmul_opaque.register_fake

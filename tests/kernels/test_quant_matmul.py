@@ -157,3 +157,28 @@ def test_prefill_paths_match(m, n, k, group, bits, symmetric, path, device, monk
     y = K.quant_matmul(x, *packed, group, bits)
     ref = _dense_reference(x, tensors, (n, k), group, bits)
     assert ((y.float() - ref).norm() / ref.norm()).item() < 1e-2
+
+
+@pytest.mark.parametrize("op_name", ["quant_matmul_opaque", "codebook_matmul_opaque"])
+def test_opaque_ops_launch_their_kernels_directly(op_name, monkeypatch):
+    # torch never traces an opaque op's body, so its launches need no wrap_triton: through the HOP each one
+    # cost ~100 us of host time (H100, tests/benchmarks/NOTES.md), which vLLM paid on every prefill-path
+    # call outside its CUDA graphs (bundled int4 TTFT 84 ms against Marlin's 38).
+    from torch._library.triton import is_wrap_triton_enabled
+
+    from squeezeserve.kernels.ops import codebook_matmul as cm
+    from squeezeserve.kernels.ops import quant_matmul as qm
+
+    module, body = (qm, "_quant_matmul") if op_name.startswith("quant") else (cm, "_codebook_matmul")
+    seen = []
+    monkeypatch.setattr(module, body, lambda x, *rest: seen.append(is_wrap_triton_enabled()) or x.clone())
+    assert is_wrap_triton_enabled()
+    x = torch.randn(2, 8)
+    if op_name.startswith("quant"):
+        getattr(torch.ops.squeezeserve, op_name)(x, torch.zeros(4, 1, dtype=torch.int32), torch.ones(4, 1),
+                                                 None, 8, 4)  # fmt: skip
+    else:
+        getattr(torch.ops.squeezeserve, op_name)(
+            x, torch.zeros(4, 1, dtype=torch.int32), torch.ones(4, 16), 0, 4
+        )
+    assert seen == [False] and is_wrap_triton_enabled()
