@@ -319,7 +319,8 @@ def test_compiled_bfloat16_step_runs_this_cpus_paths(projections: str) -> None:
         quantize_projections(model, 4, 32, False)
     model.to(torch.bfloat16)
     decoder, eager = StaticDecoder(model, 2, compile=True), StaticDecoder(model, 2)
-    path = "onednn" if decoder.lm_head.packed is not None else "fp16" if decoder.lm_head.fp16 else "plain"
+    head = decoder.lm_head
+    path = "onednn" if head.packed is not None else "fp16" if head.fp16 is not None else "plain"
     assert path == ("onednn" if onednn_bf16() else "fp16" if fbgemm_fp16() else "plain")
     kind = Int4Linear if projections == "int4-packed" else DenseLinear
     assert isinstance(decoder.layers[0].qkv, kind) and isinstance(decoder.layers[0].down, kind)
