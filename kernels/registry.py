@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import os
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -141,18 +142,19 @@ class _DirectLaunches:
     """``torch._library.triton.set_wrap_triton_enabled(False)`` as a class (no generator per call: this
     wraps every eager op call): launches inside go straight to the kernels, not through the HOP."""
 
+    def __init__(self) -> None:
+        self._saved = threading.local()  # per thread, a stack of the values entered over (nesting)
+
     def __enter__(self) -> None:
         tls = _torch_triton.wrap_triton_enabled
-        previous = getattr(tls, "value", _torch_triton.wrap_triton_enabled_default)
-        stack = getattr(tls, "squeezeserve_previous", None)
+        stack = getattr(self._saved, "stack", None)
         if stack is None:
-            stack = tls.squeezeserve_previous = []
-        stack.append(previous)
+            stack = self._saved.stack = []
+        stack.append(getattr(tls, "value", _torch_triton.wrap_triton_enabled_default))
         tls.value = False
 
     def __exit__(self, *exc) -> None:
-        tls = _torch_triton.wrap_triton_enabled
-        tls.value = tls.squeezeserve_previous.pop()
+        _torch_triton.wrap_triton_enabled.value = self._saved.stack.pop()
 
 
 direct_launches = _DirectLaunches()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 
 import torch
@@ -43,15 +44,17 @@ def traceable(kernel: triton.JITFunction):
     return fast
 
 
-def specialization_key(args: tuple, constexprs: dict) -> tuple:
+def specialization_key(args: tuple, constexprs: dict, constexpr_positions: frozenset = frozenset()) -> tuple:
     """What Triton's launch specializes a compiled kernel on, or finer: per tensor its dtype and whether its
     address is 16-byte aligned; per int whether it is 1, a multiple of 16, and which of Triton's integer
-    types holds it; bools, floats and None by kind; every keyword (constexprs, num_warps, num_stages) by
-    value, in the order given (one call site passes them in one order). Two launches with equal keys run the
-    same compiled kernel."""
+    types holds it; bools, floats and None by kind; constexprs passed by position (``constexpr_positions``)
+    and every keyword (constexprs, num_warps, num_stages) by value, keywords in the order given (one call
+    site passes them in one order). Two launches with equal keys run the same compiled kernel."""
     key = []
-    for a in args:
-        if isinstance(a, torch.Tensor):
+    for i, a in enumerate(args):
+        if i in constexpr_positions:
+            key.append(("constexpr", a))
+        elif isinstance(a, torch.Tensor):
             key.append((a.dtype, a.data_ptr() % 16 == 0))
         elif isinstance(a, bool) or a is None or isinstance(a, float):
             key.append(type(a))
@@ -76,12 +79,15 @@ class FastLaunch:
     ``SQUEEZESERVE_FAST_LAUNCH=0``.
     """
 
-    __slots__ = ("kernel", "names", "defaults", "compiled")
+    __slots__ = ("kernel", "names", "defaults", "constexpr_positions", "compiled")
 
     def __init__(self, kernel: triton.JITFunction):
         self.kernel = kernel
         self.names = list(kernel.arg_names)
-        params = kernel.signature.parameters
+        params = inspect.signature(kernel.fn).parameters
+        self.constexpr_positions = frozenset(
+            i for i, p in enumerate(params.values()) if "constexpr" in str(p.annotation)
+        )
         self.defaults = {n: p.default for n, p in params.items() if p.default is not p.empty}
         # (device, key) -> (launcher, function, packed metadata, the parameters after the positional ones)
         self.compiled: dict[tuple, tuple] = {}
@@ -92,7 +98,7 @@ class FastLaunch:
     def launch(self, grid, *args, **kwargs):
         if not FAST_LAUNCH or type(grid) is not tuple or _launch_hooks():
             return self.kernel[grid](*args, **kwargs)
-        key = specialization_key(args, kwargs)
+        key = specialization_key(args, kwargs, self.constexpr_positions)
         device = torch._C._cuda_getDevice()  # what Triton's launch uses: the current device
         try:
             entry = self.compiled.get((device, key)) if key is not None else None

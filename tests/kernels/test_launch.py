@@ -56,6 +56,11 @@ def test_specialization_key_separates_what_triton_specializes_on():
     assert key(base, BLOCK=64) != key(base, BLOCK=128)
     assert key(base, BLOCK=64, num_warps=4) != key(base, BLOCK=64, num_warps=8)
     assert key(base, (1, 2)) is None  # tuples (and anything else): Triton's own launch
+    # a constexpr passed by position is compiled in by value, like one passed by keyword
+    assert specialization_key((base, 64), {}, frozenset({1})) != specialization_key(
+        (base, 128), {}, frozenset({1})
+    )
+    assert key(base, 64) == key(base, 128)  # as a plain int both are "a multiple of 16"
 
 
 def test_interpreted_and_traced_launches_bypass_the_fast_path():
@@ -70,6 +75,12 @@ def test_interpreted_and_traced_launches_bypass_the_fast_path():
         assert fast is _swiglu_fwd
     else:
         assert isinstance(fast, launch.FastLaunch) and traceable(_swiglu_fwd) is not fast
+    names = _swiglu_fwd.arg_names
+    assert {names[i] for i in launch.FastLaunch(_swiglu_fwd).constexpr_positions} == {
+        "BLOCK_R",
+        "BLOCK",
+        "OAI",
+    }
     with set_wrap_triton_enabled(True):
         assert not isinstance(traceable(_swiglu_fwd), launch.FastLaunch)
 
