@@ -73,6 +73,16 @@ start_server() {  # label cpus port model [vLLM args...]; served as $NAME or <la
   PID[$label]=$!; PORT[$label]=$port; T0[$label]=$SECONDS; STARTED+=("$!")
 }
 
+bench_alone() {  # run csv label...: each label's server measured alone (the others idle) at c=1 and c=64
+  local run=$1 csv=$2; shift 2
+  for label in "$@"; do
+    timeout "$(cap 90)" taskset -c 12-15 python3 tests/benchmarks/bench_serving.py \
+      --base-url "http://127.0.0.1:${PORT[$label]}" --model "$label" --run "$run" --label "$label" \
+      --vocab 49152 --concurrency 1 64 --prompt-tokens 256 --output-tokens 128 --csv "$csv" 2>&1 \
+      | tee -a "$SUMMARY"
+  done
+}
+
 wait_servers() {  # timeout_s label...: every label healthy, dead or timed out; prints the healthy ones
   local limit=$1; shift
   local pending=("$@") up=()
@@ -344,12 +354,7 @@ serve-pruned)
   order=()  # the baseline first and again last: the drift between its two rows bounds the noise
   for label in "${up[@]}"; do [ "$label" = baseline ] || order+=("$label"); done
   [[ " ${up[*]} " == *" baseline "* ]] && order=(baseline "${order[@]}" baseline)
-  for label in "${order[@]}"; do
-    timeout "$(cap 90)" taskset -c 12-15 python3 tests/benchmarks/bench_serving.py \
-      --base-url "http://127.0.0.1:${PORT[$label]}" --model "$label" --run serve-pruned --label "$label" \
-      --vocab 49152 --concurrency 1 64 --prompt-tokens 256 --output-tokens 128 --csv "$OUT/serve_pruned.csv" 2>&1 \
-      | tee -a "$SUMMARY"
-  done
+  bench_alone serve-pruned "$OUT/serve_pruned.csv" "${order[@]}"
   ;;
 int4-serve)
   # Issue 16 item 3's second half: the bundled model's int4 g32 checkpoint (RTN: the same tensors GPTQ
@@ -370,16 +375,10 @@ int4-serve)
     && labels+=(int4-squeezeserve)
   read -r -a up <<< "$(wait_servers "$(cap 300)" "${labels[@]}")"
   note "serving: ${up[*]}"
-  for label in "${up[@]}"; do
-    note "$label kernel: $(grep -m1 -oE 'Using [A-Za-z0-9]+LinearKernel[^ ]*|squeezeserve[^ ]* quantization[^.]*' \
-      "$LOGS/worker-$label.log" || true)"
+  for label in int4-vllm int4-marlin; do  # the W4A16 kernel vLLM picked (ours: --quantization squeezeserve)
+    note "$label: $(grep -m1 -oE 'Using [A-Za-z0-9]+LinearKernel' "$LOGS/worker-$label.log" || echo 'no kernel line')"
   done
-  for label in "${up[@]}"; do
-    timeout "$(cap 90)" taskset -c 12-15 python3 tests/benchmarks/bench_serving.py \
-      --base-url "http://127.0.0.1:${PORT[$label]}" --model "$label" --run int4-serve --label "$label" \
-      --vocab 49152 --concurrency 1 64 --prompt-tokens 256 --output-tokens 128 --csv "$OUT/int4_serve.csv" 2>&1 \
-      | tee -a "$SUMMARY"
-  done
+  bench_alone int4-serve "$OUT/int4_serve.csv" "${up[@]}"
   ;;
 int8)
   # Issue 19.5 on the whole wikitext-2 test file: sample:int8-gptq (GPTQ per channel) and the same recipe
