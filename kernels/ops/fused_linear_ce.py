@@ -70,8 +70,8 @@ def _fused_linear_cross_entropy(
     grad_weight = torch.zeros_like(weight) if compute_grad else weight.new_empty(0)
     grad_bias = torch.zeros_like(bias) if (compute_grad and bias is not None) else hidden.new_empty(0)
     # One logits buffer for every chunk: `logits = h @ weight.t()` per chunk would allocate the next chunk's
-    # logits while the last chunk's are still alive (two chunks at the peak: 1381 instead of 1258 MB at
-    # N=16k, V=128k, H=4096; tests/benchmarks/NOTES.md).
+    # logits while the last chunk's are still alive (two chunks at the peak: 1381 MB at N=16k, V=128k,
+    # H=4096, 1256 with the buffer, H100; tests/benchmarks/NOTES.md).
     buffer = hidden.new_empty(
         (min(chunk, n_tokens), vocab), dtype=torch.promote_types(hidden.dtype, weight.dtype)
     )

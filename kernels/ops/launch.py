@@ -11,6 +11,7 @@ import triton
 from torch._library.triton import is_wrap_triton_enabled
 from torch.library import wrap_triton
 from triton import knobs
+from triton.runtime.jit import JITFunction
 
 from squeezeserve.kernels.registry import interpreting
 
@@ -36,7 +37,7 @@ def traceable(kernel: triton.JITFunction):
     (``wrap_triton`` would add two wrapper objects per launch on top of that dispatch)."""
     if is_wrap_triton_enabled():
         return wrap_triton(kernel)
-    if interpreting():
+    if not isinstance(kernel, JITFunction):  # the interpreter's kernels: nothing compiled to call directly
         return kernel
     fast = _FAST.get(kernel)
     if fast is None:
