@@ -35,6 +35,8 @@ SKINNY_MAX_M = 64
 # cuBLAS (0.83-0.95x bf16 from 2048 rows, while the Triton GEMM reaches 0.37-0.45x there).
 PREFILL = "auto"
 TRITON_PREFILL_MAX_M, TRITON_PREFILL_MIN_N = 128, 8192
+NATIVE_PRESCALE = False
+SUB_MAX = 4  # int4 g32 groups (byte pieces) per K tile of the tensor-core kernel: see _tile_k
 GEMV_MAX_M = 1  # rows up to which the FMA kernel beats the tensor-core one (bench_quant_matmul --sweep)
 # bf16: 0x4300 is 128.0 with a 7-bit mantissa (integers 128..255 exact); fp16: 0x6400 is 1024.0 with a
 # 10-bit mantissa (1024..2047 exact).
@@ -97,20 +99,32 @@ def _workspace(device: torch.device, numel: int, tiles: int) -> tuple[torch.Tens
     return ws, counts
 
 
-def _tile_k(group_size: int, k_in: int, bits: int) -> tuple[int, bool]:
-    """(BLOCK_K, prescale) for the tensor-core kernel: the widest tile of at most 256 inside one group,
-    else a PRESCALE tile: 256 (or K, if narrower) when whole groups tile it, else 64. A dot needs depth
-    >= 16, so a tile holds at least 16 int16 words: 64 int4 / 32 int8 values."""
+def _tile_k(group_size: int, k_in: int, bits: int) -> tuple[int, bool, int, int]:
+    """(BLOCK_K, prescale, word bits, pieces per tile) for the tensor-core kernel. A dot needs depth >= 16,
+    so a piece holds at least 16 words: 64 int4 / 32 int8 values as int16 words, 32 int4 values as bytes.
+
+    - The widest tile of at most 256 inside one group (int16 words): the scale after the dot.
+    - int4 groups of 32 (what compress writes by default): bytes, one group per piece and SUB_MAX pieces
+      per tile (fewer when K is not a multiple of that, so the loads stay unmasked): the scale after each
+      piece's dots, no per-weight arithmetic.
+    - Else a PRESCALE tile (each weight dequantized before the dot): 256 (or K, if narrower) when whole
+      groups tile it, else 64.
+    """
     per16 = 16 // bits
     min_k = 16 * per16
     span = min(group_size, next_power_of_2(k_in))  # a group wider than K behaves like K
     for block_k in (256, 128, 64, 32):
         if min_k <= block_k <= span and group_size % block_k == 0:
-            return block_k, False
+            return block_k, False, 16, 1
+    if bits == 4 and group_size == 32 and k_in > 32:
+        sub = SUB_MAX
+        while sub > 1 and k_in % (32 * sub):
+            sub //= 2
+        return 32 * sub, False, 8, sub
     block_k = max(min_k, min(256, next_power_of_2(k_in)))
     if block_k % group_size or group_size % per16:  # groups straddle tiles: per-value scale gathers
         block_k = max(min_k, 64)  # (a 256-deep tile of gathers would not fit in shared memory)
-    return block_k, True
+    return block_k, True, 16, 1
 
 
 def _groups_per_tile(group_size: int, block_k: int, per_word: int) -> int:
@@ -167,12 +181,12 @@ def _quant_matmul(
     pairs = gemv and bits == 4 and group_size % 8 == 0  # the int4 FMA kernel reads whole int32 words
     if gemv:
         kernel = _gemv_int4_kernel if pairs else _gemv_kernel
-        block_m, prescale = next_power_of_2(m), False
+        block_m, prescale, word_bits, sub = next_power_of_2(m), False, (32 if pairs else 16), 1
         block_k = 256 if group_size % 256 == 0 else 128
         cfg = tuning("gemv", m, n_out, k_in, block_k, x.device)
     else:
         kernel, block_m = _skinny_kernel, (16 if m <= 16 else (32 if m <= 32 else 64))
-        block_k, prescale = _tile_k(group_size, k_in, bits)
+        block_k, prescale, word_bits, sub = _tile_k(group_size, k_in, bits)
         cfg = tuning("mma", m, n_out, k_in, block_k, x.device)
     magic, bias, mantissa = _MAGIC[x.dtype]
     if bits >= mantissa:  # int8 values do not fit bf16's 7-bit mantissa: converted instead (BIAS 0)
@@ -188,9 +202,8 @@ def _quant_matmul(
                                                      device=x.device)  # fmt: skip
     ws, counts = _workspace(x.device, m * n_out, grid[0] * grid[1]) if mode == 2 and m else (y, y)
     if m:
-        words, word_stride = (
-            (qweight, qweight.stride(0)) if pairs else (qweight.view(torch.int16), qweight.stride(0) * 2)
-        )
+        view = {32: torch.int32, 16: torch.int16, 8: torch.uint8}[word_bits]  # the words the kernel reads
+        words, word_stride = qweight.view(view), qweight.stride(0) * 4 // view.itemsize
         args = (
             x2, words, scales, zero_arg, y, ws, counts, m, n_out, k_in,
             x2.stride(0), word_stride, scales.stride(0), zero_arg.stride(0), y.stride(0),
@@ -207,8 +220,9 @@ def _quant_matmul(
             if pairs:
                 meta["GPT"] = _groups_per_tile(group_size, block_k, 8)
         else:
-            meta |= {"MAGIC": magic, "BIAS": bias, "PRESCALE": prescale,
-                     "GPT": _groups_per_tile(group_size, block_k, per16),
+            meta |= {"MAGIC": magic, "BIAS": bias, "PRESCALE": prescale, "WORD_BITS": word_bits, "SUB": sub,
+                     "NATIVE": NATIVE_PRESCALE,
+                     "GPT": _groups_per_tile(group_size, block_k, word_bits // bits),
                      "DOT_FP32": interpreting() and x.dtype == torch.bfloat16}  # fmt: skip
         traceable(kernel)[grid](*args, **meta)
     return y.to(x.dtype).reshape(*x.shape[:-1], n_out)

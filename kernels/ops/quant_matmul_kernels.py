@@ -86,6 +86,15 @@ def _per_word(v, BLOCK_N: tl.constexpr, GPT: tl.constexpr, W: tl.constexpr):
 
 
 @triton.jit
+def _column(v, j: tl.constexpr, GPT: tl.constexpr):
+    """Column j of v [BLOCK_N, GPT] as [BLOCK_N, 1] (a select and a sum over GPT registers per thread)."""
+    if GPT == 1:
+        return v
+    else:
+        return tl.sum(tl.where(tl.arange(0, GPT)[None, :] == j, v, 0.0), axis=1)[:, None]
+
+
+@triton.jit
 def _write_tile(acc, y_ptr, ws_ptr, count_ptr, offs_n, offs_m, mask_n, mask_m, y_row_stride, n_splits,
                 MODE: tl.constexpr):  # fmt: skip
     """y[m, n] = acc[n, m]. MODE 0: stored in y's dtype (one program per tile). MODE 1: added in fp32 into a
@@ -131,14 +140,16 @@ def _deinterleave(x, R: tl.constexpr, T: tl.constexpr, V: tl.constexpr):
 
 @triton.jit
 def _magic(h, i: tl.constexpr, BITS: tl.constexpr, MAGIC: tl.constexpr, dtype: tl.constexpr):
-    """Value i of every int16 in h as the float ``BIAS + q`` (OR-ed into BIAS's mantissa, no conversion)."""
+    """Value i of every word (int16 or byte) in h as the float ``BIAS + q`` (OR-ed into BIAS's mantissa, no
+    conversion)."""
+    h = h.to(tl.int16)  # a no-op for int16 words; bytes (uint8) widen with zeros
     return (((h >> (i * BITS)) & ((1 << BITS) - 1)) | MAGIC).to(tl.int16).to(dtype, bitcast=True)
 
 
 @triton.jit
 def _skinny_kernel(
     x_ptr,  # [M, K] activations (fp16/bf16)
-    qw_ptr,  # [N, ceil(K / V)] int16 view of the packed int32 weight
+    qw_ptr,  # [N, ceil(K / V)] int16 (or, WORD_BITS 8, uint8) view of the packed int32 weight
     scale_ptr,  # [N, ceil(K / GROUP)]
     zero_ptr,  # [ceil(N / (32 // BITS)), ceil(K / GROUP)] int32 packed zero points (only when HAS_ZERO)
     y_ptr,  # [M, N]: the output dtype, or fp32 partial sums (MODE 1)
@@ -155,11 +166,14 @@ def _skinny_kernel(
     tiles_per_split,
     n_splits,
     BITS: tl.constexpr,
+    WORD_BITS: tl.constexpr,  # 16: the weight read as int16 words; 8: as bytes (V = 2 int4 values each)
+    SUB: tl.constexpr,  # dots per K tile, each over BLOCK_K / SUB values (one group each when SUB > 1)
     GROUP: tl.constexpr,
     HAS_ZERO: tl.constexpr,
     MAGIC: tl.constexpr,  # bit pattern of BIAS in the activation dtype; 0: convert q (BIAS 0)
     BIAS: tl.constexpr,
     PRESCALE: tl.constexpr,  # dequantize each weight before the dot (groups narrower than a dot)
+    NATIVE: tl.constexpr,  # PRESCALE arithmetic in the activation dtype instead of fp32
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -168,9 +182,15 @@ def _skinny_kernel(
     GPT: tl.constexpr,  # groups per K tile when groups align to tiles (1 for groups of whole tiles), else 0
     DOT_FP32: tl.constexpr,  # upcast the dot operands (Triton's interpreter gets bf16 tl.dot wrong)
 ):
-    """y[m, n] = sum_k x[m, k] (q[n, k] - z[n, g]) s[n, g],  g = k // GROUP."""
-    V: tl.constexpr = 16 // BITS  # values per int16
-    T: tl.constexpr = BLOCK_K // V  # int16 per row of a tile
+    """y[m, n] = sum_k x[m, k] (q[n, k] - z[n, g]) s[n, g],  g = k // GROUP.
+
+    A K tile is SUB pieces of BLOCK_K / SUB values, each loaded and multiplied on its own. With SUB > 1
+    and no PRESCALE each piece is one group (GPT = SUB) and takes its own scale after its dots: int4 groups
+    of 32 read as bytes, V = 2 values each, give dots of depth 16 inside one group."""
+    tl.static_assert(SUB == 1 or not PRESCALE, "PRESCALE tiles are one piece")
+    V: tl.constexpr = WORD_BITS // BITS  # values per loaded word
+    SUB_K: tl.constexpr = BLOCK_K // SUB  # values per piece
+    T: tl.constexpr = SUB_K // V  # words per row of a piece
     MASK: tl.constexpr = (1 << BITS) - 1
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -178,7 +198,7 @@ def _skinny_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_t = tl.arange(0, T)
-    offs_k = tl.arange(0, BLOCK_K)
+    offs_k = tl.arange(0, SUB_K)
     mask_n = offs_n < N
     mask_m = offs_m < M
     n_words = tl.cdiv(K, V)
@@ -192,45 +212,59 @@ def _skinny_kernel(
         s_next, z_next = _tile_params(scale_ptr, zero_ptr, offs_n, mask_n, tile_begin, K, scale_row_stride,
                                       zero_row_stride, BITS, GROUP, HAS_ZERO, BLOCK_K, GPT)  # fmt: skip
     for tile in range(tile_begin, tile_end):
-        k0 = tile * BLOCK_K
-        words = k0 // V + offs_t
-        ks = k0 + offs_k
         if GPT > 0:
-            s, z = _per_word(s_next, BLOCK_N, GPT, T), _per_word(z_next, BLOCK_N, GPT, T)  # [BN, 1 or T]
+            s_tile, z_tile = s_next, z_next  # [BLOCK_N, GPT]
             following = tl.minimum(tile + 1, tile_end - 1)
             s_next, z_next = _tile_params(scale_ptr, zero_ptr, offs_n, mask_n, following, K, scale_row_stride,
                                           zero_row_stride, BITS, GROUP, HAS_ZERO, BLOCK_K, GPT)  # fmt: skip
-        if EVEN_K:
-            h = tl.load(qw_rows + words[None, :], mask=mask_n[:, None], other=0)
-            xt = tl.load(x_rows + ks[None, :], mask=mask_m[:, None], other=0.0)
-        else:
-            h = tl.load(qw_rows + words[None, :], mask=mask_n[:, None] & (words < n_words)[None, :], other=0)
-            xt = tl.load(x_rows + ks[None, :], mask=mask_m[:, None] & (ks < K)[None, :], other=0.0)
-        xs = _deinterleave(xt, BLOCK_M, T, V)  # xs[i][:, t] = x[:, k0 + V t + i]
-        part = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-        for i in tl.static_range(V):
-            xi = tl.trans(xs[i])  # [T, BLOCK_M]
-            if MAGIC != 0:
-                w = _magic(h, i, BITS, MAGIC, dtype)  # BIAS + q, exactly
-            else:  # q through the fp32 magic 2**23 (exact), then one conversion
-                q = (h.to(tl.int32) >> (i * BITS)) & MASK
-                w = ((q | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0).to(dtype)
-            if PRESCALE:
-                if GPT == 0:  # groups not aligned to tiles: the group of each value
-                    k = k0 + offs_t * V + i
-                    s, z = _group_params(scale_ptr, zero_ptr, offs_n[:, None], (k // GROUP)[None, :],
-                                         mask_n[:, None] & (k < K)[None, :], scale_row_stride,
-                                         zero_row_stride, BITS, HAS_ZERO)  # fmt: skip
-                w = ((w.to(tl.float32) - (BIAS + z)) * s).to(dtype)
-            if DOT_FP32:
-                part = tl.dot(w.to(tl.float32), xi.to(tl.float32), part, input_precision="ieee")
+        for j in tl.static_range(SUB):
+            k0 = tile * BLOCK_K + j * SUB_K
+            words = k0 // V + offs_t
+            ks = k0 + offs_k
+            if EVEN_K:
+                h = tl.load(qw_rows + words[None, :], mask=mask_n[:, None], other=0)
+                xt = tl.load(x_rows + ks[None, :], mask=mask_m[:, None], other=0.0)
             else:
-                part = tl.dot(w, xi, part)
-        if PRESCALE:
-            acc += part
-        else:  # the whole tile is in one group: s, z are [BLOCK_N, 1]
-            xsum = tl.sum(xt.to(tl.float32), axis=1)
-            acc += s * (part - (BIAS + z) * xsum[None, :])
+                word_mask = mask_n[:, None] & (words < n_words)[None, :]
+                h = tl.load(qw_rows + words[None, :], mask=word_mask, other=0)
+                xt = tl.load(x_rows + ks[None, :], mask=mask_m[:, None] & (ks < K)[None, :], other=0.0)
+            if GPT > 0 and PRESCALE and NATIVE:  # in the activation dtype, BIAS folded into z (exact)
+                s = _per_word(s_tile.to(dtype), BLOCK_N, GPT, T)
+                z = _per_word((BIAS + z_tile).to(dtype), BLOCK_N, GPT, T)
+            elif GPT > 0 and PRESCALE:
+                s, z = _per_word(s_tile, BLOCK_N, GPT, T), _per_word(z_tile, BLOCK_N, GPT, T)  # [BN, 1 or T]
+            elif GPT > 0:  # this piece's group: column j of the tile's [BLOCK_N, GPT]
+                s, z = _column(s_tile, j, GPT), _column(z_tile, j, GPT)  # [BLOCK_N, 1]
+            xs = _deinterleave(xt, BLOCK_M, T, V)  # xs[i][:, t] = x[:, k0 + V t + i]
+            part = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+            for i in tl.static_range(V):
+                xi = tl.trans(xs[i])  # [T, BLOCK_M]
+                if MAGIC != 0:
+                    w = _magic(h, i, BITS, MAGIC, dtype)  # BIAS + q, exactly
+                else:  # q through the fp32 magic 2**23 (exact), then one conversion
+                    q = (h.to(tl.int32) >> (i * BITS)) & MASK
+                    w = ((q | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0).to(dtype)
+                if PRESCALE:
+                    if GPT == 0:  # groups not aligned to tiles: the group of each value
+                        k = k0 + offs_t * V + i
+                        s, z = _group_params(scale_ptr, zero_ptr, offs_n[:, None], (k // GROUP)[None, :],
+                                             mask_n[:, None] & (k < K)[None, :], scale_row_stride,
+                                             zero_row_stride, BITS, HAS_ZERO)  # fmt: skip
+                        if NATIVE:
+                            s, z = s.to(dtype), (BIAS + z).to(dtype)
+                    if NATIVE:  # (BIAS + q) - (BIAS + z) is exact; times s, one rounding (as in fp32)
+                        w = (w - z) * s
+                    else:
+                        w = ((w.to(tl.float32) - (BIAS + z)) * s).to(dtype)
+                if DOT_FP32:
+                    part = tl.dot(w.to(tl.float32), xi.to(tl.float32), part, input_precision="ieee")
+                else:
+                    part = tl.dot(w, xi, part)
+            if PRESCALE:
+                acc += part
+            else:  # the piece is in one group: s, z are [BLOCK_N, 1]
+                xsum = tl.sum(xt.to(tl.float32), axis=1)
+                acc += s * (part - (BIAS + z) * xsum[None, :])
     _write_tile(acc, y_ptr, ws_ptr, count_ptr, offs_n, offs_m, mask_n, mask_m, y_row_stride, n_splits, MODE)
 
 

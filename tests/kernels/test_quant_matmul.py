@@ -12,11 +12,13 @@ from squeezeserve.kernels.ops import quant_matmul as qm
 # widths, with groups that divide K but not 128, a group that does not divide K (a partial last tile), a
 # group narrower than the int4 tile (32) and one that is no power of two (48), so groups straddle the
 # kernels' K tiles; K = 512 with group 128 is the unmasked case (K a multiple of the tile: vectorized
-# loads, no K mask). Prefill rows cover one group per tile, several (16), straddling groups (48) and a
-# partial last tile (K = 200), with M and N off the tile sizes.
+# loads, no K mask). int4 groups of 32 are read as bytes, one group per piece and 4 pieces per tile when
+# K allows (K = 512), 2 (K = 576) or 1 (K = 544). Prefill rows cover one group per tile, several (16),
+# straddling groups (48) and a partial last tile (K = 200), with M and N off the tile sizes.
 SHAPES = [
     (1, 72, 576, 64), (5, 40, 576, 32), (33, 24, 1536, 64), (3, 16, 200, 128), (2, 24, 576, 48),
     (70, 24, 576, 64), (1, 40, 512, 128), (67, 40, 200, 128), (80, 40, 576, 48), (72, 24, 512, 16),
+    (4, 24, 512, 32), (17, 16, 544, 32),
 ]  # fmt: skip
 
 
@@ -95,6 +97,16 @@ def test_quant_matmul_gradient_wrt_x(device):
     K.quant_matmul(x, tensors["weight_packed"], tensors["weight_scale"], None, 32, 4).sum().backward()
     weight = ql.dequantize(tensors["weight_packed"], tensors["weight_scale"], None, (24, 64), 32, 4)
     torch.testing.assert_close(x.grad.float(), weight.float().sum(0).expand(5, 64), atol=2e-2, rtol=2e-3)
+
+
+@pytest.mark.parametrize(("k", "tile"), [(512, (128, False, 8, 4)), (576, (64, False, 8, 2)),
+                                         (544, (32, False, 8, 1)), (4096, (128, False, 8, 4))])  # fmt: skip
+def test_int4_group32_reads_bytes_one_group_per_piece(k, tile):
+    # Groups of 32 are narrower than a dot over int16 words (64 int4 values): read as bytes they take their
+    # scale after the dot instead of a per-weight dequantization; the pieces per tile stay unmasked.
+    assert qm._tile_k(32, k, 4) == tile
+    assert qm._tile_k(32, 512, 8) == (32, False, 16, 1)
+    assert qm._tile_k(16, 512, 4)[1], "int4 groups of 16 are narrower than a byte piece: per-weight scales"
 
 
 def test_quant_matmul_rejects_mismatched_layout(device):
