@@ -35,8 +35,6 @@ SKINNY_MAX_M = 64
 # cuBLAS (0.83-0.95x bf16 from 2048 rows, while the Triton GEMM reaches 0.37-0.45x there).
 PREFILL = "auto"
 TRITON_PREFILL_MAX_M, TRITON_PREFILL_MIN_N = 128, 8192
-NATIVE_PRESCALE = False
-SUB_MAX = 4  # int4 g32 groups (byte pieces) per K tile of the tensor-core kernel: see _tile_k
 GEMV_MAX_M = 1  # rows up to which the FMA kernel beats the tensor-core one (bench_quant_matmul --sweep)
 # bf16: 0x4300 is 128.0 with a 7-bit mantissa (integers 128..255 exact); fp16: 0x6400 is 1024.0 with a
 # 10-bit mantissa (1024..2047 exact).
@@ -99,32 +97,20 @@ def _workspace(device: torch.device, numel: int, tiles: int) -> tuple[torch.Tens
     return ws, counts
 
 
-def _tile_k(group_size: int, k_in: int, bits: int) -> tuple[int, bool, int, int]:
-    """(BLOCK_K, prescale, word bits, pieces per tile) for the tensor-core kernel. A dot needs depth >= 16,
-    so a piece holds at least 16 words: 64 int4 / 32 int8 values as int16 words, 32 int4 values as bytes.
-
-    - The widest tile of at most 256 inside one group (int16 words): the scale after the dot.
-    - int4 groups of 32 (what compress writes by default): bytes, one group per piece and SUB_MAX pieces
-      per tile (fewer when K is not a multiple of that, so the loads stay unmasked): the scale after each
-      piece's dots, no per-weight arithmetic.
-    - Else a PRESCALE tile (each weight dequantized before the dot): 256 (or K, if narrower) when whole
-      groups tile it, else 64.
-    """
+def _tile_k(group_size: int, k_in: int, bits: int) -> tuple[int, bool]:
+    """(BLOCK_K, prescale) for the tensor-core kernel: the widest tile of at most 256 inside one group,
+    else a PRESCALE tile: 256 (or K, if narrower) when whole groups tile it, else 64. A dot needs depth
+    >= 16, so a tile holds at least 16 int16 words: 64 int4 / 32 int8 values."""
     per16 = 16 // bits
     min_k = 16 * per16
     span = min(group_size, next_power_of_2(k_in))  # a group wider than K behaves like K
     for block_k in (256, 128, 64, 32):
         if min_k <= block_k <= span and group_size % block_k == 0:
-            return block_k, False, 16, 1
-    if bits == 4 and group_size == 32 and k_in > 32:
-        sub = SUB_MAX
-        while sub > 1 and k_in % (32 * sub):
-            sub //= 2
-        return 32 * sub, False, 8, sub
+            return block_k, False
     block_k = max(min_k, min(256, next_power_of_2(k_in)))
     if block_k % group_size or group_size % per16:  # groups straddle tiles: per-value scale gathers
         block_k = max(min_k, 64)  # (a 256-deep tile of gathers would not fit in shared memory)
-    return block_k, True, 16, 1
+    return block_k, True
 
 
 def _groups_per_tile(group_size: int, block_k: int, per_word: int) -> int:
@@ -137,14 +123,21 @@ def _groups_per_tile(group_size: int, block_k: int, per_word: int) -> int:
     return 0
 
 
-def tuning(kernel: str, m: int, n_out: int, k_in: int, block_k: int, device: torch.device) -> dict:
-    """BLOCK_N, split-K, warps and stages for the decode kernels, chosen from the sweep of
-    ``tests/benchmarks/bench_quant_matmul.py --sweep`` (results and figures: tests/benchmarks/NOTES.md):
-    one setting within a few percent of each shape's best, and twice the K splits when the N tiles alone
-    fill few SMs and K is long, so that more programs share the weight stream."""
+def tuning(kernel: str, m: int, n_out: int, k_in: int, block_k: int, device: torch.device,
+           prescale: bool = False) -> dict:  # fmt: skip
+    """BLOCK_N, split-K, warps and stages for the decode kernels, chosen from the sweeps of
+    ``tests/benchmarks/bench_quant_matmul.py --sweep`` and (PRESCALE tiles) ``tests/gpu/g32_probe.py
+    --sweep`` (results and figures: tests/benchmarks/NOTES.md): one setting within a few percent of each
+    shape's best, and twice the K splits when the N tiles alone fill few SMs and K is long, so that more
+    programs share the weight stream. PRESCALE tiles (each weight dequantized before the dot) are 64 wide:
+    1.3-1.7x faster than 128 at int4 g32, 4-64 rows (H100); 4 K splits once the N tiles fill the SMs twice
+    over or the rows fill a 64-row tile, else 8."""
     tiles = cdiv(k_in, block_k)
     if interpreting():  # small tiles; split-K whenever there are two tiles, so the tests cover both paths
         return {"BLOCK_N": 16, "split": min(2, tiles), "num_warps": 4, "num_stages": 1}
+    if prescale:
+        many = cdiv(n_out, 64) * 4 >= 2 * sm_count(device) or m > 32
+        return {"BLOCK_N": 64, "split": max(1, min(4 if many else 8, tiles)), "num_warps": 4, "num_stages": 3}
     block_n = 128
     few_tiles = cdiv(n_out, block_n) * 8 < 2 * sm_count(device)
     split = 16 if few_tiles and tiles >= 64 else 8
@@ -181,13 +174,13 @@ def _quant_matmul(
     pairs = gemv and bits == 4 and group_size % 8 == 0  # the int4 FMA kernel reads whole int32 words
     if gemv:
         kernel = _gemv_int4_kernel if pairs else _gemv_kernel
-        block_m, prescale, word_bits, sub = next_power_of_2(m), False, (32 if pairs else 16), 1
+        block_m, prescale = next_power_of_2(m), False
         block_k = 256 if group_size % 256 == 0 else 128
         cfg = tuning("gemv", m, n_out, k_in, block_k, x.device)
     else:
         kernel, block_m = _skinny_kernel, (16 if m <= 16 else (32 if m <= 32 else 64))
-        block_k, prescale, word_bits, sub = _tile_k(group_size, k_in, bits)
-        cfg = tuning("mma", m, n_out, k_in, block_k, x.device)
+        block_k, prescale = _tile_k(group_size, k_in, bits)
+        cfg = tuning("mma", m, n_out, k_in, block_k, x.device, prescale)
     magic, bias, mantissa = _MAGIC[x.dtype]
     if bits >= mantissa:  # int8 values do not fit bf16's 7-bit mantissa: converted instead (BIAS 0)
         magic, bias = 0, 0.0
@@ -202,8 +195,9 @@ def _quant_matmul(
                                                      device=x.device)  # fmt: skip
     ws, counts = _workspace(x.device, m * n_out, grid[0] * grid[1]) if mode == 2 and m else (y, y)
     if m:
-        view = {32: torch.int32, 16: torch.int16, 8: torch.uint8}[word_bits]  # the words the kernel reads
-        words, word_stride = qweight.view(view), qweight.stride(0) * 4 // view.itemsize
+        words, word_stride = (
+            (qweight, qweight.stride(0)) if pairs else (qweight.view(torch.int16), qweight.stride(0) * 2)
+        )
         args = (
             x2, words, scales, zero_arg, y, ws, counts, m, n_out, k_in,
             x2.stride(0), word_stride, scales.stride(0), zero_arg.stride(0), y.stride(0),
@@ -220,10 +214,12 @@ def _quant_matmul(
             if pairs:
                 meta["GPT"] = _groups_per_tile(group_size, block_k, 8)
         else:
-            meta |= {"MAGIC": magic, "BIAS": bias, "PRESCALE": prescale, "WORD_BITS": word_bits, "SUB": sub,
-                     "NATIVE": NATIVE_PRESCALE,
-                     "GPT": _groups_per_tile(group_size, block_k, word_bits // bits),
-                     "DOT_FP32": interpreting() and x.dtype == torch.bfloat16}  # fmt: skip
+            # NATIVE: the interpreter's bf16 arithmetic is wrong on the bitcast values, as its bf16 tl.dot is.
+            bf16_interpreted = interpreting() and x.dtype == torch.bfloat16
+            meta |= {"MAGIC": magic, "BIAS": bias, "PRESCALE": prescale,
+                     "NATIVE": scales.dtype == x.dtype and not bf16_interpreted,
+                     "GPT": _groups_per_tile(group_size, block_k, per16),
+                     "DOT_FP32": bf16_interpreted}  # fmt: skip
         traceable(kernel)[grid](*args, **meta)
     return y.to(x.dtype).reshape(*x.shape[:-1], n_out)
 

@@ -28,8 +28,13 @@ weight as possible: one row (M <= GEMV_MAX_M) on the FMA units (:func:`_gemv_int
 - Scale and zero point after the dot: a tile is one quantization group, so
   ``sum_k (q - z) s x = s * (sum_k (BIAS + q) x - (BIAS + z) * sum_k x)``; the correction is per (row, group).
   Groups narrower than a dot's minimum depth (int4 with G < 64, or G not a multiple of V) take the PRESCALE
-  form instead: w = (q - z) * s per weight, then the dot. Scales are loaded one tile ahead, as one
-  [BLOCK_N, groups per tile] block when groups tile the K tile (:func:`_tile_params`).
+  form instead: w = (q - z) * s per weight, then the dot. When the scales are in the activation dtype
+  (``NATIVE``) that is two operations in that dtype, ``((BIAS + q) - (BIAS + z)) * s``: the difference is
+  an exact small integer and the product rounds once, as the fp32 form's final cast does, so the result is
+  the same; it runs 1.07-1.24x faster on the H100 than converting to fp32 and back. (int4 groups of 32
+  read as bytes, V = 2, so that a dot of depth 16 stays inside a group and the scale comes after it, ran
+  1.4-1.7x slower than this: results/g32_probe_h100_2026-11-24.log.) Scales are loaded one tile ahead, as
+  one [BLOCK_N, groups per tile] block when groups tile the K tile (:func:`_tile_params`).
 - Split-K across programs when N alone gives too few programs to fill the GPU: partial tiles meet in a
   self-cleaning fp32 workspace (:func:`_write_tile`).
 
@@ -86,15 +91,6 @@ def _per_word(v, BLOCK_N: tl.constexpr, GPT: tl.constexpr, W: tl.constexpr):
 
 
 @triton.jit
-def _column(v, j: tl.constexpr, GPT: tl.constexpr):
-    """Column j of v [BLOCK_N, GPT] as [BLOCK_N, 1] (a select and a sum over GPT registers per thread)."""
-    if GPT == 1:
-        return v
-    else:
-        return tl.sum(tl.where(tl.arange(0, GPT)[None, :] == j, v, 0.0), axis=1)[:, None]
-
-
-@triton.jit
 def _write_tile(acc, y_ptr, ws_ptr, count_ptr, offs_n, offs_m, mask_n, mask_m, y_row_stride, n_splits,
                 MODE: tl.constexpr):  # fmt: skip
     """y[m, n] = acc[n, m]. MODE 0: stored in y's dtype (one program per tile). MODE 1: added in fp32 into a
@@ -125,6 +121,19 @@ def _write_tile(acc, y_ptr, ws_ptr, count_ptr, offs_n, offs_m, mask_n, mask_m, y
 
 
 @triton.jit
+def _load_tile(qw_rows, x_rows, words, ks, mask_n, mask_m, n_words, K, EVEN_K: tl.constexpr):
+    """One K tile: the weight words ``words`` of rows ``qw_rows`` and the activations at ``ks`` of rows
+    ``x_rows``, zero outside. With ``EVEN_K`` (K a multiple of the tile) no K mask: the loads vectorize."""
+    if EVEN_K:
+        h = tl.load(qw_rows + words[None, :], mask=mask_n[:, None], other=0)
+        xt = tl.load(x_rows + ks[None, :], mask=mask_m[:, None], other=0.0)
+    else:
+        h = tl.load(qw_rows + words[None, :], mask=mask_n[:, None] & (words < n_words)[None, :], other=0)
+        xt = tl.load(x_rows + ks[None, :], mask=mask_m[:, None] & (ks < K)[None, :], other=0.0)
+    return h, xt
+
+
+@triton.jit
 def _deinterleave(x, R: tl.constexpr, T: tl.constexpr, V: tl.constexpr):
     """Split x [R, V * T] by position within a word: piece i [R, T] holds columns V t + i (V = 2 or 4;
     for V = 2 the pieces are returned twice). Register shuffles only: the tile is loaded contiguously."""
@@ -140,16 +149,14 @@ def _deinterleave(x, R: tl.constexpr, T: tl.constexpr, V: tl.constexpr):
 
 @triton.jit
 def _magic(h, i: tl.constexpr, BITS: tl.constexpr, MAGIC: tl.constexpr, dtype: tl.constexpr):
-    """Value i of every word (int16 or byte) in h as the float ``BIAS + q`` (OR-ed into BIAS's mantissa, no
-    conversion)."""
-    h = h.to(tl.int16)  # a no-op for int16 words; bytes (uint8) widen with zeros
+    """Value i of every int16 in h as the float ``BIAS + q`` (OR-ed into BIAS's mantissa, no conversion)."""
     return (((h >> (i * BITS)) & ((1 << BITS) - 1)) | MAGIC).to(tl.int16).to(dtype, bitcast=True)
 
 
 @triton.jit
 def _skinny_kernel(
     x_ptr,  # [M, K] activations (fp16/bf16)
-    qw_ptr,  # [N, ceil(K / V)] int16 (or, WORD_BITS 8, uint8) view of the packed int32 weight
+    qw_ptr,  # [N, ceil(K / V)] int16 view of the packed int32 weight
     scale_ptr,  # [N, ceil(K / GROUP)]
     zero_ptr,  # [ceil(N / (32 // BITS)), ceil(K / GROUP)] int32 packed zero points (only when HAS_ZERO)
     y_ptr,  # [M, N]: the output dtype, or fp32 partial sums (MODE 1)
@@ -166,14 +173,12 @@ def _skinny_kernel(
     tiles_per_split,
     n_splits,
     BITS: tl.constexpr,
-    WORD_BITS: tl.constexpr,  # 16: the weight read as int16 words; 8: as bytes (V = 2 int4 values each)
-    SUB: tl.constexpr,  # dots per K tile, each over BLOCK_K / SUB values (one group each when SUB > 1)
     GROUP: tl.constexpr,
     HAS_ZERO: tl.constexpr,
     MAGIC: tl.constexpr,  # bit pattern of BIAS in the activation dtype; 0: convert q (BIAS 0)
     BIAS: tl.constexpr,
     PRESCALE: tl.constexpr,  # dequantize each weight before the dot (groups narrower than a dot)
-    NATIVE: tl.constexpr,  # PRESCALE arithmetic in the activation dtype instead of fp32
+    NATIVE: tl.constexpr,  # PRESCALE in the activation dtype (the scales are in it): see the module doc
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -182,15 +187,9 @@ def _skinny_kernel(
     GPT: tl.constexpr,  # groups per K tile when groups align to tiles (1 for groups of whole tiles), else 0
     DOT_FP32: tl.constexpr,  # upcast the dot operands (Triton's interpreter gets bf16 tl.dot wrong)
 ):
-    """y[m, n] = sum_k x[m, k] (q[n, k] - z[n, g]) s[n, g],  g = k // GROUP.
-
-    A K tile is SUB pieces of BLOCK_K / SUB values, each loaded and multiplied on its own. With SUB > 1
-    and no PRESCALE each piece is one group (GPT = SUB) and takes its own scale after its dots: int4 groups
-    of 32 read as bytes, V = 2 values each, give dots of depth 16 inside one group."""
-    tl.static_assert(SUB == 1 or not PRESCALE, "PRESCALE tiles are one piece")
-    V: tl.constexpr = WORD_BITS // BITS  # values per loaded word
-    SUB_K: tl.constexpr = BLOCK_K // SUB  # values per piece
-    T: tl.constexpr = SUB_K // V  # words per row of a piece
+    """y[m, n] = sum_k x[m, k] (q[n, k] - z[n, g]) s[n, g],  g = k // GROUP."""
+    V: tl.constexpr = 16 // BITS  # values per int16
+    T: tl.constexpr = BLOCK_K // V  # int16 per row of a tile
     MASK: tl.constexpr = (1 << BITS) - 1
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -198,7 +197,7 @@ def _skinny_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_t = tl.arange(0, T)
-    offs_k = tl.arange(0, SUB_K)
+    offs_k = tl.arange(0, BLOCK_K)
     mask_n = offs_n < N
     mask_m = offs_m < M
     n_words = tl.cdiv(K, V)
@@ -212,59 +211,49 @@ def _skinny_kernel(
         s_next, z_next = _tile_params(scale_ptr, zero_ptr, offs_n, mask_n, tile_begin, K, scale_row_stride,
                                       zero_row_stride, BITS, GROUP, HAS_ZERO, BLOCK_K, GPT)  # fmt: skip
     for tile in range(tile_begin, tile_end):
+        k0 = tile * BLOCK_K
+        words = k0 // V + offs_t
+        ks = k0 + offs_k
+        if GPT > 0 and PRESCALE and NATIVE:  # in the activation dtype, BIAS folded into z (exact)
+            s = _per_word(s_next.to(dtype), BLOCK_N, GPT, T)
+            z = _per_word((BIAS + z_next).to(dtype), BLOCK_N, GPT, T)
+        elif GPT > 0:
+            s, z = _per_word(s_next, BLOCK_N, GPT, T), _per_word(z_next, BLOCK_N, GPT, T)  # [BN, 1 or T]
         if GPT > 0:
-            s_tile, z_tile = s_next, z_next  # [BLOCK_N, GPT]
             following = tl.minimum(tile + 1, tile_end - 1)
             s_next, z_next = _tile_params(scale_ptr, zero_ptr, offs_n, mask_n, following, K, scale_row_stride,
                                           zero_row_stride, BITS, GROUP, HAS_ZERO, BLOCK_K, GPT)  # fmt: skip
-        for j in tl.static_range(SUB):
-            k0 = tile * BLOCK_K + j * SUB_K
-            words = k0 // V + offs_t
-            ks = k0 + offs_k
-            if EVEN_K:
-                h = tl.load(qw_rows + words[None, :], mask=mask_n[:, None], other=0)
-                xt = tl.load(x_rows + ks[None, :], mask=mask_m[:, None], other=0.0)
-            else:
-                word_mask = mask_n[:, None] & (words < n_words)[None, :]
-                h = tl.load(qw_rows + words[None, :], mask=word_mask, other=0)
-                xt = tl.load(x_rows + ks[None, :], mask=mask_m[:, None] & (ks < K)[None, :], other=0.0)
-            if GPT > 0 and PRESCALE and NATIVE:  # in the activation dtype, BIAS folded into z (exact)
-                s = _per_word(s_tile.to(dtype), BLOCK_N, GPT, T)
-                z = _per_word((BIAS + z_tile).to(dtype), BLOCK_N, GPT, T)
-            elif GPT > 0 and PRESCALE:
-                s, z = _per_word(s_tile, BLOCK_N, GPT, T), _per_word(z_tile, BLOCK_N, GPT, T)  # [BN, 1 or T]
-            elif GPT > 0:  # this piece's group: column j of the tile's [BLOCK_N, GPT]
-                s, z = _column(s_tile, j, GPT), _column(z_tile, j, GPT)  # [BLOCK_N, 1]
-            xs = _deinterleave(xt, BLOCK_M, T, V)  # xs[i][:, t] = x[:, k0 + V t + i]
-            part = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-            for i in tl.static_range(V):
-                xi = tl.trans(xs[i])  # [T, BLOCK_M]
-                if MAGIC != 0:
-                    w = _magic(h, i, BITS, MAGIC, dtype)  # BIAS + q, exactly
-                else:  # q through the fp32 magic 2**23 (exact), then one conversion
-                    q = (h.to(tl.int32) >> (i * BITS)) & MASK
-                    w = ((q | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0).to(dtype)
-                if PRESCALE:
-                    if GPT == 0:  # groups not aligned to tiles: the group of each value
-                        k = k0 + offs_t * V + i
-                        s, z = _group_params(scale_ptr, zero_ptr, offs_n[:, None], (k // GROUP)[None, :],
-                                             mask_n[:, None] & (k < K)[None, :], scale_row_stride,
-                                             zero_row_stride, BITS, HAS_ZERO)  # fmt: skip
-                        if NATIVE:
-                            s, z = s.to(dtype), (BIAS + z).to(dtype)
-                    if NATIVE:  # (BIAS + q) - (BIAS + z) is exact; times s, one rounding (as in fp32)
-                        w = (w - z) * s
-                    else:
-                        w = ((w.to(tl.float32) - (BIAS + z)) * s).to(dtype)
-                if DOT_FP32:
-                    part = tl.dot(w.to(tl.float32), xi.to(tl.float32), part, input_precision="ieee")
-                else:
-                    part = tl.dot(w, xi, part)
+        h, xt = _load_tile(qw_rows, x_rows, words, ks, mask_n, mask_m, n_words, K, EVEN_K)
+        xs = _deinterleave(xt, BLOCK_M, T, V)  # xs[i][:, t] = x[:, k0 + V t + i]
+        part = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        for i in tl.static_range(V):
+            xi = tl.trans(xs[i])  # [T, BLOCK_M]
+            if MAGIC != 0:
+                w = _magic(h, i, BITS, MAGIC, dtype)  # BIAS + q, exactly
+            else:  # q through the fp32 magic 2**23 (exact), then one conversion
+                q = (h.to(tl.int32) >> (i * BITS)) & MASK
+                w = ((q | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0).to(dtype)
             if PRESCALE:
-                acc += part
-            else:  # the piece is in one group: s, z are [BLOCK_N, 1]
-                xsum = tl.sum(xt.to(tl.float32), axis=1)
-                acc += s * (part - (BIAS + z) * xsum[None, :])
+                if GPT == 0:  # groups not aligned to tiles: the group of each value
+                    k = k0 + offs_t * V + i
+                    s, z = _group_params(scale_ptr, zero_ptr, offs_n[:, None], (k // GROUP)[None, :],
+                                         mask_n[:, None] & (k < K)[None, :], scale_row_stride,
+                                         zero_row_stride, BITS, HAS_ZERO)  # fmt: skip
+                    if NATIVE:
+                        s, z = s.to(dtype), (BIAS + z).to(dtype)
+                if NATIVE:  # (BIAS + q) - (BIAS + z) is exact in the activation dtype; times s: one rounding
+                    w = (w - z) * s
+                else:
+                    w = ((w.to(tl.float32) - (BIAS + z)) * s).to(dtype)
+            if DOT_FP32:
+                part = tl.dot(w.to(tl.float32), xi.to(tl.float32), part, input_precision="ieee")
+            else:
+                part = tl.dot(w, xi, part)
+        if PRESCALE:
+            acc += part
+        else:  # the whole tile is in one group: s, z are [BLOCK_N, 1]
+            xsum = tl.sum(xt.to(tl.float32), axis=1)
+            acc += s * (part - (BIAS + z) * xsum[None, :])
     _write_tile(acc, y_ptr, ws_ptr, count_ptr, offs_n, offs_m, mask_n, mask_m, y_row_stride, n_splits, MODE)
 
 
@@ -324,16 +313,9 @@ def _gemv_kernel(
     for tile in tl.range(tile_begin, tile_end, num_stages=STAGES):
         k0 = tile * BLOCK_K
         words = k0 // V + offs_t
-        if EVEN_K:
-            h = tl.load(qw_rows + words[None, :], mask=mask_n[:, None], other=0)
-        else:
-            h = tl.load(qw_rows + words[None, :], mask=mask_n[:, None] & (words < n_words)[None, :], other=0)
-        h = h.to(tl.int32)
         ks = k0 + offs_k
-        if EVEN_K:
-            xt = tl.load(x_rows + ks[None, :], mask=mask_m[:, None], other=0.0)
-        else:
-            xt = tl.load(x_rows + ks[None, :], mask=mask_m[:, None] & (ks < K)[None, :], other=0.0)
+        h, xt = _load_tile(qw_rows, x_rows, words, ks, mask_n, mask_m, n_words, K, EVEN_K)
+        h = h.to(tl.int32)
         xs = _deinterleave(xt.to(tl.float32), BLOCK_M, T, V)  # xs[i][:, t] = x[:, k0 + V t + i]
         part = tl.zeros([BLOCK_N, BLOCK_M, T], dtype=tl.float32)
         xsum = tl.zeros([BLOCK_M, T], dtype=tl.float32)
@@ -447,12 +429,7 @@ def _gemv_int4_kernel(
             word_mask = mask_n[:, None] & (words < n_words)[None, :]
             s, z = _group_params(scale_ptr, zero_ptr, offs_n[:, None], word_groups, word_mask,
                                  scale_row_stride, zero_row_stride, 4, HAS_ZERO)  # fmt: skip
-        if EVEN_K:
-            h = tl.load(qw_rows + words[None, :], mask=mask_n[:, None], other=0)
-            xt = tl.load(x_rows + ks[None, :], mask=mask_m[:, None], other=0.0)
-        else:
-            h = tl.load(qw_rows + words[None, :], mask=mask_n[:, None] & (words < n_words)[None, :], other=0)
-            xt = tl.load(x_rows + ks[None, :], mask=mask_m[:, None] & (ks < K)[None, :], other=0.0)
+        h, xt = _load_tile(qw_rows, x_rows, words, ks, mask_n, mask_m, n_words, K, EVEN_K)
         xs = _deinterleave8(xt.to(tl.float32), BLOCK_M, W)  # xs[j][:, t] = x[:, k0 + 8 t + j]
         part = tl.zeros([BLOCK_N, BLOCK_M, W], dtype=tl.float32)
         for i in tl.static_range(4):
@@ -578,12 +555,7 @@ def _prefill_kernel(
         k0 = tile * BLOCK_K
         words = k0 // PACK + offs_w
         ks = k0 + offs_k
-        if EVEN_K:
-            h = tl.load(qw_rows + words[None, :], mask=mask_n[:, None], other=0)
-            xt = tl.load(x_rows + ks[None, :], mask=mask_m[:, None], other=0.0)
-        else:
-            h = tl.load(qw_rows + words[None, :], mask=mask_n[:, None] & (words < n_words)[None, :], other=0)
-            xt = tl.load(x_rows + ks[None, :], mask=mask_m[:, None] & (ks < K)[None, :], other=0.0)
+        h, xt = _load_tile(qw_rows, x_rows, words, ks, mask_n, mask_m, n_words, K, EVEN_K)
         q = _unpack(h, BLOCK_N, BLOCK_K, BITS)
         s, z = _value_params(scale_ptr, zero_ptr, offs_n, mask_n, tile, ks, K, scale_row_stride,
                              zero_row_stride, BITS, GROUP, HAS_ZERO, BLOCK_N, BLOCK_K, GPT)  # fmt: skip

@@ -31,16 +31,6 @@ DTYPE = torch.bfloat16
 KN = [(4096, 4096), (4096, 14336), (14336, 4096), (14336, 14336)]
 MS = (1, 2, 4, 8, 16, 32, 64)
 GROUP = 32
-TILE_K = qm._tile_k
-
-
-def prescale_tile(group_size, k_in, bits):
-    """The tile choice before the byte path: a 256-deep PRESCALE tile of int16 words."""
-    return 256, True, 16, 1
-
-
-# (label, tile choice, SUB_MAX): one row count takes the FMA kernel (M = 1) whatever the tile choice.
-PATHS = [("prescale", prescale_tile, 4), ("bytes1", TILE_K, 1), ("bytes2", TILE_K, 2), ("bytes4", TILE_K, 4)]
 
 
 class Rec:
@@ -75,42 +65,19 @@ def main() -> None:
         for m in MS:
             x = torch.randn(m, k, device="cuda", dtype=DTYPE)
             t_bf16 = do_bench_cudagraph(_cycle([lambda d=d, x=x: x @ d.t() for d in denses]), rep=30)
-            row = {"bf16": t_bf16}
+            y = K.quant_matmul(x, *sym_packs[0][:2], None, GROUP, 4).float()
             ref = (x @ dense.t()).float()
-            for label, tile, sub in PATHS:
-                qm._tile_k, qm.SUB_MAX = tile, sub
-                try:
-                    y = K.quant_matmul(x, *sym_packs[0][:2], None, GROUP, 4).float()
-                    err = ((y - ref).norm() / ref.norm()).item()
-                    assert err < 1e-2, (label, m, n, k, err)
-                    row[label] = timed(sym_packs, x)
-                    if label in ("prescale", "bytes4"):
-                        row[label + "+zp"] = timed(packs, x, zeros=True)
-                finally:
-                    qm._tile_k, qm.SUB_MAX = TILE_K, 4
-            if m == 1:  # the tensor-core byte path at one row too (GEMV_MAX_M = 0)
-                qm.GEMV_MAX_M = 0
-                try:
-                    row["bytes4-mma"] = timed(sym_packs, x)
-                finally:
-                    qm.GEMV_MAX_M = 1
+            assert ((y - ref).norm() / ref.norm()).item() < 1e-2, (m, n, k)
+            row = {"bf16": t_bf16, "ours": timed(sym_packs, x), "ours+zp": timed(packs, x, zeros=True)}
             if marlin is not None:
                 row["marlin"] = marlin(Rec(), m, n, k, GROUP, x, dense, (m, n, k), nbytes)
             print(f"m={m} k={k} n={n}: " + "  ".join(f"{key} {v * 1e3:.1f}us ({t_bf16 / v:.2f}x)"
                                                       for key, v in row.items()), flush=True)  # fmt: skip
 
 
-# Variants of the tensor-core kernel at group 32: (tile choice, NATIVE_PRESCALE).
-VARIANTS = {
-    "prescale": (prescale_tile, False),
-    "prescale-native": (prescale_tile, True),
-    "bytes1": (TILE_K, False),
-}
-
-
 def sweep() -> None:
-    """Tiles of each variant at group 32 (BLOCK_N, stages, split; 4 warps), best five and the default; then
-    the FMA kernel at 2-8 rows (GEMV_MAX_M raised) at groups 32 and 128."""
+    """Tiles of the PRESCALE kernel at group 32 (BLOCK_N, stages, split; 4 warps), best four and the shipped
+    choice; then the FMA kernel at 2-8 rows (GEMV_MAX_M raised) at groups 32 and 128."""
     saved = qm.tuning
     grid = list(itertools.product((64, 128, 256), (4,), (3, 4), (4, 8, 16)))
     for k, n in [(4096, 4096), (4096, 14336), (14336, 4096)]:
@@ -120,24 +87,20 @@ def sweep() -> None:
         packs = [(qw, sc, None)] + [(qw.clone(), sc.clone(), None) for _ in range(copies - 1)]
         for m in (4, 16, 64):
             x = torch.randn(m, k, device="cuda", dtype=DTYPE)
-            for label, (tile, native) in VARIANTS.items():
-                qm._tile_k, qm.SUB_MAX, qm.NATIVE_PRESCALE = tile, 1, native
-                results = []
-                for bn, warps, stages, split in grid:
-                    cfg = {"BLOCK_N": bn, "split": split, "num_warps": warps, "num_stages": stages}
-                    qm.tuning = lambda *a, cfg=cfg: cfg
-                    try:
-                        results.append((timed(packs, x), bn, warps, stages, split))
-                    except Exception as exc:  # out of shared memory / registers
-                        print(f"# {cfg}: {type(exc).__name__}", file=sys.stderr)
-                    finally:
-                        qm.tuning = saved
-                results.sort()
-                t_default = timed(packs, x)
-                qm._tile_k, qm.SUB_MAX, qm.NATIVE_PRESCALE = TILE_K, 4, False
-                print(f"sweep {label} m={m} k={k} n={n}: " + "; ".join(
-                    f"{t * 1e3:.1f}us bn{bn} w{w} s{st} split{sp}" for t, bn, w, st, sp in results[:4])
-                    + f" | default {t_default * 1e3:.1f}us", flush=True)  # fmt: skip
+            results = []
+            for bn, warps, stages, split in grid:
+                cfg = {"BLOCK_N": bn, "split": split, "num_warps": warps, "num_stages": stages}
+                qm.tuning = lambda *a, cfg=cfg: cfg
+                try:
+                    results.append((timed(packs, x), bn, warps, stages, split))
+                except Exception as exc:  # out of shared memory / registers
+                    print(f"# {cfg}: {type(exc).__name__}", file=sys.stderr)
+                finally:
+                    qm.tuning = saved
+            results.sort()
+            print(f"sweep m={m} k={k} n={n}: " + "; ".join(
+                f"{t * 1e3:.1f}us bn{bn} w{w} s{st} split{sp}" for t, bn, w, st, sp in results[:4])
+                + f" | shipped {timed(packs, x) * 1e3:.1f}us", flush=True)  # fmt: skip
     for group in (32, 128):
         for k, n in [(4096, 4096), (4096, 14336), (14336, 4096)]:
             t = quant_layout.pack_weight(torch.randn(n, k, device="cuda", dtype=DTYPE) / 64, 4, group)
