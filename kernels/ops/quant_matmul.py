@@ -124,20 +124,24 @@ def _groups_per_tile(group_size: int, block_k: int, per_word: int) -> int:
 
 
 def tuning(kernel: str, m: int, n_out: int, k_in: int, block_k: int, device: torch.device,
-           prescale: bool = False) -> dict:  # fmt: skip
+           narrow_groups: bool = False) -> dict:  # fmt: skip
     """BLOCK_N, split-K, warps and stages for the decode kernels, chosen from the sweeps of
-    ``tests/benchmarks/bench_quant_matmul.py --sweep`` and (PRESCALE tiles) ``tests/gpu/g32_probe.py
-    --sweep`` (results and figures: tests/benchmarks/NOTES.md): one setting within a few percent of each
-    shape's best, and twice the K splits when the N tiles alone fill few SMs and K is long, so that more
-    programs share the weight stream. PRESCALE tiles (each weight dequantized before the dot) are 64 wide:
-    1.3-1.7x faster than 128 at int4 g32, 4-64 rows (H100); 4 K splits once the N tiles fill the SMs twice
-    over or the rows fill a 64-row tile, else 8."""
+    ``tests/benchmarks/bench_quant_matmul.py --sweep`` and ``tests/gpu/g32_probe.py --sweep / --sweep-gemv``
+    (results and figures: tests/benchmarks/NOTES.md): one setting within a few percent of each shape's best,
+    and twice the K splits when the N tiles alone fill few SMs and K is long, so that more programs share the
+    weight stream.
+
+    ``narrow_groups``: several groups per K tile (int4 g32: the tensor-core kernel's PRESCALE tile, the FMA
+    kernel's per-word scales). Those take 64-wide tiles (8 warps on the FMA kernel) and 4 K splits once the N
+    tiles fill the SMs twice over or the rows fill a 64-row tile, else 8: at g32 1.3-1.7x faster than the
+    g128 tiles at 4-64 rows, 1.1-1.6x at one row (H100; with zero points the most)."""
     tiles = cdiv(k_in, block_k)
     if interpreting():  # small tiles; split-K whenever there are two tiles, so the tests cover both paths
         return {"BLOCK_N": 16, "split": min(2, tiles), "num_warps": 4, "num_stages": 1}
-    if prescale:
+    if narrow_groups:
         many = cdiv(n_out, 64) * 4 >= 2 * sm_count(device) or m > 32
-        return {"BLOCK_N": 64, "split": max(1, min(4 if many else 8, tiles)), "num_warps": 4, "num_stages": 3}
+        return {"BLOCK_N": 64, "split": max(1, min(4 if many else 8, tiles)),
+                "num_warps": 8 if kernel == "gemv" else 4, "num_stages": 3}  # fmt: skip
     block_n = 128
     few_tiles = cdiv(n_out, block_n) * 8 < 2 * sm_count(device)
     split = 16 if few_tiles and tiles >= 64 else 8
@@ -176,7 +180,7 @@ def _quant_matmul(
         kernel = _gemv_int4_kernel if pairs else _gemv_kernel
         block_m, prescale = next_power_of_2(m), False
         block_k = 256 if group_size % 256 == 0 else 128
-        cfg = tuning("gemv", m, n_out, k_in, block_k, x.device)
+        cfg = tuning("gemv", m, n_out, k_in, block_k, x.device, pairs and group_size < block_k)
     else:
         kernel, block_m = _skinny_kernel, (16 if m <= 16 else (32 if m <= 32 else 64))
         block_k, prescale = _tile_k(group_size, k_in, bits)

@@ -75,33 +75,43 @@ def main() -> None:
                                                       for key, v in row.items()), flush=True)  # fmt: skip
 
 
-def sweep() -> None:
+def tiles(run, grid) -> str:
+    """Time ``run()`` (ms) under each (BLOCK_N, warps, stages, split) of ``grid`` forced into
+    ``quant_matmul.tuning``: the best four, and the shipped choice's time."""
+    saved, results = qm.tuning, []
+    for bn, warps, stages, split in grid:
+        cfg = {"BLOCK_N": bn, "split": split, "num_warps": warps, "num_stages": stages}
+        qm.tuning = lambda *a, cfg=cfg: cfg
+        try:
+            results.append((run(), bn, warps, stages, split))
+        except Exception as exc:  # out of shared memory / registers
+            print(f"# {cfg}: {type(exc).__name__}", file=sys.stderr)
+        finally:
+            qm.tuning = saved
+    results.sort()
+    best = "; ".join(f"{t * 1e3:.1f}us bn{bn} w{w} s{st} split{sp}" for t, bn, w, st, sp in results[:4])
+    return f"{best} | shipped {run() * 1e3:.1f}us"
+
+
+def sweep(zeros: bool = False) -> None:
     """Tiles of the PRESCALE kernel at group 32 (BLOCK_N, stages, split; 4 warps), best four and the shipped
-    choice; then the FMA kernel at 2-8 rows (GEMV_MAX_M raised) at groups 32 and 128."""
-    saved = qm.tuning
-    grid = list(itertools.product((64, 128, 256), (4,), (3, 4), (4, 8, 16)))
+    choice; then the FMA kernel at 2-8 rows (GEMV_MAX_M raised) at groups 32 and 128. ``zeros``: with zero
+    points, 4 or 8 warps, 4 and 16 rows, no FMA rows."""
+    grid = list(itertools.product((64, 128, 256), (4, 8) if zeros else (4,), (3, 4), (4, 8, 16)))
     for k, n in [(4096, 4096), (4096, 14336), (14336, 4096)]:
-        t = quant_layout.pack_weight(torch.randn(n, k, device="cuda", dtype=DTYPE) / 64, 4, GROUP)
-        qw, sc = t["weight_packed"], t["weight_scale"]
+        t = quant_layout.pack_weight(torch.randn(n, k, device="cuda", dtype=DTYPE) / 64, 4, GROUP, not zeros)
+        qw, sc, zp = t["weight_packed"], t["weight_scale"], t.get("weight_zero_point")
         copies = _copies(qw.numel() * 4)
-        packs = [(qw, sc, None)] + [(qw.clone(), sc.clone(), None) for _ in range(copies - 1)]
-        for m in (4, 16, 64):
+        packs = [(qw, sc, zp)] + [
+            (qw.clone(), sc.clone(), zp if zp is None else zp.clone()) for _ in range(copies - 1)
+        ]
+        for m in (4, 16) if zeros else (4, 16, 64):
             x = torch.randn(m, k, device="cuda", dtype=DTYPE)
-            results = []
-            for bn, warps, stages, split in grid:
-                cfg = {"BLOCK_N": bn, "split": split, "num_warps": warps, "num_stages": stages}
-                qm.tuning = lambda *a, cfg=cfg: cfg
-                try:
-                    results.append((timed(packs, x), bn, warps, stages, split))
-                except Exception as exc:  # out of shared memory / registers
-                    print(f"# {cfg}: {type(exc).__name__}", file=sys.stderr)
-                finally:
-                    qm.tuning = saved
-            results.sort()
-            print(f"sweep m={m} k={k} n={n}: " + "; ".join(
-                f"{t * 1e3:.1f}us bn{bn} w{w} s{st} split{sp}" for t, bn, w, st, sp in results[:4])
-                + f" | shipped {timed(packs, x) * 1e3:.1f}us", flush=True)  # fmt: skip
-    for group in (32, 128):
+            print(
+                f"sweep m={m} k={k} n={n}: " + tiles(lambda p=packs, x=x: timed(p, x, zeros), grid),
+                flush=True,
+            )
+    for group in () if zeros else (32, 128):
         for k, n in [(4096, 4096), (4096, 14336), (14336, 4096)]:
             t = quant_layout.pack_weight(torch.randn(n, k, device="cuda", dtype=DTYPE) / 64, 4, group)
             qw, sc = t["weight_packed"], t["weight_scale"]
@@ -122,9 +132,27 @@ def sweep() -> None:
                       f"FMA kernel {t_fma * 1e3:.1f}us", flush=True)  # fmt: skip
 
 
+def sweep_gemv() -> None:
+    """Tiles of the one-row FMA kernel (``_gemv_int4_kernel``) at group 32, symmetric and with zero points:
+    BLOCK_N, warps, stages, split; best four and the shipped choice."""
+    grid = list(itertools.product((32, 64, 128), (4, 8), (3, 4), (4, 8, 16)))
+    for group in (GROUP,):
+        for k, n in [(4096, 4096), (4096, 14336), (14336, 4096)]:
+            t = quant_layout.pack_weight(torch.randn(n, k, device="cuda", dtype=DTYPE) / 64, 4, group, False)
+            qw, sc, zp = t["weight_packed"], t["weight_scale"], t["weight_zero_point"]
+            copies = _copies(qw.numel() * 4)
+            packs = [(qw, sc, zp)] + [(qw.clone(), sc.clone(), zp.clone()) for _ in range(copies - 1)]
+            x = torch.randn(1, k, device="cuda", dtype=DTYPE)
+            for zeros in (False, True):
+                calls = [(x, p[0], p[1], p[2] if zeros else None, group, 4) for p in packs]
+                fn = _cycle([lambda a=a: K.quant_matmul(*a) for a in calls])
+                run = lambda fn=fn: do_bench_cudagraph(fn, rep=30)  # noqa: E731
+                print(f"gemv g={group} zp={zeros} k={k} n={n}: " + tiles(run, grid), flush=True)
+
+
 if __name__ == "__main__":
-    if "--sweep" in sys.argv:
+    if "--sweep" in sys.argv or "--sweep-gemv" in sys.argv:
         print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
-        sweep()
+        sweep("--zp" in sys.argv) if "--sweep" in sys.argv else sweep_gemv()
     else:
         main()
