@@ -2,8 +2,8 @@
 count, tuning, the split-K workspace, registration and autograd. The kernels and their design are in
 ``quant_matmul_kernels.py``; the layout in ``kernels/quant_layout.py``.
 
-One row (M <= GEMV_MAX_M) runs on the FMA units (``_gemv_int4_kernel`` for int4, ``_gemv_kernel`` for
-int8), up to SKINNY_MAX_M rows on tensor cores (``_skinny_kernel``). Prefill (M > SKINNY_MAX_M) is
+One row of int4 (M <= GEMV_MAX_M) runs on the FMA units (``_gemv_int4_kernel``), up to SKINNY_MAX_M rows
+(and int8 at one row) on tensor cores (``_skinny_kernel``). Prefill (M > SKINNY_MAX_M) is
 compute-bound and takes the faster of two paths for its shape (``PREFILL``): ``_prefill_kernel``, a
 tensor-core GEMM that dequantizes each weight tile in registers, or ``_dequantize_kernel`` expanding W to
 the activation dtype once (bit-exact, as compressed-tensors dequantizes; at memory speed) and cuBLAS. The
@@ -21,7 +21,6 @@ from squeezeserve.kernels.ops.launch import cdiv, next_power_of_2, sm_count, tra
 from squeezeserve.kernels.ops.quant_matmul_kernels import (
     _dequantize_kernel,
     _gemv_int4_kernel,
-    _gemv_kernel,
     _prefill_kernel,
     _skinny_kernel,
 )
@@ -124,7 +123,7 @@ def _groups_per_tile(group_size: int, block_k: int, per_word: int) -> int:
 
 
 def tuning(kernel: str, m: int, n_out: int, k_in: int, block_k: int, device: torch.device,
-           narrow_groups: bool = False) -> dict:  # fmt: skip
+           narrow_groups: bool = False, bits: int = 4) -> dict:  # fmt: skip
     """BLOCK_N, split-K, warps and stages for the decode kernels, chosen from the sweeps of
     ``tests/benchmarks/bench_quant_matmul.py --sweep`` and ``tests/gpu/g32_probe.py --sweep / --sweep-gemv``
     (results and figures: tests/benchmarks/NOTES.md): one setting within a few percent of each shape's best,
@@ -134,14 +133,19 @@ def tuning(kernel: str, m: int, n_out: int, k_in: int, block_k: int, device: tor
     ``narrow_groups``: several groups per K tile (int4 g32: the tensor-core kernel's PRESCALE tile, the FMA
     kernel's per-word scales). Those take 64-wide tiles (8 warps on the FMA kernel) and 4 K splits once the N
     tiles fill the SMs twice over or the rows fill a 64-row tile, else 8: at g32 1.3-1.7x faster than the
-    g128 tiles at 4-64 rows, 1.1-1.6x at one row (H100; with zero points the most)."""
+    g128 tiles at 4-64 rows, 1.1-1.6x at one row (H100; with zero points the most). int8 takes 64-wide
+    tiles too, 4 K splits for many N tiles or 256-deep K tiles (per-channel scales), else 8: 1.0-1.3x faster
+    than the int4 g128 tiles (``g32_probe.py --sweep-int8``)."""
     tiles = cdiv(k_in, block_k)
     if interpreting():  # small tiles; split-K whenever there are two tiles, so the tests cover both paths
         return {"BLOCK_N": 16, "split": min(2, tiles), "num_warps": 4, "num_stages": 1}
+    many = cdiv(n_out, 64) * 4 >= 2 * sm_count(device) or m > 32
     if narrow_groups:
-        many = cdiv(n_out, 64) * 4 >= 2 * sm_count(device) or m > 32
         return {"BLOCK_N": 64, "split": max(1, min(4 if many else 8, tiles)),
                 "num_warps": 8 if kernel == "gemv" else 4, "num_stages": 3}  # fmt: skip
+    if bits == 8:
+        split = 4 if many or block_k >= 256 else 8
+        return {"BLOCK_N": 64, "split": max(1, min(split, tiles)), "num_warps": 4, "num_stages": 3}
     block_n = 128
     few_tiles = cdiv(n_out, block_n) * 8 < 2 * sm_count(device)
     split = 16 if few_tiles and tiles >= 64 else 8
@@ -174,17 +178,15 @@ def _quant_matmul(
             return (x2 @ weight.t()).reshape(*x.shape[:-1], n_out)
         return _prefill(x2, qweight, scales, zeros, zero_arg, group_size, bits).reshape(*x.shape[:-1], n_out)
     per16 = 16 // bits
-    gemv = m <= GEMV_MAX_M and group_size % per16 == 0
-    pairs = gemv and bits == 4 and group_size % 8 == 0  # the int4 FMA kernel reads whole int32 words
+    gemv = m <= GEMV_MAX_M and bits == 4 and group_size % 8 == 0  # the FMA kernel reads whole int32 words
     if gemv:
-        kernel = _gemv_int4_kernel if pairs else _gemv_kernel
-        block_m, prescale = next_power_of_2(m), False
+        kernel, block_m, prescale = _gemv_int4_kernel, next_power_of_2(m), False
         block_k = 256 if group_size % 256 == 0 else 128
-        cfg = tuning("gemv", m, n_out, k_in, block_k, x.device, pairs and group_size < block_k)
+        cfg = tuning("gemv", m, n_out, k_in, block_k, x.device, group_size < block_k)
     else:
         kernel, block_m = _skinny_kernel, (16 if m <= 16 else (32 if m <= 32 else 64))
         block_k, prescale = _tile_k(group_size, k_in, bits)
-        cfg = tuning("mma", m, n_out, k_in, block_k, x.device, prescale)
+        cfg = tuning("mma", m, n_out, k_in, block_k, x.device, prescale, bits)
     magic, bias, mantissa = _MAGIC[x.dtype]
     if bits >= mantissa:  # int8 values do not fit bf16's 7-bit mantissa: converted instead (BIAS 0)
         magic, bias = 0, 0.0
@@ -200,7 +202,7 @@ def _quant_matmul(
     ws, counts = _workspace(x.device, m * n_out, grid[0] * grid[1]) if mode == 2 and m else (y, y)
     if m:
         words, word_stride = (
-            (qweight, qweight.stride(0)) if pairs else (qweight.view(torch.int16), qweight.stride(0) * 2)
+            (qweight, qweight.stride(0)) if gemv else (qweight.view(torch.int16), qweight.stride(0) * 2)
         )
         args = (
             x2, words, scales, zero_arg, y, ws, counts, m, n_out, k_in,
@@ -211,16 +213,12 @@ def _quant_matmul(
                 "BLOCK_N": cfg["BLOCK_N"], "BLOCK_K": block_k, "MODE": mode,
                 "EVEN_K": k_in % block_k == 0, "num_warps": cfg["num_warps"],
                 "num_stages": cfg["num_stages"]}  # fmt: skip
-        if not pairs:
-            meta["BITS"] = bits
         if gemv:
-            meta["STAGES"] = cfg["num_stages"]
-            if pairs:
-                meta["GPT"] = _groups_per_tile(group_size, block_k, 8)
+            meta |= {"STAGES": cfg["num_stages"], "GPT": _groups_per_tile(group_size, block_k, 8)}
         else:
             # NATIVE: the interpreter's bf16 arithmetic is wrong on the bitcast values, as its bf16 tl.dot is.
             bf16_interpreted = interpreting() and x.dtype == torch.bfloat16
-            meta |= {"MAGIC": magic, "BIAS": bias, "PRESCALE": prescale,
+            meta |= {"BITS": bits, "MAGIC": magic, "BIAS": bias, "PRESCALE": prescale,
                      "NATIVE": scales.dtype == x.dtype and not bf16_interpreted,
                      "GPT": _groups_per_tile(group_size, block_k, per16),
                      "DOT_FP32": bf16_interpreted}  # fmt: skip

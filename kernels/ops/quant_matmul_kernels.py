@@ -7,8 +7,9 @@ along K (P = 32 // bits, lowest bits first, offset-binary), ``scales`` [N, ceil(
 ``zeros`` int32 [ceil(N / P), ceil(K / G)] packed along N.
 
 Decode and batched decode (M <= SKINNY_MAX_M) stream the packed weight with as little arithmetic per
-weight as possible: one row (M <= GEMV_MAX_M) on the FMA units (:func:`_gemv_int4_kernel` for int4,
-:func:`_gemv_kernel` for int8), more rows on tensor cores (:func:`_skinny_kernel`):
+weight as possible: one row of int4 (M <= GEMV_MAX_M, groups of whole words) on the FMA units
+(:func:`_gemv_int4_kernel`), everything else on tensor cores (:func:`_skinny_kernel`; int8 at one row too,
+where it beat an int8 FMA kernel at every shape measured, tests/benchmarks/NOTES.md):
 
 - Wide, pipelined loads: when K is a multiple of the tile (``EVEN_K``) no K mask is applied, so the weight
   tile loads are 16-byte vectors that Triton turns into multi-stage ``cp.async`` pipelines (with a mask of
@@ -255,96 +256,6 @@ def _skinny_kernel(
             xsum = tl.sum(xt.to(tl.float32), axis=1)
             acc += s * (part - (BIAS + z) * xsum[None, :])
     _write_tile(acc, y_ptr, ws_ptr, count_ptr, offs_n, offs_m, mask_n, mask_m, y_row_stride, n_splits, MODE)
-
-
-@triton.jit
-def _gemv_kernel(
-    x_ptr,  # [M, K] activations
-    qw_ptr,  # [N, ceil(K / V)] int16 view of the packed int32 weight
-    scale_ptr,  # [N, ceil(K / GROUP)]
-    zero_ptr,  # [ceil(N / (32 // BITS)), ceil(K / GROUP)] int32 packed zero points (only when HAS_ZERO)
-    y_ptr,  # [M, N]: the output dtype, or fp32 partial sums (MODE 1)
-    ws_ptr,  # fp32 workspace, zero between calls (MODE 2)
-    count_ptr,  # int32 arrivals per output tile, zero between calls (MODE 2)
-    M,
-    N,
-    K,
-    x_row_stride,
-    qw_row_stride,
-    scale_row_stride,
-    zero_row_stride,
-    y_row_stride,
-    tiles_per_split,
-    n_splits,
-    BITS: tl.constexpr,
-    GROUP: tl.constexpr,
-    HAS_ZERO: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    MODE: tl.constexpr,  # how partial tiles meet: see _write_tile
-    EVEN_K: tl.constexpr,
-    STAGES: tl.constexpr,  # software-pipeline depth of the weight loads (1: none)
-):
-    """The skinny product on the FMA units, for a few rows: no tensor-core round trips, all in registers.
-
-    A value q becomes the fp32 ``q`` with one OR (into the mantissa of 2**23) and one subtract; products
-    accumulate per (row, output, word) in fp32 and the group's scale and zero point are applied per tile
-    (``sum (q - z) s x = s (sum q x - z sum x)``); the word axis is summed once at the end.
-    """
-    V: tl.constexpr = 16 // BITS
-    T: tl.constexpr = BLOCK_K // V
-    MASK: tl.constexpr = (1 << BITS) - 1
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    pid_k = tl.program_id(2)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_t = tl.arange(0, T)
-    offs_k = tl.arange(0, BLOCK_K)
-    mask_n = offs_n < N
-    mask_m = offs_m < M
-    n_words = tl.cdiv(K, V)
-    qw_rows = qw_ptr + offs_n[:, None].to(tl.int64) * qw_row_stride
-    x_rows = x_ptr + offs_m[:, None].to(tl.int64) * x_row_stride
-    acc = tl.zeros([BLOCK_N, BLOCK_M, T], dtype=tl.float32)
-    tile_begin = pid_k * tiles_per_split
-    tile_end = tl.minimum(tile_begin + tiles_per_split, tl.cdiv(K, BLOCK_K))
-    for tile in tl.range(tile_begin, tile_end, num_stages=STAGES):
-        k0 = tile * BLOCK_K
-        words = k0 // V + offs_t
-        ks = k0 + offs_k
-        h, xt = _load_tile(qw_rows, x_rows, words, ks, mask_n, mask_m, n_words, K, EVEN_K)
-        h = h.to(tl.int32)
-        xs = _deinterleave(xt.to(tl.float32), BLOCK_M, T, V)  # xs[i][:, t] = x[:, k0 + V t + i]
-        part = tl.zeros([BLOCK_N, BLOCK_M, T], dtype=tl.float32)
-        xsum = tl.zeros([BLOCK_M, T], dtype=tl.float32)
-        for i in tl.static_range(V):
-            q = (((h >> (i * BITS)) & MASK) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-            part += q[:, None, :] * xs[i][None, :, :]
-            xsum += xs[i]
-        if GROUP % BLOCK_K == 0:  # one group for the whole tile: per-row scalars
-            s, z = _group_params(scale_ptr, zero_ptr, offs_n[:, None], k0 // GROUP, mask_n[:, None],
-                                 scale_row_stride, zero_row_stride, BITS, HAS_ZERO)  # fmt: skip
-        else:  # several groups in the tile: the group of each word
-            word_groups = ((k0 + offs_t * V) // GROUP)[None, :]
-            word_mask = mask_n[:, None] & (words < n_words)[None, :]
-            s, z = _group_params(scale_ptr, zero_ptr, offs_n[:, None], word_groups, word_mask,
-                                 scale_row_stride, zero_row_stride, BITS, HAS_ZERO)  # fmt: skip
-        acc += (part - z[:, None, :] * xsum[None, :, :]) * s[:, None, :]
-    _write_tile(
-        tl.sum(acc, axis=2),
-        y_ptr,
-        ws_ptr,
-        count_ptr,
-        offs_n,
-        offs_m,
-        mask_n,
-        mask_m,
-        y_row_stride,
-        n_splits,
-        MODE,
-    )
 
 
 @triton.jit

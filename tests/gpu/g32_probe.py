@@ -150,9 +150,42 @@ def sweep_gemv() -> None:
                 print(f"gemv g={group} zp={zeros} k={k} n={n}: " + tiles(run, grid), flush=True)
 
 
+def sweep_int8() -> None:
+    """int8 weight-only (issue 16 asks >= 1.6x bf16 at <= 16 rows), groups of 128 (the bench's rows) and per
+    channel (what compress writes): the FMA kernel and the tensor-core kernel at one row, the tensor-core
+    kernel at 4 and 16 rows, each over a tile grid (best four and the shipped choice), with bf16's time."""
+    grid = list(itertools.product((64, 128), (4, 8), (3,), (4, 8, 16)))
+    for k, n in [(4096, 4096), (4096, 14336), (14336, 4096)]:
+        weight = torch.randn(n, k, device="cuda", dtype=DTYPE) / 64
+        dense = [weight] + [weight.clone() for _ in range(_copies(weight.numel() * 2) - 1)]
+        for group in (128, k):
+            t = quant_layout.pack_weight(weight, 8, group)
+            qw, sc = t["weight_packed"], t["weight_scale"]
+            packs = [(qw, sc)] + [(qw.clone(), sc.clone()) for _ in range(_copies(qw.numel() * 4) - 1)]
+            for m, fma in ((1, True), (1, False), (4, False), (16, False)):
+                x = torch.randn(m, k, device="cuda", dtype=DTYPE)
+                t_bf16 = do_bench_cudagraph(_cycle([lambda d=d, x=x: x @ d.t() for d in dense]), rep=30)
+                fn = _cycle([lambda p=p, x=x, g=group: K.quant_matmul(x, *p, None, g, 8) for p in packs])
+                qm.GEMV_MAX_M = 1 if fma else 0
+                try:
+                    line = tiles(lambda fn=fn: do_bench_cudagraph(fn, rep=30), grid)
+                finally:
+                    qm.GEMV_MAX_M = 1
+                kernel = "fma" if fma else "mma"
+                print(
+                    f"int8 g={group} m={m} {kernel} k={k} n={n}: bf16 {t_bf16 * 1e3:.1f}us | {line}",
+                    flush=True,
+                )
+
+
 if __name__ == "__main__":
-    if "--sweep" in sys.argv or "--sweep-gemv" in sys.argv:
+    if "--sweep" in sys.argv or "--sweep-gemv" in sys.argv or "--sweep-int8" in sys.argv:
         print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
-        sweep("--zp" in sys.argv) if "--sweep" in sys.argv else sweep_gemv()
+        if "--sweep" in sys.argv:
+            sweep("--zp" in sys.argv)
+        elif "--sweep-gemv" in sys.argv:
+            sweep_gemv()
+        else:
+            sweep_int8()
     else:
         main()

@@ -36,7 +36,7 @@ os.environ["VLLM_CACHE_ROOT"] = compile_cache_root()
 OUR_KERNELS = {
     "silu_and_mul": ("_swiglu_fwd",),
     "rms_norm": ("_rmsnorm_fwd",),
-    "quant_matmul": ("_gemv_int4_kernel", "_gemv_kernel", "_skinny_kernel", "_dequantize_kernel"),
+    "quant_matmul": ("_gemv_int4_kernel", "_skinny_kernel", "_dequantize_kernel"),
 }
 PROMPTS = [
     "The capital of France is",
