@@ -215,12 +215,12 @@ def _skinny_kernel(
         k0 = tile * BLOCK_K
         words = k0 // V + offs_t
         ks = k0 + offs_k
-        if GPT > 0 and PRESCALE and NATIVE:  # in the activation dtype, BIAS folded into z (exact)
-            s = _per_word(s_next.to(dtype), BLOCK_N, GPT, T)
-            z = _per_word((BIAS + z_next).to(dtype), BLOCK_N, GPT, T)
-        elif GPT > 0:
-            s, z = _per_word(s_next, BLOCK_N, GPT, T), _per_word(z_next, BLOCK_N, GPT, T)  # [BN, 1 or T]
         if GPT > 0:
+            if PRESCALE and NATIVE:  # in the activation dtype, BIAS folded into z (exact)
+                s = _per_word(s_next.to(dtype), BLOCK_N, GPT, T)
+                z = _per_word((BIAS + z_next).to(dtype), BLOCK_N, GPT, T)
+            else:
+                s, z = _per_word(s_next, BLOCK_N, GPT, T), _per_word(z_next, BLOCK_N, GPT, T)  # [BN, 1 or T]
             following = tl.minimum(tile + 1, tile_end - 1)
             s_next, z_next = _tile_params(scale_ptr, zero_ptr, offs_n, mask_n, following, K, scale_row_stride,
                                           zero_row_stride, BITS, GROUP, HAS_ZERO, BLOCK_K, GPT)  # fmt: skip

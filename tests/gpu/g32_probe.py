@@ -1,13 +1,19 @@
-"""Device probe for issue #16 item 1: int4 group-32 decode (what ``squeezeserve compress --method int4``
-writes by default) on the tensor-core kernel, read as bytes with the scale after each group's dots, against
-the per-weight dequantization it replaced, vLLM's Marlin at group 32 and bf16 cuBLAS.
+"""Device probe for issue #16 item 1: decode at the formats ``squeezeserve compress`` writes, int4 group 32
+(with and without zero points) and int8, against vLLM's Marlin (int4 g32) and bf16 cuBLAS.
 
-Per (K, N) and rows M: each path's time (CUDA graph replay over cold weight copies, as
-bench_quant_matmul.py times them) and its speedup over bf16; pieces per tile 1, 2 and 4 (``SUB_MAX``);
-symmetric and with zero points. ``--sweep``: tiles of each tensor-core variant; the FMA kernel at 2-8 rows.
+Groups of 32 are narrower than a tensor-core dot over the packed int16 words, so the skinny kernel
+dequantizes each weight before the dot (PRESCALE). Default: per (K, N) and rows M, ours, ours with zero
+points and Marlin (CUDA graph replay over cold weight copies, as bench_quant_matmul.py times them), each
+with its speedup over bf16. The sweeps force ``quant_matmul.tuning`` over a tile grid (BLOCK_N, warps,
+stages, split) and print the best four beside the shipped choice. The 2026-11-24 log
+(results/g32_probe_h100_2026-11-24.log) also holds the variants measured and dropped, from the probe as of
+commit 554c95b: int4 read as bytes with the scale after the dot, and the dequantization in fp32.
 
-    python3 tests/gpu/g32_probe.py            # vLLM on PYTHONPATH for the Marlin column
-    python3 tests/gpu/g32_probe.py --sweep    # tiles of each variant; the FMA kernel at 2-8 rows
+    python3 tests/gpu/g32_probe.py                 # vLLM on PYTHONPATH for the Marlin column
+    python3 tests/gpu/g32_probe.py --sweep [--zp]  # tensor-core tiles at g32 (--zp: with zero points);
+                                                   # without --zp also the FMA kernel at 2-8 rows
+    python3 tests/gpu/g32_probe.py --sweep-gemv    # one-row FMA kernel tiles at g32, with zero points too
+    python3 tests/gpu/g32_probe.py --sweep-int8    # int8 g128 / per channel: tensor-core kernel tiles
 """
 
 from __future__ import annotations
@@ -152,8 +158,9 @@ def sweep_gemv() -> None:
 
 def sweep_int8() -> None:
     """int8 weight-only (issue 16 asks >= 1.6x bf16 at <= 16 rows), groups of 128 (the bench's rows) and per
-    channel (what compress writes): the FMA kernel and the tensor-core kernel at one row, the tensor-core
-    kernel at 4 and 16 rows, each over a tile grid (best four and the shipped choice), with bf16's time."""
+    channel (what compress writes), on the tensor-core kernel (int8's only decode kernel since an int8 FMA
+    kernel lost to it: runs 8-9 of the log) at 1, 4 and 16 rows, each over a tile grid (best four and the
+    shipped choice), with bf16's time."""
     grid = list(itertools.product((64, 128), (4, 8), (3,), (4, 8, 16)))
     for k, n in [(4096, 4096), (4096, 14336), (14336, 4096)]:
         weight = torch.randn(n, k, device="cuda", dtype=DTYPE) / 64
@@ -162,20 +169,12 @@ def sweep_int8() -> None:
             t = quant_layout.pack_weight(weight, 8, group)
             qw, sc = t["weight_packed"], t["weight_scale"]
             packs = [(qw, sc)] + [(qw.clone(), sc.clone()) for _ in range(_copies(qw.numel() * 4) - 1)]
-            for m, fma in ((1, True), (1, False), (4, False), (16, False)):
+            for m in (1, 4, 16):
                 x = torch.randn(m, k, device="cuda", dtype=DTYPE)
                 t_bf16 = do_bench_cudagraph(_cycle([lambda d=d, x=x: x @ d.t() for d in dense]), rep=30)
                 fn = _cycle([lambda p=p, x=x, g=group: K.quant_matmul(x, *p, None, g, 8) for p in packs])
-                qm.GEMV_MAX_M = 1 if fma else 0
-                try:
-                    line = tiles(lambda fn=fn: do_bench_cudagraph(fn, rep=30), grid)
-                finally:
-                    qm.GEMV_MAX_M = 1
-                kernel = "fma" if fma else "mma"
-                print(
-                    f"int8 g={group} m={m} {kernel} k={k} n={n}: bf16 {t_bf16 * 1e3:.1f}us | {line}",
-                    flush=True,
-                )
+                line = tiles(lambda fn=fn: do_bench_cudagraph(fn, rep=30), grid)
+                print(f"int8 g={group} m={m} k={k} n={n}: bf16 {t_bf16 * 1e3:.1f}us | {line}", flush=True)
 
 
 if __name__ == "__main__":
