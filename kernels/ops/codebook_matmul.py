@@ -1,13 +1,15 @@
 """Weight-sharing matmul, ``squeezeserve::codebook_matmul``: ``y = x @ W.T`` with every weight looked up in
 its row's codebook inside the kernel (``kernels/codebook_layout.py`` defines the layout).
 
-Two kernels; in both a program owns BLOCK_N output rows and a run of K tiles (split-K when the N tiles
-alone would leave SMs idle), and the dequantized weight never exists in global memory. One row (decode)
-takes the word-wise LUT kernel (``_codebook_lut_kernel``: weights loaded from the codebook in L1, a
-multiply-and-sum on the FMA units). More rows take the gather kernel: its rows' codebooks (E = 2**bits
-values each, per channel or per K tile's group) are loaded into registers; per K tile the packed indices
-are unpacked with shifts and ``tl.gather`` turns them into weight values [BLOCK_N, BLOCK_K] in registers
-(a warp shuffle, or shared memory where the compiler needs it), the A operand of a tensor-core ``tl.dot``
+Three kernels; in each a program owns BLOCK_N output rows and a run of K tiles (split-K when the N tiles
+alone would leave SMs idle), and the dequantized weight never exists in global memory. 4-bit codebooks
+never touch memory per weight either: a row's 16 values live in eight registers as byte tables, and PTX
+``prmt`` picks the bytes of eight values per index word (``_lookup8``, about 3.5 instructions a value).
+One row (decode) takes the FMA kernel at 4 bits (``_codebook_fma_kernel``: looked-up values times the
+activations on the FMA units) and the word-wise LUT kernel at 3 bits (``_codebook_lut_kernel``: weights
+loaded from the codebook in L1). More rows take the tensor-core kernel: per K tile its [BLOCK_N, BLOCK_K]
+weight values (4 bits: the byte tables; 3 bits: the indices unpacked with shifts and ``tl.gather`` from
+the rows' codebooks in registers) are the A operand of ``tl.dot``
 (``acc[BLOCK_N, BLOCK_M] = W_tile @ x_tile.T``), as ``quant_matmul``'s skinny kernel.
 4-bit tiles load whole index words (8 indices each) and split them in registers; 3-bit words (10 indices)
 straddle power-of-two tiles, so each index loads its word (neighbours share the address). Split-K partials
@@ -24,8 +26,190 @@ from torch.library import triton_op
 from squeezeserve.kernels import codebook_layout, reference
 from squeezeserve.kernels.ops.launch import cdiv, sm_count, traceable
 from squeezeserve.kernels.ops.quant_matmul import _workspace
-from squeezeserve.kernels.ops.quant_matmul_kernels import _unpack, _write_tile
+from squeezeserve.kernels.ops.quant_matmul_kernels import _load_tile, _unpack, _write_tile
 from squeezeserve.kernels.registry import direct_launches, eager, interpreting, use_reference
+
+
+def _lookup_ptx(fp32: bool, fp16: bool) -> str:
+    """PTX that turns one word of eight 4-bit indices into their eight codebook values (operands: $0-$7 the
+    values, $8 the word, $9-$12 the low bytes of the row's 16 values four to a register, $13-$16 the high
+    bytes), with no memory access: ``prmt`` picks four bytes of eight by four 3-bit selectors at once, so
+    each byte of four values takes a ``prmt`` from entries 0-7, one from 8-15 and a ``lop3`` choosing by
+    the index's top bit (a per-byte mask that one more ``prmt`` makes, replicating sign bits). Two ``prmt``
+    interleave the low and high bytes into 16-bit values; ``fp32`` widens them (bf16: a shift or a mask;
+    fp16: a convert), else they come out as 16-bit registers. About 3.5 instructions a value."""
+    lines = ["and.b32 s, $8, 0x77777777;", "shl.b32 t, $8, 4;"]
+    for half, mask_selector in ((0, "0xD9C8"), (1, "0xFBEA")):
+        if half:
+            lines.append("shr.b32 s, s, 16;")
+        lines += [
+            f"prmt.b32 m, t, $8, {mask_selector};",  # 0xFF in byte i where value i's index has bit 3 set
+            "prmt.b32 a, $9, $10, s;", "prmt.b32 b, $11, $12, s;", "lop3.b32 lo, a, b, m, 0xD8;",
+            "prmt.b32 a, $13, $14, s;", "prmt.b32 b, $15, $16, s;", "lop3.b32 hi, a, b, m, 0xD8;",
+            "prmt.b32 p, lo, hi, 0x5140;", "prmt.b32 q, lo, hi, 0x7362;",
+        ]  # fmt: skip
+        for pair, reg in enumerate(("p", "q")):
+            o = 4 * half + 2 * pair
+            if not fp32:
+                lines.append(f"mov.b32 {{${o}, ${o + 1}}}, {reg};")
+            elif fp16:
+                lines += [f"mov.b32 {{h0, h1}}, {reg};", f"cvt.f32.f16 ${o}, h0;"]
+                lines.append(f"cvt.f32.f16 ${o + 1}, h1;")
+            else:
+                lines += [f"shl.b32 ${o}, {reg}, 16;", f"and.b32 ${o + 1}, {reg}, 0xFFFF0000;"]
+    return "{\n.reg .b32 s, t, m, a, b, lo, hi, p, q;\n.reg .b16 h0, h1;\n" + "\n".join(lines) + "\n}"
+
+
+_PTX_BF16_F32 = tl.constexpr(_lookup_ptx(True, False))
+_PTX_FP16_F32 = tl.constexpr(_lookup_ptx(True, True))
+_PTX_16 = tl.constexpr(_lookup_ptx(False, False))
+
+
+@triton.jit
+def _byte_pair(cb_rows, col, mask_n, dtype: tl.constexpr):
+    """Four codebook values (columns col..col+3 of each row, rounded to ``dtype``): their low bytes and high
+    bytes, each packed into one int32 [BLOCK_N, 1] (value j in byte j)."""
+    offs = tl.arange(0, 4)
+    v = tl.load(cb_rows + col + offs[None, :], mask=mask_n[:, None], other=0.0)
+    v = v.to(dtype).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    shifts = (offs * 8)[None, :]
+    return tl.sum((v & 0xFF) << shifts, axis=1)[:, None], tl.sum((v >> 8) << shifts, axis=1)[:, None]
+
+
+@triton.jit
+def _byte_tables(cb_rows, col, mask_n, dtype: tl.constexpr):
+    """The 16 values of each row's codebook at ``col`` as byte tables for :func:`_lookup8`: low bytes of
+    values 0-3, 4-7, 8-11, 12-15, then the high bytes, each [BLOCK_N, 1] int32."""
+    l0, h0 = _byte_pair(cb_rows, col, mask_n, dtype)
+    l1, h1 = _byte_pair(cb_rows, col + 4, mask_n, dtype)
+    l2, h2 = _byte_pair(cb_rows, col + 8, mask_n, dtype)
+    l3, h3 = _byte_pair(cb_rows, col + 12, mask_n, dtype)
+    return l0, l1, l2, l3, h0, h1, h2, h3
+
+
+@triton.jit
+def _table_byte(t0, t1, t2, t3, index):
+    """Byte ``index`` (0-15) of the table t0..t3 (uint32, four bytes each): the interpreter's ``prmt``."""
+    q = index >> 2
+    reg = tl.where(q == 0, t0, tl.where(q == 1, t1, tl.where(q == 2, t2, t3)))
+    return (reg >> ((index & 3) * 8)) & 0xFF
+
+
+@triton.jit
+def _emulated_value(h, j: tl.constexpr, l0, l1, l2, l3, h0, h1, h2, h3, dtype: tl.constexpr,
+                    FP32: tl.constexpr):  # fmt: skip
+    index = (h >> (4 * j)) & 15
+    bits = _table_byte(l0, l1, l2, l3, index) | (_table_byte(h0, h1, h2, h3, index) << 8)
+    value = bits.to(tl.uint16).to(dtype, bitcast=True)
+    return value.to(tl.float32) if FP32 else value
+
+
+@triton.jit
+def _lookup8(h, l0, l1, l2, l3, h0, h1, h2, h3, dtype: tl.constexpr, FP32: tl.constexpr, ASM: tl.constexpr):
+    """The codebook values of the eight 4-bit indices of words h (int32, any shape; tables from
+    :func:`_byte_tables` broadcast to it), value j from bits 4j..4j+3: fp32 if ``FP32``, else ``dtype``.
+    ``ASM``: the ``prmt`` PTX (:func:`_lookup_ptx`); else the same byte tables read with shifts (Triton's
+    interpreter runs no PTX)."""
+    if ASM:
+        args = [h, l0, l1, l2, l3, h0, h1, h2, h3]
+        if not FP32:  # the bits as they are, in x's dtype
+            v = tl.inline_asm_elementwise(_PTX_16, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r,r,r,r,r,r,r", args,
+                                          dtype=(tl.int16,) * 8, is_pure=True, pack=1)  # fmt: skip
+            return (v[0].to(dtype, bitcast=True), v[1].to(dtype, bitcast=True), v[2].to(dtype, bitcast=True),
+                    v[3].to(dtype, bitcast=True), v[4].to(dtype, bitcast=True), v[5].to(dtype, bitcast=True),
+                    v[6].to(dtype, bitcast=True), v[7].to(dtype, bitcast=True))  # fmt: skip
+        elif dtype == tl.float16:
+            return tl.inline_asm_elementwise(_PTX_FP16_F32, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r,r,r,r,r", args,
+                                             dtype=(tl.float32,) * 8, is_pure=True, pack=1)  # fmt: skip
+        else:
+            return tl.inline_asm_elementwise(_PTX_BF16_F32, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r,r,r,r,r", args,
+                                             dtype=(tl.float32,) * 8, is_pure=True, pack=1)  # fmt: skip
+    else:
+        h = h.to(tl.uint32, bitcast=True)
+        l0, l1, l2, l3 = (l0.to(tl.uint32, bitcast=True), l1.to(tl.uint32, bitcast=True),
+                          l2.to(tl.uint32, bitcast=True), l3.to(tl.uint32, bitcast=True))  # fmt: skip
+        h0, h1, h2, h3 = (h0.to(tl.uint32, bitcast=True), h1.to(tl.uint32, bitcast=True),
+                          h2.to(tl.uint32, bitcast=True), h3.to(tl.uint32, bitcast=True))  # fmt: skip
+        return (
+            _emulated_value(h, 0, l0, l1, l2, l3, h0, h1, h2, h3, dtype, FP32),
+            _emulated_value(h, 1, l0, l1, l2, l3, h0, h1, h2, h3, dtype, FP32),
+            _emulated_value(h, 2, l0, l1, l2, l3, h0, h1, h2, h3, dtype, FP32),
+            _emulated_value(h, 3, l0, l1, l2, l3, h0, h1, h2, h3, dtype, FP32),
+            _emulated_value(h, 4, l0, l1, l2, l3, h0, h1, h2, h3, dtype, FP32),
+            _emulated_value(h, 5, l0, l1, l2, l3, h0, h1, h2, h3, dtype, FP32),
+            _emulated_value(h, 6, l0, l1, l2, l3, h0, h1, h2, h3, dtype, FP32),
+            _emulated_value(h, 7, l0, l1, l2, l3, h0, h1, h2, h3, dtype, FP32),
+        )
+
+
+@triton.jit
+def _stack8(x0, x1, x2, x3, x4, x5, x6, x7, R: tl.constexpr, W: tl.constexpr):
+    """Pieces [R, W] -> [R, W, 8] with piece j at [:, :, j] (in each thread's registers: joins only)."""
+    even = tl.join(tl.join(x0, x4), tl.join(x2, x6))  # [R, W, c, a]: piece 4 c + 2 a
+    odd = tl.join(tl.join(x1, x5), tl.join(x3, x7))
+    return tl.reshape(tl.join(even, odd), [R, W, 8])
+
+
+@triton.jit
+def _codebook_fma_kernel(
+    x_ptr,  # [1, K] activations (fp16/bf16)
+    idx_ptr,  # [N, ceil(K / 8)] int32 packed 4-bit codebook indices
+    cb_ptr,  # [N, groups * 16] codebook values (fp16)
+    y_ptr,  # [1, N]: the output dtype, or fp32 partial sums (MODE 1)
+    ws_ptr,  # fp32 split-K workspace, zero between calls (MODE 2)
+    count_ptr,  # int32 arrivals per output tile, zero between calls (MODE 2)
+    N,
+    K,
+    idx_row_stride,
+    cb_row_stride,
+    tiles_per_split,
+    GROUP: tl.constexpr,  # input columns per codebook, a multiple of BLOCK_K; 0: one codebook per row
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    MODE: tl.constexpr,  # how split-K partial tiles meet: quant_matmul's _write_tile
+    EVEN_K: tl.constexpr,
+    STAGES: tl.constexpr,  # software-pipeline depth of the index loads
+    ASM: tl.constexpr,  # the prmt lookup (compiled); else its emulation (the interpreter)
+):
+    """One activation row (decode) of 4-bit codebooks on the FMA units: a program's rows keep their
+    codebooks as byte tables in registers (8 registers a row, built once per codebook), every index word
+    becomes its 8 values with :func:`_lookup8` (``prmt``: no memory access, no shuffle) and each value is
+    multiplied by its activation in fp32. The values stack to [BLOCK_N, W, 8] in each thread's registers,
+    the activations load as [W, 8] (a word's 8 in one vector), and the products sum per (output, word,
+    slot), reduced once after the K loop."""
+    W: tl.constexpr = BLOCK_K // 8
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(2)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_w = tl.arange(0, W)
+    mask_n = offs_n < N
+    n_words = tl.cdiv(K, 8)
+    idx_rows = idx_ptr + offs_n[:, None].to(tl.int64) * idx_row_stride
+    cb_rows = cb_ptr + offs_n[:, None].to(tl.int64) * cb_row_stride
+    dtype: tl.constexpr = x_ptr.dtype.element_ty
+    if GROUP == 0:
+        l0, l1, l2, l3, h0, h1, h2, h3 = _byte_tables(cb_rows, 0, mask_n, dtype)
+    offs_j = tl.arange(0, 8)
+    acc = tl.zeros([BLOCK_N, W, 8], dtype=tl.float32)
+    tile_begin = pid_k * tiles_per_split
+    tile_end = tl.minimum(tile_begin + tiles_per_split, tl.cdiv(K, BLOCK_K))
+    for tile in tl.range(tile_begin, tile_end, num_stages=STAGES):
+        k0 = tile * BLOCK_K
+        if GROUP > 0:  # a K tile lies inside one group
+            l0, l1, l2, l3, h0, h1, h2, h3 = _byte_tables(cb_rows, (k0 // GROUP) * 16, mask_n, dtype)
+        words = k0 // 8 + offs_w
+        if EVEN_K:
+            h = tl.load(idx_rows + words[None, :], mask=mask_n[:, None], other=0)
+        else:
+            h = tl.load(idx_rows + words[None, :], mask=mask_n[:, None] & (words < n_words)[None, :], other=0)
+        w0, w1, w2, w3, w4, w5, w6, w7 = _lookup8(h, l0, l1, l2, l3, h0, h1, h2, h3, dtype, True, ASM)
+        w = _stack8(w0, w1, w2, w3, w4, w5, w6, w7, BLOCK_N, W)  # [BLOCK_N, W, 8]: column k0 + 8 t + j
+        ks = k0 + offs_w[:, None] * 8 + offs_j[None, :]  # [W, 8]: a word's 8 activations, one vector load
+        x = tl.load(x_ptr + ks) if EVEN_K else tl.load(x_ptr + ks, mask=ks < K, other=0.0)
+        acc += w * x.to(tl.float32)[None, :, :]
+    offs_m = tl.arange(0, 1)
+    y = tl.sum(tl.sum(acc, axis=2), axis=1)[:, None]
+    _write_tile(y, y_ptr, ws_ptr, count_ptr, offs_n, offs_m, mask_n, offs_m < 1, N, tl.num_programs(2), MODE)
 
 
 @triton.jit
@@ -51,6 +235,9 @@ def _codebook_matmul_kernel(
     BLOCK_K: tl.constexpr,
     MODE: tl.constexpr,  # how split-K partial tiles meet: quant_matmul's _write_tile
     DOT_FP32: tl.constexpr,  # upcast the dot operands (Triton's interpreter gets bf16 tl.dot wrong)
+    TABLES: tl.constexpr,  # 4 bits: values from byte tables (_lookup8), not tl.gather
+    ASM: tl.constexpr,  # with TABLES: the prmt lookup (compiled); else its emulation (the interpreter)
+    EVEN_K: tl.constexpr,  # 4 bits, K a multiple of BLOCK_K: no K masks
 ):
     """y[m, n] = sum_k x[m, k] C[n, g(k) E + i[n, k]],  i[n, k] = (words[n, k // P] >> BITS (k % P)) & (E-1),
     P = 32 // BITS, E = 2**BITS, g(k) = k // GROUP (0 per channel)."""
@@ -69,9 +256,12 @@ def _codebook_matmul_kernel(
     idx_rows = idx_ptr + offs_n[:, None].to(tl.int64) * idx_row_stride
     cb_rows = cb_ptr + offs_n[:, None].to(tl.int64) * cb_row_stride
     x_rows = x_ptr + offs_m[:, None].to(tl.int64) * x_row_stride
-    dtype = x_ptr.dtype.element_ty
+    dtype: tl.constexpr = x_ptr.dtype.element_ty
     if GROUP == 0:  # the rows' codebooks stay in registers for the whole K range
-        codebook = tl.load(cb_rows + offs_e[None, :], mask=mask_n[:, None], other=0.0)
+        if TABLES:
+            l0, l1, l2, l3, h0, h1, h2, h3 = _byte_tables(cb_rows, 0, mask_n, dtype)
+        else:
+            codebook = tl.load(cb_rows + offs_e[None, :], mask=mask_n[:, None], other=0.0)
     n_words = tl.cdiv(K, PER_WORD)
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     tile_begin = pid_k * tiles_per_split
@@ -81,20 +271,26 @@ def _codebook_matmul_kernel(
         mask_k = ks < K
         if GROUP > 0:  # a K tile lies inside one group
             group = (tile * BLOCK_K) // GROUP
-            codebook = tl.load(cb_rows + group * E + offs_e[None, :], mask=mask_n[:, None], other=0.0)
+            if TABLES:
+                l0, l1, l2, l3, h0, h1, h2, h3 = _byte_tables(cb_rows, group * E, mask_n, dtype)
+            else:
+                codebook = tl.load(cb_rows + group * E + offs_e[None, :], mask=mask_n[:, None], other=0.0)
         if PER_WORD * BITS == 32:  # 4 bits: a tile is whole words, loaded once and split in registers
             offs_w = tile * W + tl.arange(0, W)
-            words = tl.load(
-                idx_rows + offs_w[None, :], mask=mask_n[:, None] & (offs_w < n_words)[None, :], other=0
-            )
-            index = _unpack(words, BLOCK_N, BLOCK_K, BITS)
+            words, x = _load_tile(idx_rows, x_rows, offs_w, ks, mask_n, mask_m, n_words, K, EVEN_K)
+            if TABLES:  # each word's 8 values by prmt, in registers
+                v0, v1, v2, v3, v4, v5, v6, v7 = _lookup8(words, l0, l1, l2, l3, h0, h1, h2, h3, dtype, False,
+                                                          ASM)  # fmt: skip
+                w = tl.reshape(_stack8(v0, v1, v2, v3, v4, v5, v6, v7, BLOCK_N, W), [BLOCK_N, BLOCK_K])
+            else:
+                w = tl.gather(codebook, _unpack(words, BLOCK_N, BLOCK_K, BITS), axis=1).to(dtype)
         else:  # 3 bits, 10 a word: words straddle tiles; P neighbours share a load address (one transaction)
             words = tl.load(
                 idx_rows + (ks // PER_WORD)[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0
             )
             index = (words >> ((ks % PER_WORD) * BITS)[None, :]) & (E - 1)
-        w = tl.gather(codebook, index, axis=1).to(dtype)  # [BLOCK_N, BLOCK_K], rounded like the reference
-        x = tl.load(x_rows + ks[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+            w = tl.gather(codebook, index, axis=1).to(dtype)  # [BLOCK_N, BLOCK_K], rounded like the reference
+            x = tl.load(x_rows + ks[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
         if DOT_FP32:
             acc += tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)))
         else:
@@ -195,15 +391,27 @@ def check_inputs(
 
 
 def launch_config(m: int, n_out: int, k_in: int, group_size: int, sms: int | None, bits: int = 4) -> dict:
-    """Tile sizes and split-K for ``m`` rows on a GPU with ``sms`` SMs (None: Triton's interpreter, small
-    tiles). A pure function, so tests run the GPU's choice on any backend.
+    """Kernel, tile sizes and split-K for ``m`` rows on a GPU with ``sms`` SMs (None: Triton's interpreter,
+    small tiles). A pure function, so tests run the GPU's choice on any backend. The 4-bit settings are the
+    best of ``tests/gpu/codebook_prmt_sweep.py`` on the H100 (2026-11-24, tests/benchmarks/NOTES.md) at every
+    decode point, 0.93-1.10x our int4 g128 ``quant_matmul`` at one row and 0.95-1.06x at 2-16:
 
-    One row takes the word-wise LUT kernel (``kernel: lut``) with 4 output rows and 64 index words a
-    program, split over K only where the N tiles leave SMs idle: of 12 settings swept on the H100
-    (``tests/gpu/codebook_lut_sweep.py``, 2026-11-23), the best or within 1% of it at five of six decode
-    (shape, bits) points and 11% behind at 3 bits with K = 14336; 2.2-3.0x the gather kernel there.
-    Several rows take the gather kernel's tensor-core path, whose K tile must lie inside one codebook group;
-    K is split until the grid fills the GPU twice over (decode shapes have few N tiles)."""
+    - 4 bits, one row: the FMA kernel (``kernel: fma``), 8 output rows and 512 columns a program (two
+      warps), K split only where the N tiles fill the SMs less than twice (a split cost 5-15% at N >= 4096);
+      a K tile must lie inside one codebook group, so grouped codebooks halve it until it does.
+    - 3 bits, one row: the word-wise LUT kernel (``kernel: lut``), 4 output rows and 64 index words a
+      program, split over K only where the N tiles leave SMs idle (``codebook_lut_sweep.py``, 2026-11-23).
+    - Several rows: the tensor-core kernel, 64-wide N tiles at up to 16 rows; at 4 bits K is split in the
+      smallest power of two that gives 3.5 programs an SM (8 ways at N = 4096, 4 at 14336: 10-40% faster than
+      the neighbouring powers), at 3 bits until the grid fills the GPU twice over."""
+    if m == 1 and bits == 4:
+        block_n, block_k = (16, 32) if sms is None else (8, 512)
+        while group_size and group_size % block_k:
+            block_k //= 2  # group_size is a multiple of 16
+        tiles = cdiv(k_in, block_k)
+        split = min(2, tiles) if sms is None else max(1, min(tiles, cdiv(2 * sms, cdiv(n_out, block_n))))
+        return {"kernel": "fma", "BLOCK_M": 1, "BLOCK_N": block_n, "BLOCK_K": block_k, "split": split,
+                "num_warps": 4 if sms is None else 2, "num_stages": 1 if sms is None else 3}  # fmt: skip
     if m == 1:
         block_n, block_w = (16, 8) if sms is None else (4, 64)
         tiles = cdiv(cdiv(k_in, 32 // bits), block_w)
@@ -221,8 +429,13 @@ def launch_config(m: int, n_out: int, k_in: int, group_size: int, sms: int | Non
     if sms is None:  # split-K whenever there are two tiles, so the tests cover both paths
         return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "split": min(2, tiles)}
     programs = cdiv(n_out, block_n) * cdiv(m, block_m)
-    split = max(1, min(tiles, cdiv(2 * sms, programs)))
-    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "split": split}
+    if bits == 4 and m <= 16:
+        split = 1
+        while split < 16 and programs * split * 2 < 7 * sms:
+            split *= 2
+    else:
+        split = cdiv(2 * sms, programs)
+    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "split": max(1, min(tiles, split))}
 
 
 def _codebook_matmul(
@@ -242,7 +455,9 @@ def launch(
     x2: torch.Tensor, indices: torch.Tensor, codebook: torch.Tensor, group_size: int, bits: int, cfg: dict
 ) -> torch.Tensor:
     """y [M, N] = x2 [M, K] @ W.T with the kernel, tiles and split-K of ``cfg`` (:func:`launch_config`'s keys:
-    ``kernel: lut`` with BLOCK_W index words a tile for one row, else the gather kernel with BLOCK_K; a
+    ``kernel: lut`` with BLOCK_W index words a tile for one row, ``kernel: fma`` (4 bits, one row, K tiles
+    inside one group) or the tensor-core kernel with BLOCK_K, its 4-bit values from the byte tables unless
+    ``tables: False`` (``tl.gather``); a
     probe may add ``num_warps``, ``num_stages``, or ``mode`` to pick how split-K partials meet,
     ``_write_tile``'s MODE)."""
     n_out, k_in = indices.shape[0], x2.shape[-1]
@@ -250,7 +465,11 @@ def launch(
         x2 = x2.contiguous()
     m = x2.shape[0]
     indices, codebook = indices.contiguous(), codebook.contiguous()
-    lut = cfg.get("kernel") == "lut"
+    kind = cfg.get("kernel", "mma")
+    if kind == "fma" and (bits != 4 or group_size % cfg["BLOCK_K"]):
+        raise ValueError(f"codebook_matmul: the FMA kernel takes 4 bits in groups of whole K tiles, got "
+                         f"{bits} bits, group {group_size}, BLOCK_K {cfg['BLOCK_K']}")  # fmt: skip
+    lut = kind == "lut"
     tiles = cdiv(cdiv(k_in, 32 // bits), cfg["BLOCK_W"]) if lut else cdiv(k_in, cfg["BLOCK_K"])
     tiles_per_split = cdiv(tiles, cfg["split"])
     split = cdiv(tiles, tiles_per_split)
@@ -261,14 +480,21 @@ def launch(
     y_dtype = torch.float32 if mode == 1 else x2.dtype
     y = (torch.zeros if mode == 1 else torch.empty)((m, n_out), dtype=y_dtype, device=x2.device)
     ws, counts = _workspace(x2.device, m * n_out, grid[0] * grid[1]) if mode == 2 and m else (y, y)
+    if m != 1 and kind in ("lut", "fma"):
+        raise ValueError(f"codebook_matmul: the {kind.upper()} kernel takes one row, got {m}")
     if m and lut:
-        if m != 1:
-            raise ValueError(f"codebook_matmul: the LUT kernel takes one row, got {m}")
         traceable(_codebook_lut_kernel)[grid](
             x2, indices, codebook, y, ws, counts, n_out, k_in, indices.stride(0), codebook.stride(0),
             tiles_per_split, BITS=bits, GROUP=group_size, BLOCK_N=cfg["BLOCK_N"], BLOCK_W=cfg["BLOCK_W"],
             MODE=mode, num_warps=cfg.get("num_warps", 4),
             **({"num_stages": cfg["num_stages"]} if "num_stages" in cfg else {}),
+        )  # fmt: skip
+    elif m and kind == "fma":
+        traceable(_codebook_fma_kernel)[grid](
+            x2, indices, codebook, y, ws, counts, n_out, k_in, indices.stride(0), codebook.stride(0),
+            tiles_per_split, GROUP=group_size, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], MODE=mode,
+            EVEN_K=k_in % cfg["BLOCK_K"] == 0, STAGES=cfg.get("num_stages", 1), ASM=not interpreting(),
+            num_warps=cfg.get("num_warps", 4),
         )  # fmt: skip
     elif m:
         traceable(_codebook_matmul_kernel)[grid](
@@ -276,7 +502,9 @@ def launch(
             x2.stride(0), indices.stride(0), codebook.stride(0), y.stride(0), tiles_per_split,
             BITS=bits, GROUP=group_size, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
             BLOCK_K=cfg["BLOCK_K"], MODE=mode,
-            DOT_FP32=interpreting() and x2.dtype == torch.bfloat16, num_warps=cfg.get("num_warps", 4),
+            DOT_FP32=interpreting() and x2.dtype == torch.bfloat16, TABLES=cfg.get("tables", bits == 4),
+            ASM=not interpreting(), EVEN_K=bits == 4 and k_in % cfg["BLOCK_K"] == 0,
+            num_warps=cfg.get("num_warps", 4),
             **({"num_stages": cfg["num_stages"]} if "num_stages" in cfg else {}),
         )  # fmt: skip
     return y.to(x2.dtype)

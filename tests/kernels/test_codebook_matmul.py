@@ -128,23 +128,85 @@ def test_codebook_matmul_gradient_is_grad_times_weight(device):
     torch.testing.assert_close(x.grad.cpu(), weight.sum(0).expand(4, 64), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("n", "k", "group", "block_k", "split"),
+    [(24, 384, 0, 64, 2), (20, 200, 0, 64, 3), (24, 384, 48, 16, 4), (17, 512, 128, 128, 1)],
+)  # fmt: skip
+def test_fma_kernel_matches_lookup_then_matmul(n, k, group, block_k, split, dtype, device):
+    # _codebook_fma_kernel (4 bits, one row) at explicit tiles: per channel and grouped codebooks (a table
+    # rebuilt per K tile), a K that ends in a partial word and a partial tile (200), N tiles with masked rows,
+    # split-K whose partials meet in the workspace.
+    indices, codebook = _weight(n, k, group, 4, device)
+    x = torch.randn(1, k, device=device).to(dtype)
+    cfg = {"kernel": "fma", "BLOCK_M": 1, "BLOCK_N": 8, "BLOCK_K": block_k, "split": split}
+    y = cm.launch(x, indices, codebook, group, 4, cfg)
+    dense = cl.dequantize(indices.cpu(), codebook.cpu(), k, group or None, 4).to(dtype).float()
+    expected = x.cpu().float() @ dense.T
+    rel = ((y.float().cpu() - expected).norm() / expected.norm()).item()
+    assert y.dtype == dtype and y.shape == (1, n)
+    assert rel < (1e-2 if dtype == torch.bfloat16 else 2e-3), rel
+    for ws, counts in qm._WORKSPACES.values():
+        assert not ws.any() and not counts.any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("kernel", ["fma", "mma"])
+def test_byte_table_lookup_is_exact(kernel, dtype, device):
+    # A one-hot activation row picks one column of the weight: every output is a single product 1 * w, so
+    # the kernel's looked-up value comes back bit for bit (compiled: the prmt PTX; interpreted: its
+    # emulation). All 16 indices in every slot of a word, codebook values of both signs from 1e-4 to 1e4 (bf16
+    # values inside fp16's normal range: the rounding to x's dtype is exact, which the interpreter's
+    # truncating bf16 cast needs), per channel and in groups of 16.
+    n, k = 32, 64
+    index = (torch.arange(k)[None, :] + torch.arange(n)[:, None]) % 16
+    scale = torch.logspace(-4, 4, 16).repeat(k // 16)
+    codebook = (torch.randn(n, k) * scale).to(torch.bfloat16).to(torch.float16)
+    indices = cl.pack_indices(index, 4).to(device)
+    columns = [0, 5, 9, 18, 31, 36, 47, 63]
+    x = torch.zeros(len(columns), k, dtype=dtype)
+    x[torch.arange(len(columns)), columns] = 1
+    for group in (0, 16):
+        book = (codebook[:, :16] if group == 0 else codebook).to(device)
+        dense = cl.dequantize(indices.cpu(), book.cpu(), k, group or None, 4).to(dtype)
+        if kernel == "fma":
+            cfg = {"kernel": "fma", "BLOCK_M": 1, "BLOCK_N": 16, "BLOCK_K": 16, "split": 1}
+            y = torch.cat([cm.launch(row[None].to(device), indices, book, group, 4, cfg) for row in x])
+        else:
+            cfg = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "split": 1}
+            y = cm.launch(x.to(device), indices, book, group, 4, cfg)
+        assert torch.equal(y.cpu(), dense[:, columns].T), group
+
+
+def test_fma_kernel_refuses_what_it_cannot_tile(device):
+    indices, codebook = _weight(8, 64, 32, 4, device)
+    x = torch.randn(1, 64, device=device, dtype=torch.float16)
+    fma = {"kernel": "fma", "BLOCK_M": 1, "BLOCK_N": 8, "BLOCK_K": 64, "split": 1}
+    with pytest.raises(ValueError, match="groups of whole K tiles, got 4 bits, group 32, BLOCK_K 64"):
+        cm.launch(x, indices, codebook, 32, 4, fma)
+    with pytest.raises(ValueError, match="FMA kernel takes one row, got 2"):
+        cm.launch(torch.cat([x, x]), indices, codebook, 32, 4, {**fma, "BLOCK_K": 32})
+
+
 # The GPU's dispatch, run on whichever backend the tests have (compiled on CUDA, interpreted on CPU): what
 # launch_config picks on an H100 (132 SMs) and an H100 PCIe (114) for the benchmark's decode shapes (K, full
-# N) and M = 1..16, launched at a narrow N (two N tiles, the second partial) with the same K tiling, split-K
-# and tiles per split. The shape-based tests above run the interpreter's small tiles, and on a GPU their
-# small N and K give every program a single K tile; these are the multi-tile loops the H100 runs at 4096.
+# N), M = 1..16 and 3 or 4 bits, launched at a narrow N (two N tiles, the second partial) with the same K
+# tiling, split-K and tiles per split. The shape-based tests above run the interpreter's small tiles, and on
+# a GPU their small N and K give every program a single K tile; these are the multi-tile loops the H100 runs
+# at 4096.
 GPU_SMS = (132, 114)
-DECODE_KN = [(4096, 4096), (4096, 14336)]  # (K, full N): split 5, 4 and 2 ways
+DECODE_KN = [(4096, 4096), (4096, 14336)]  # (K, full N)
 
 
-def _gpu_paths() -> list[tuple[int, dict]]:
-    """(K, config) for each distinct (K, tiles, tiles per split, row path) the GPUs above choose."""
+def _gpu_paths() -> list[tuple[int, int, dict]]:
+    """(K, bits, config) for each distinct (K, bits, tiles, tiles per split, row path) the GPUs choose."""
     paths = {}
-    for sms, (k, n_full), m in itertools.product(GPU_SMS, DECODE_KN, range(1, 17)):
-        cfg = cm.launch_config(m, n_full, k, 0, sms)
-        tiles = cdiv(cdiv(k, 8), cfg["BLOCK_W"]) if "BLOCK_W" in cfg else cdiv(k, cfg["BLOCK_K"])
+    for sms, (k, n_full), m, bits in itertools.product(GPU_SMS, DECODE_KN, range(1, 17), (3, 4)):
+        cfg = cm.launch_config(m, n_full, k, 0, sms, bits)
+        tiles = cdiv(cdiv(k, 32 // bits), cfg["BLOCK_W"]) if "BLOCK_W" in cfg else cdiv(k, cfg["BLOCK_K"])
         per_split = cdiv(tiles, cfg["split"])
-        paths.setdefault((k, cfg["BLOCK_M"], cfg["BLOCK_N"], cfg.get("BLOCK_K"), per_split), (k, cfg))
+        key = (k, bits, cfg.get("kernel"), cfg["BLOCK_N"], cfg.get("BLOCK_K"), per_split)
+        paths.setdefault(key, (k, bits, cfg))
     return list(paths.values())
 
 
@@ -152,31 +214,39 @@ GPU_PATHS = _gpu_paths()
 
 
 def test_gpu_dispatch_for_llama_decode():
-    # On 132 SMs at K = N = 4096 one row takes the LUT kernel (1024 programs of 4 rows: no split) and 2..16
-    # rows the gather kernel's tensor-core path with 128-wide K tiles split 5 ways (7, 7, 7, 7 and 4 tiles):
-    # the split does not change with M. The paths the tests below force are exactly these.
-    lut = {"kernel": "lut", "BLOCK_M": 1, "BLOCK_N": 4, "BLOCK_W": 64, "split": 1}
-    assert cm.launch_config(1, 4096, 4096, 0, 132) == lut
+    # On 132 SMs at K = N = 4096: one row at 4 bits takes the FMA kernel, 8 rows and 512 columns a program,
+    # no split (512 programs); at 3 bits the LUT kernel (1024 programs of 4 rows: no split). 2..16 rows take
+    # the tensor-core kernel with 128-wide K tiles, split 8 ways at 4 bits (4 tiles each: 512 programs) and 5
+    # at 3 bits (7, 7, 7, 7 and 4 tiles); the split does not change with M. N = 14336 halves the 4-bit split.
+    fma = {"kernel": "fma", "BLOCK_M": 1, "BLOCK_N": 8, "BLOCK_K": 512, "split": 1, "num_warps": 2,
+           "num_stages": 3}  # fmt: skip
+    assert cm.launch_config(1, 4096, 4096, 0, 132, 4) == fma
+    assert cm.launch_config(1, 4096, 4096, 0, 132, 3) == {
+        "kernel": "lut", "BLOCK_M": 1, "BLOCK_N": 4, "BLOCK_W": 64, "split": 1
+    }  # fmt: skip
     for m in range(2, 17):
-        assert cm.launch_config(m, 4096, 4096, 0, 132) == {
-            "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "split": 5
-        }  # fmt: skip
-    assert {cfg["BLOCK_M"] for _, cfg in GPU_PATHS} == {1, 16}
-    assert {cfg["split"] for _, cfg in GPU_PATHS} >= {2, 4, 5}
-    assert cm.launch_config(1, 512, 14336, 0, 132)["split"] == 3  # 128 programs: K split to fill it twice
+        for bits, split in ((4, 8), (3, 5)):
+            assert cm.launch_config(m, 4096, 4096, 0, 132, bits) == {
+                "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "split": split
+            }  # fmt: skip
+        assert cm.launch_config(m, 14336, 4096, 0, 132, 4)["split"] == 4
+    assert cm.launch_config(1, 4096, 4096, 128, 132, 4)["BLOCK_K"] == 128  # inside one group
+    assert cm.launch_config(1, 512, 14336, 0, 132, 4)["split"] == 5  # 64 programs: K split to fill it twice
+    assert cm.launch_config(1, 512, 14336, 0, 132, 3)["split"] == 3
+    assert {cfg.get("kernel") for _, _, cfg in GPU_PATHS} == {"fma", "lut", None}
+    assert {cfg["split"] for _, _, cfg in GPU_PATHS} >= {1, 2, 4, 5, 8}
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("bits", [3, 4])
-@pytest.mark.parametrize(("k", "cfg"), GPU_PATHS, ids=lambda v: str(v) if isinstance(v, int) else
-                         f"m{v['BLOCK_M']}-split{v['split']}")  # fmt: skip
-def test_codebook_matmul_in_the_gpus_configuration(k, cfg, bits, dtype, device):
-    n = cfg["BLOCK_N"] + 16
+@pytest.mark.parametrize(("k", "bits", "cfg"), GPU_PATHS, ids=lambda v: str(v) if isinstance(v, int) else
+                         f"{v.get('kernel', 'mma')}-split{v['split']}")  # fmt: skip
+def test_codebook_matmul_in_the_gpus_configuration(k, bits, cfg, dtype, device):
+    n = cfg["BLOCK_N"] + max(4, cfg["BLOCK_N"] // 2)
     indices, codebook = _weight(n, k, 0, bits, device)
     # The kernel's own weights (codebook values rounded to x's dtype), so only the summation order and the
     # output rounding differ (see the first test); a wrong index or word is off by O(1).
     dense = cl.dequantize(indices.cpu(), codebook.cpu(), k, None, bits).to(dtype).float()
-    for m in (1,) if cfg["BLOCK_M"] == 1 else (2, 4, 16):
+    for m in (1,) if cfg["BLOCK_M"] == 1 else (2, 16) if device == "cpu" else (2, 4, 16):
         x = torch.randn(m, k, device=device).to(dtype)
         y = cm.launch(x, indices, codebook, 0, bits, cfg)
         expected = x.cpu().float() @ dense.T
