@@ -397,7 +397,7 @@ def launch_config(m: int, n_out: int, k_in: int, group_size: int, sms: int | Non
     decode point, 0.93-1.10x our int4 g128 ``quant_matmul`` at one row and 0.95-1.06x at 2-16:
 
     - 4 bits, one row: the FMA kernel (``kernel: fma``), 8 output rows and 512 columns a program (two
-      warps), K split only where the N tiles fill the SMs less than twice (a split cost 5-15% at N >= 4096);
+      warps), K split only where the N tiles fill the SMs less than twice (a split cost 4-18% at N >= 4096);
       a K tile must lie inside one codebook group, so grouped codebooks halve it until it does.
     - 3 bits, one row: the word-wise LUT kernel (``kernel: lut``), 4 output rows and 64 index words a
       program, split over K only where the N tiles leave SMs idle (``codebook_lut_sweep.py``, 2026-11-23).
