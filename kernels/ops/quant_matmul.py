@@ -35,6 +35,7 @@ SKINNY_MAX_M = 64
 PREFILL = "auto"
 TRITON_PREFILL_MAX_M, TRITON_PREFILL_MIN_N = 128, 8192
 GEMV_MAX_M = 1  # rows up to which the FMA kernel beats the tensor-core one (bench_quant_matmul --sweep)
+GEMV_BLOCK_K = 512  # the FMA kernel's K tile where groups align to it (g32_probe.py --sweep-gemv-narrow)
 # bf16: 0x4300 is 128.0 with a 7-bit mantissa (integers 128..255 exact); fp16: 0x6400 is 1024.0 with a
 # 10-bit mantissa (1024..2047 exact).
 _MAGIC = {torch.bfloat16: (0x4300, 128.0, 7), torch.float16: (0x6400, 1024.0, 10)}
@@ -135,10 +136,19 @@ def tuning(kernel: str, m: int, n_out: int, k_in: int, block_k: int, device: tor
     tiles fill the SMs twice over or the rows fill a 64-row tile, else 8: at g32 1.3-1.7x faster than the
     g128 tiles at 4-64 rows, 1.1-1.6x at one row (H100; with zero points the most). int8 takes 64-wide
     tiles too, 4 K splits for many N tiles or 256-deep K tiles (per-channel scales), else 8: 1.0-1.3x faster
-    than the int4 g128 tiles (``g32_probe.py --sweep-int8``)."""
+    than the int4 g128 tiles (``g32_probe.py --sweep-int8``).
+
+    One row on the FMA kernel with GEMV_BLOCK_K tiles (groups that tile 512 columns or hold them: g32, g128,
+    per channel): 8 output rows a program on 2 warps, K split only past 16 tiles (8192 columns) or where the
+    N tiles leave SMs idle. ``g32_probe.py --sweep-gemv-narrow`` (H100, 2026-11-24): within 0-7% of the best
+    of 36 settings at g128 and g32, with and without zero points, and 1.12-1.27x faster than the 32-128 x
+    128-256 tiles on 4-8 warps before (4096^2 g128: 6.96 us against 8.80)."""
     tiles = cdiv(k_in, block_k)
     if interpreting():  # small tiles; split-K whenever there are two tiles, so the tests cover both paths
         return {"BLOCK_N": 16, "split": min(2, tiles), "num_warps": 4, "num_stages": 1}
+    if kernel == "gemv" and block_k == GEMV_BLOCK_K:
+        split = max(cdiv(tiles, 16), cdiv(sm_count(device), cdiv(n_out, 8)))
+        return {"BLOCK_N": 8, "split": max(1, min(split, tiles)), "num_warps": 2, "num_stages": 3}
     many = cdiv(n_out, 64) * 4 >= 2 * sm_count(device) or m > 32
     if narrow_groups:
         return {"BLOCK_N": 64, "split": max(1, min(4 if many else 8, tiles)),
@@ -182,7 +192,10 @@ def _quant_matmul(
     if gemv:
         kernel, block_m, prescale = _gemv_int4_kernel, next_power_of_2(m), False
         block_k = 256 if group_size % 256 == 0 else 128
+        if not interpreting() and (GEMV_BLOCK_K % group_size == 0 or group_size % GEMV_BLOCK_K == 0):
+            block_k = GEMV_BLOCK_K  # whole groups in a tile, or a tile inside one group
         cfg = tuning("gemv", m, n_out, k_in, block_k, x.device, group_size < block_k)
+        block_k = cfg.get("BLOCK_K", block_k)  # a probe's tiling (groups aligned to it, as above)
     else:
         kernel, block_m = _skinny_kernel, (16 if m <= 16 else (32 if m <= 32 else 64))
         block_k, prescale = _tile_k(group_size, k_in, bits)

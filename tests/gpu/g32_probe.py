@@ -14,6 +14,7 @@ commit 554c95b: int4 read as bytes with the scale after the dot, and the dequant
                                                    # without --zp also the FMA kernel at 2-8 rows
     python3 tests/gpu/g32_probe.py --sweep-gemv    # one-row FMA kernel tiles at g32, with zero points too
     python3 tests/gpu/g32_probe.py --sweep-int8    # int8 g128 / per channel: tensor-core kernel tiles
+    python3 tests/gpu/g32_probe.py --sweep-gemv-narrow  # one-row FMA kernel: narrow N, deep K, g128/g32
 """
 
 from __future__ import annotations
@@ -156,6 +157,49 @@ def sweep_gemv() -> None:
                 print(f"gemv g={group} zp={zeros} k={k} n={n}: " + tiles(run, grid), flush=True)
 
 
+def sweep_gemv_narrow() -> None:
+    """The one-row FMA kernel at the tiles that won the 4-bit codebook's FMA kernel (issue 20: 8 output rows x
+    512 columns on 2 warps, no K split), which the shipped grid (32-128 rows, 4-8 warps, split 4-16) never
+    reached: BLOCK_N 8-32, BLOCK_K 256-512 (spanning several groups), 2 or 4 warps, split 1-4; groups 128 and
+    32, symmetric and with zero points; best four and the shipped choice, and bf16's time."""
+    grid = list(itertools.product((8, 16, 32), (2, 4), (256, 512), (1, 2, 4)))
+    for k, n in [(4096, 4096), (4096, 14336), (14336, 4096)]:
+        weight = torch.randn(n, k, device="cuda", dtype=DTYPE) / 64
+        dense = [weight] + [weight.clone() for _ in range(_copies(weight.numel() * 2) - 1)]
+        x = torch.randn(1, k, device="cuda", dtype=DTYPE)
+        t_bf16 = do_bench_cudagraph(_cycle([lambda d=d, x=x: x @ d.t() for d in dense]), rep=30)
+        for group in (128, 32):
+            t = quant_layout.pack_weight(weight, 4, group, False)
+            qw, sc, zp = t["weight_packed"], t["weight_scale"], t["weight_zero_point"]
+            packs = [(qw, sc, zp)] + [
+                (qw.clone(), sc.clone(), zp.clone()) for _ in range(_copies(qw.numel() * 4) - 1)
+            ]
+            ref = x.float() @ quant_layout.dequantize(qw, sc, zp, (n, k), group, 4).float().t()
+            for zeros in (False, True):
+                calls = [(x, p[0], p[1], p[2] if zeros else None, group, 4) for p in packs]
+                fn = _cycle([lambda a=a: K.quant_matmul(*a) for a in calls])
+                results, saved = [], qm.tuning
+                for bn, warps, bk, split in grid:
+                    cfg = {"BLOCK_N": bn, "BLOCK_K": bk, "split": split, "num_warps": warps, "num_stages": 3}
+                    qm.tuning = lambda *a, cfg=cfg: cfg
+                    try:
+                        if zeros:
+                            y = K.quant_matmul(x, qw, sc, zp, group, 4).float()
+                            assert ((y - ref).norm() / ref.norm()).item() < 1e-2, cfg
+                        results.append((do_bench_cudagraph(fn, rep=30), bn, warps, bk, split))
+                    except Exception as exc:  # registers, shared memory, or a wrong result
+                        print(f"# {cfg}: {type(exc).__name__} {str(exc)[:120]}", flush=True)
+                    finally:
+                        qm.tuning = saved
+                results.sort()
+                best = "; ".join(
+                    f"{t * 1e3:.2f}us bn{bn} w{w} bk{bk} split{sp}" for t, bn, w, bk, sp in results[:4]
+                )
+                shipped = do_bench_cudagraph(fn, rep=30)
+                print(f"gemv-narrow g={group} zp={zeros} k={k} n={n}: bf16 {t_bf16 * 1e3:.2f}us | {best} | "
+                      f"shipped {shipped * 1e3:.2f}us", flush=True)  # fmt: skip
+
+
 def sweep_int8() -> None:
     """int8 weight-only (issue 16 asks >= 1.6x bf16 at <= 16 rows), groups of 128 (the bench's rows) and per
     channel (what compress writes), on the tensor-core kernel (int8's only decode kernel since an int8 FMA
@@ -178,9 +222,11 @@ def sweep_int8() -> None:
 
 
 if __name__ == "__main__":
-    if "--sweep" in sys.argv or "--sweep-gemv" in sys.argv or "--sweep-int8" in sys.argv:
+    if {"--sweep", "--sweep-gemv", "--sweep-int8", "--sweep-gemv-narrow"} & set(sys.argv):
         print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
-        if "--sweep" in sys.argv:
+        if "--sweep-gemv-narrow" in sys.argv:
+            sweep_gemv_narrow()
+        elif "--sweep" in sys.argv:
             sweep("--zp" in sys.argv)
         elif "--sweep-gemv" in sys.argv:
             sweep_gemv()

@@ -53,6 +53,33 @@ def test_quant_matmul_matches_dequantize_then_matmul(m, n, k, group, bits, symme
     assert rel < (1e-2 if dtype == torch.bfloat16 else 2e-3), rel
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize(
+    ("k", "group", "split"), [(1536, 128, 2), (1200, 32, 3), (1024, 1024, 1), (1024, 16, 1)]
+)
+def test_one_row_kernel_at_the_gpus_deep_tiles(k, group, split, symmetric, dtype, device, monkeypatch):
+    # The GPU's one-row tiling (tuning with GEMV_BLOCK_K): 8 output rows and 512 columns a program, several
+    # groups a tile (4, 16, 32 of them, scales per word) or a tile inside one group, a partial last tile
+    # (K = 1200) and split-K; the interpreter's own tiles are 128 wide, so it is forced here.
+    cfg = {"BLOCK_N": 8, "BLOCK_K": qm.GEMV_BLOCK_K, "split": split, "num_warps": 2, "num_stages": 1}
+    monkeypatch.setattr(qm, "tuning", lambda *args, **kwargs: cfg)
+    n = 20
+    tensors = {
+        name: t.to(device) for name, t in ql.pack_weight(torch.randn(n, k), 4, group, symmetric).items()
+    }
+    x = torch.randn(1, k, device=device).to(dtype)
+    zeros = tensors.get("weight_zero_point")
+    y = K.quant_matmul(x, tensors["weight_packed"], tensors["weight_scale"].to(dtype), zeros, group, 4)
+    ref = _dense_reference(
+        x, {**tensors, "weight_scale": tensors["weight_scale"].to(dtype)}, (n, k), group, 4
+    )
+    rel = ((y.float() - ref).norm() / ref.norm()).item()
+    assert rel < (1e-2 if dtype == torch.bfloat16 else 2e-3), rel
+    for ws, counts in qm._WORKSPACES.values():
+        assert not ws.any() and not counts.any()
+
+
 @pytest.mark.parametrize("traced", [False, True])
 def test_split_k_partials_meet_and_leave_the_workspace_clean(traced, device, monkeypatch):
     # Split-K tiles meet either in the self-cleaning workspace (one launch: the last split of a tile writes
