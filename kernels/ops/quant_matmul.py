@@ -140,9 +140,10 @@ def tuning(kernel: str, m: int, n_out: int, k_in: int, block_k: int, device: tor
 
     One row on the FMA kernel with GEMV_BLOCK_K tiles (groups that tile 512 columns or hold them: g32, g128,
     per channel): 8 output rows a program on 2 warps, K split only past 16 tiles (8192 columns) or where the
-    N tiles leave SMs idle. ``g32_probe.py --sweep-gemv-narrow`` (H100, 2026-11-24): within 0-7% of the best
-    of 36 settings at g128 and g32, with and without zero points, and 1.12-1.27x faster than the 32-128 x
-    128-256 tiles on 4-8 warps before (4096^2 g128: 6.96 us against 8.80)."""
+    N tiles leave SMs idle. ``g32_probe.py --sweep-gemv-narrow`` (H100, 2026-11-24; g128 and g32, with and
+    without zero points, three decode shapes): among the best four of 36 settings at 9 of the 12 points, where
+    the best was 1.15-1.31x faster than the 32-128 x 128-256 tiles on 4-8 warps before; one row of int4 g128
+    went from 1.97-2.41x bf16 to 2.44-2.83x (``bench_quant_matmul.py``)."""
     tiles = cdiv(k_in, block_k)
     if interpreting():  # small tiles; split-K whenever there are two tiles, so the tests cover both paths
         return {"BLOCK_N": 16, "split": min(2, tiles), "num_warps": 4, "num_stages": 1}
