@@ -402,7 +402,7 @@ def launch_config(m: int, n_out: int, k_in: int, group_size: int, sms: int | Non
     - 3 bits, one row: the word-wise LUT kernel (``kernel: lut``), 4 output rows and 64 index words a
       program, split over K only where the N tiles leave SMs idle (``codebook_lut_sweep.py``, 2026-11-23).
     - Several rows: the tensor-core kernel, 64-wide N tiles at up to 16 rows; at 4 bits K is split in the
-      smallest power of two that gives 3.5 programs an SM (8 ways at N = 4096, 4 at 14336: 10-40% faster than
+      smallest power of two that gives 3.5 programs an SM (8 ways at N = 4096, 4 at 14336: 5-23% faster than
       the neighbouring powers), at 3 bits until the grid fills the GPU twice over."""
     if m == 1 and bits == 4:
         block_n, block_k = (16, 32) if sms is None else (8, 512)
@@ -480,7 +480,7 @@ def launch(
     y_dtype = torch.float32 if mode == 1 else x2.dtype
     y = (torch.zeros if mode == 1 else torch.empty)((m, n_out), dtype=y_dtype, device=x2.device)
     ws, counts = _workspace(x2.device, m * n_out, grid[0] * grid[1]) if mode == 2 and m else (y, y)
-    if m != 1 and kind in ("lut", "fma"):
+    if m > 1 and kind in ("lut", "fma"):
         raise ValueError(f"codebook_matmul: the {kind.upper()} kernel takes one row, got {m}")
     if m and lut:
         traceable(_codebook_lut_kernel)[grid](
