@@ -5,11 +5,13 @@ from __future__ import annotations
 import functools
 import inspect
 import os
+import threading
 
 import torch
 import triton
 from torch._library.triton import is_wrap_triton_enabled
 from torch.library import wrap_triton
+from torch.utils._python_dispatch import _disable_current_modes
 from triton import knobs
 from triton.runtime.jit import JITFunction
 
@@ -38,7 +40,7 @@ def traceable(kernel: triton.JITFunction):
     if is_wrap_triton_enabled():
         return wrap_triton(kernel)
     if not isinstance(kernel, JITFunction):  # the interpreter's kernels: nothing compiled to call directly
-        return kernel
+        return _InterpretedRecord(kernel) if recording.launches is not None else kernel
     fast = _FAST.get(kernel)
     if fast is None:
         fast = _FAST[kernel] = FastLaunch(kernel)
@@ -97,8 +99,13 @@ class FastLaunch:
         return functools.partial(self.launch, grid)
 
     def launch(self, grid, *args, **kwargs):
-        if not FAST_LAUNCH or type(grid) is not tuple or _launch_hooks():
-            return self.kernel[grid](*args, **kwargs)
+        launches = recording.launches
+        if not FAST_LAUNCH or type(grid) is not tuple or launch_hooks():
+            if launches is None:
+                return self.kernel[grid](*args, **kwargs)
+            launches.append(None)  # not replayable: Triton's own launch decides
+            with _disable_current_modes():  # its torch calls are not the body's
+                return self.kernel[grid](*args, **kwargs)
         key = specialization_key(args, kwargs, self.constexpr_positions)
         device = torch._C._cuda_getDevice()  # what Triton's launch uses: the current device
         try:
@@ -106,16 +113,24 @@ class FastLaunch:
         except TypeError:  # an unhashable keyword
             key = entry = None
         if entry is None:
-            compiled = self.kernel[grid](*args, **kwargs)
+            if launches is None:
+                compiled = self.kernel[grid](*args, **kwargs)
+            else:
+                with _disable_current_modes():  # Triton's torch calls are not the recorded body's
+                    compiled = self.kernel[grid](*args, **kwargs)
             if key is not None and hasattr(compiled, "packed_metadata"):
                 tail = tuple(kwargs[n] if n in kwargs else self.defaults[n] for n in self.names[len(args) :])
-                self.compiled[(device, key)] = (
+                entry = self.compiled[(device, key)] = (
                     compiled.run,
                     compiled.function,
                     compiled.packed_metadata,
                     tail,
                 )
+            if launches is not None:
+                launches.append(None if entry is None else (CompiledLaunch(entry, device, grid), args))
             return compiled
+        if launches is not None:
+            launches.append((CompiledLaunch(entry, device, grid), args))
         run, function, metadata, tail = entry
         n = len(grid)
         run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, _current_stream(device), function,
@@ -123,12 +138,60 @@ class FastLaunch:
         return None
 
 
+class CompiledLaunch:
+    """A compiled kernel's launch on one grid as :class:`FastLaunch` makes it, for ``replay.LaunchPlans`` to
+    repeat with other arguments: ``launch(args)``."""
+
+    __slots__ = ("run", "function", "metadata", "tail", "device", "x", "y", "z")
+
+    def __init__(self, entry: tuple, device: int, grid: tuple):
+        self.run, self.function, self.metadata, self.tail = entry
+        self.device = device
+        self.x, self.y, self.z = (*grid, 1, 1)[:3]
+
+    def __call__(self, args: list) -> None:
+        stream = _current_stream(self.device)
+        self.run(self.x, self.y, self.z, stream, self.function, self.metadata, None, None, None, *args,
+                 *self.tail)  # fmt: skip
+
+
+class _InterpretedRecord:
+    """An interpreter kernel launched while :data:`recording`: the launch runs and is recorded with its
+    keywords, so that a replay runs it again (how the interpreter tests exercise ``replay.LaunchPlans``)."""
+
+    __slots__ = ("kernel",)
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            recording.launches.append((_interpreted_launch(self.kernel, grid, kwargs), args))
+            with _disable_current_modes():  # the interpreter copies tensors with torch ops: not the body's
+                return self.kernel[grid](*args, **kwargs)
+
+        return launch
+
+
+def _interpreted_launch(kernel, grid, kwargs: dict):
+    """``launch(args)`` running ``kernel[grid](*args, **kwargs)``."""
+    return lambda args: kernel[grid](*args, **kwargs)
+
+
+class _Recording(threading.local):
+    """Per thread: the list that launches append ``(launch, args)`` to (None for one that cannot be
+    repeated), while ``replay.LaunchPlans`` records an op body; None otherwise."""
+
+    launches: list | None = None
+
+
+recording = _Recording()
 _FAST: dict = {}
 # Off switch for the fast path (every launch through Triton's own dispatch).
 FAST_LAUNCH = os.environ.get("SQUEEZESERVE_FAST_LAUNCH", "1") != "0"
 
 
-def _launch_hooks() -> bool:
+def launch_hooks() -> bool:
     """True when a launch hook is installed (a profiler such as proton): Triton's launch runs it. Triton 3.6
     keeps an empty hook chain there by default, older releases None."""
     runtime = knobs.runtime

@@ -27,6 +27,7 @@ from squeezeserve.kernels.ops.launch import (
     rows_2d,
     traceable,
 )
+from squeezeserve.kernels.ops.replay import LaunchPlans
 from squeezeserve.kernels.registry import EagerOp, use_reference
 
 
@@ -281,7 +282,13 @@ rmsnorm.register_autograd(_rmsnorm_grad, setup_context=_rmsnorm_setup)
 add_rmsnorm.register_autograd(_add_rmsnorm_grad, setup_context=_add_rmsnorm_setup)
 
 # The same bodies and formulas for eager calls, without the dispatcher (registry.EagerOp).
-rmsnorm_eager = EagerOp(_rmsnorm, _rmsnorm_setup, partial(_rmsnorm_grad, backward=_rmsnorm_backward))
+# Calls without gradients replay their recorded launches (replay.LaunchPlans).
+rmsnorm_eager = EagerOp(
+    _rmsnorm, _rmsnorm_setup, partial(_rmsnorm_grad, backward=_rmsnorm_backward), plans=LaunchPlans()
+)
 add_rmsnorm_eager = EagerOp(
-    _add_rmsnorm, _add_rmsnorm_setup, partial(_add_rmsnorm_grad, backward=_add_rmsnorm_backward)
+    _add_rmsnorm,
+    _add_rmsnorm_setup,
+    partial(_add_rmsnorm_grad, backward=_add_rmsnorm_backward),
+    plans=LaunchPlans(),
 )

@@ -38,6 +38,7 @@ from squeezeserve.kernels.ops.launch import (
     rows_2d,
     traceable,
 )
+from squeezeserve.kernels.ops.replay import LaunchPlans
 from squeezeserve.kernels.registry import EagerOp, interpreting, use_reference
 
 SINGLE_BLOCK_COLS = 65536
@@ -365,5 +366,7 @@ def _grad(ctx, grad, backward=softmax_backward):
 
 
 softmax.register_autograd(_grad, setup_context=_setup)
-# The same body and formula for eager calls, without the dispatcher (registry.EagerOp).
-softmax_eager = EagerOp(_softmax, _setup, partial(_grad, backward=_softmax_backward))
+# The same body and formula for eager calls, without the dispatcher (registry.EagerOp); calls without
+# gradients replay their recorded launches (replay.LaunchPlans; rows wider than one block allocate scratch
+# and run the body every call).
+softmax_eager = EagerOp(_softmax, _setup, partial(_grad, backward=_softmax_backward), plans=LaunchPlans())

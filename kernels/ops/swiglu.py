@@ -15,6 +15,7 @@ from torch.library import triton_op
 
 from squeezeserve.kernels import reference
 from squeezeserve.kernels.ops.launch import block_rows, cdiv, next_power_of_2, rows_2d, traceable
+from squeezeserve.kernels.ops.replay import LaunchPlans
 from squeezeserve.kernels.registry import EagerOp, use_reference
 
 # Columns per program; a 2-D grid of [rows, columns] tiles keeps each row contiguous for the packed form.
@@ -303,10 +304,16 @@ swiglu_oai.register_autograd(_swiglu_oai_grad, setup_context=_save_inputs)
 silu_and_mul.register_autograd(_silu_and_mul_grad, setup_context=_silu_and_mul_setup)
 
 # The same bodies and formulas for eager calls, without the dispatcher (registry.EagerOp).
-swiglu_eager = EagerOp(_swiglu, _save_inputs, partial(_swiglu_grad, backward=_swiglu_backward))
+# Calls without gradients replay their recorded launches (replay.LaunchPlans).
+swiglu_eager = EagerOp(
+    _swiglu, _save_inputs, partial(_swiglu_grad, backward=_swiglu_backward), plans=LaunchPlans()
+)
 swiglu_oai_eager = EagerOp(
-    _swiglu_oai, _save_inputs, partial(_swiglu_oai_grad, backward=_swiglu_oai_backward)
+    _swiglu_oai, _save_inputs, partial(_swiglu_oai_grad, backward=_swiglu_oai_backward), plans=LaunchPlans()
 )
 silu_and_mul_eager = EagerOp(
-    _silu_and_mul, _silu_and_mul_setup, partial(_silu_and_mul_grad, backward=_silu_and_mul_backward)
+    _silu_and_mul,
+    _silu_and_mul_setup,
+    partial(_silu_and_mul_grad, backward=_silu_and_mul_backward),
+    plans=LaunchPlans(),
 )

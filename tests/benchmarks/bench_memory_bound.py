@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import Recorder, compiled, host_ms, liger, peaks, vllm_op  # noqa: E402
 
 import squeezeserve.kernels as K  # noqa: E402
-from squeezeserve.kernels.ops import launch  # noqa: E402
+from squeezeserve.kernels.ops import launch, replay  # noqa: E402
 
 DTYPE = torch.bfloat16
 ROW_SHAPES = [(1, 4096), (16, 4096), (4096, 4096), (16384, 4096), (16, 14336), (4096, 14336), (16384, 14336)]
@@ -28,21 +28,32 @@ SOFTMAX_SHAPES = [(16, 32768), (4096, 32768), (16, 131072), (1024, 131072), (409
 
 
 # Providers timed only at shapes of at most this many rows (host-overhead comparisons).
-SMALL_ONLY = {"squeezeserve.ops": 16, "vllm": 16, "squeezeserve.triton-launch": 16}
+SMALL_ONLY = {
+    "squeezeserve.ops": 16, "vllm": 16, "squeezeserve.triton-launch": 16, "squeezeserve.no-plans": 16
+}  # fmt: skip
 
 
-def triton_launch(fn):
-    """``fn`` (one of our functional ops) with every kernel launched through Triton's own dispatch instead of
-    launch.FastLaunch: the same kernels, the host cost the fast path removes."""
+def switched_off(module, switch: str):
+    """Wraps one of our functional ops so that ``module.switch`` is False during its calls."""
 
-    def call(*args):
-        launch.FAST_LAUNCH = False
-        try:
-            return fn(*args)
-        finally:
-            launch.FAST_LAUNCH = True
+    def wrap(fn):
+        def call(*args):
+            setattr(module, switch, False)
+            try:
+                return fn(*args)
+            finally:
+                setattr(module, switch, True)
 
-    return call
+        return call
+
+    return wrap
+
+
+# Every kernel launched through Triton's own dispatch instead of launch.FastLaunch (and so without launch
+# plans): the same kernels, the host cost the fast path removes.
+triton_launch = switched_off(launch, "FAST_LAUNCH")
+# The op body run on every call instead of a replayed launch plan (kernels/ops/replay.py): what plans save.
+no_plans = switched_off(replay, "LAUNCH_PLANS")
 
 
 EAGER_MAX_ROWS = 16  # shapes also timed as back-to-back eager calls ("fwd-eager", host included)
@@ -82,6 +93,7 @@ def swiglu(rec):
     providers = {
         "squeezeserve": K.swiglu,
         "squeezeserve.triton-launch": triton_launch(K.swiglu),
+        "squeezeserve.no-plans": no_plans(K.swiglu),
         "squeezeserve.ops": torch.ops.squeezeserve.swiglu,
         "torch": eager,
         "torch.compile": compiled(eager),
@@ -108,6 +120,7 @@ def silu_and_mul(rec, m, n):
     providers = {
         "squeezeserve.silu_and_mul": K.silu_and_mul,
         "squeezeserve.triton-launch": triton_launch(K.silu_and_mul),
+        "squeezeserve.no-plans": no_plans(K.silu_and_mul),
         "vllm": None if op is None else theirs,
     }
     e = m * n * 2
@@ -131,6 +144,7 @@ def rmsnorm(rec):
     providers = {
         "squeezeserve": lambda x, w: K.rmsnorm(x, w, 1e-6),
         "squeezeserve.triton-launch": triton_launch(lambda x, w: K.rmsnorm(x, w, 1e-6)),
+        "squeezeserve.no-plans": no_plans(lambda x, w: K.rmsnorm(x, w, 1e-6)),
         "squeezeserve.ops": lambda x, w: torch.ops.squeezeserve.rmsnorm(x, w, 1e-6),
         "torch": eager, "torch.compile": compiled(eager),
         "liger": None if lig is None else (lambda x, w: lig(x, w, 1e-6, 0.0, "llama", False)),
@@ -166,6 +180,7 @@ def add_rmsnorm(rec):
     providers = {
         "squeezeserve": lambda x, r, w: K.add_rmsnorm(x, r, w, 1e-6)[0],
         "squeezeserve.triton-launch": triton_launch(lambda x, r, w: K.add_rmsnorm(x, r, w, 1e-6)[0]),
+        "squeezeserve.no-plans": no_plans(lambda x, r, w: K.add_rmsnorm(x, r, w, 1e-6)[0]),
         "torch": eager, "torch.compile": compiled(eager), "vllm": None if op is None else theirs,
     }  # fmt: skip
     for m, n in [(1, 4096), (16, 4096), (16, 14336)]:
@@ -184,6 +199,7 @@ def softmax(rec):
     providers = {
         "squeezeserve": K.softmax,
         "squeezeserve.triton-launch": triton_launch(K.softmax),
+        "squeezeserve.no-plans": no_plans(K.softmax),
         "squeezeserve.ops": torch.ops.squeezeserve.softmax,
         "torch": eager,
         "torch.compile": compiled(eager),
@@ -200,7 +216,12 @@ if __name__ == "__main__":
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ops", default="swiglu,rmsnorm,add_rmsnorm,softmax", help="comma-separated subset")
-    chosen = parser.parse_args().ops.split(",")
+    parser.add_argument("--max-rows", type=int, help="only shapes of at most N rows (16: the eager rows)")
+    args = parser.parse_args()
+    chosen = args.ops.split(",")
+    if args.max_rows:
+        ROW_SHAPES[:] = [s for s in ROW_SHAPES if s[0] <= args.max_rows]
+        SOFTMAX_SHAPES[:] = [s for s in SOFTMAX_SHAPES if s[0] <= args.max_rows]
     peaks()
     for bench in [b for b in (swiglu, rmsnorm, add_rmsnorm, softmax) if b.__name__ in chosen]:
         recorder = Recorder(bench.__name__)

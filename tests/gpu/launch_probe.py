@@ -1,10 +1,12 @@
-"""Device probe for issue #16 item 4: where the host time of one eager call of our softmax / SwiGLU goes.
+"""Device probe for issue #16 item 4: where the host time of one eager call of our softmax / RMSNorm /
+SwiGLU goes.
 
 Each line is host microseconds per call over 2000 back-to-back calls (the GPU work, ~2-5 us, hides behind
 the launches), the minimum of 7 interleaved rounds (this machine's host timings swing +-50% between runs of
 one script). The rows peel the call apart: the functional API, the op body below it, the bare
 ``torch.empty`` it allocates with, the Triton launch through ``FastLaunch``, through Triton's own
-``kernel[grid]`` and through the compiled kernel's launcher alone, against torch's and vLLM's ops.
+``kernel[grid]`` and through the compiled kernel's launcher alone, against torch's and vLLM's ops; "launch
+plan" rows replay the op's recorded launches (kernels/ops/replay.py), "plans off" run its body each call.
 
 Second part: whether autograd keeps (steals) the gradients fused linear cross-entropy computes in its
 forward, or copies them into ``.grad`` (a copy doubles the gradients' memory at the peak).
@@ -21,7 +23,8 @@ from torch._library.triton import set_wrap_triton_enabled
 
 import squeezeserve.kernels as K
 from squeezeserve.kernels.ops import fused_linear_ce as flce
-from squeezeserve.kernels.ops import launch
+from squeezeserve.kernels.ops import launch, replay
+from squeezeserve.kernels.ops import rmsnorm as rn
 from squeezeserve.kernels.ops import softmax as sm
 from squeezeserve.kernels.ops import swiglu as sw
 
@@ -76,7 +79,9 @@ def softmax_rows(x: torch.Tensor) -> dict:
 
     return {
         "torch.softmax": lambda: torch.softmax(x, -1),
-        "K.softmax (functional, fast launch)": lambda: K.softmax(x),
+        "K.softmax (functional, launch plan)": lambda: K.softmax(x),
+        "K.softmax (plans off, fast launch)": without_plans(lambda: K.softmax(x)),
+        "launch plan alone (LaunchPlans call)": lambda: sm.softmax_eager.plans(sm._softmax, (x,)),
         "op body (fast launch)": body,
         "torch.empty": lambda: torch.empty(x.shape, dtype=x.dtype, device=x.device),
         "FastLaunch launch": lambda: fast[grid](*args, **kw),
@@ -87,11 +92,55 @@ def softmax_rows(x: torch.Tensor) -> dict:
     }
 
 
+def without_plans(fn):
+    def call():
+        replay.LAUNCH_PLANS = False
+        try:
+            return fn()
+        finally:
+            replay.LAUNCH_PLANS = True
+
+    return call
+
+
+def rmsnorm_rows(x: torch.Tensor) -> dict:
+    w = torch.rand(x.shape[-1], device=x.device, dtype=x.dtype) + 0.5
+    r = torch.randn_like(x)
+    rows = {
+        "F.rms_norm": lambda: torch.nn.functional.rms_norm(x, (x.shape[-1],), w, 1e-6),
+        "K.rmsnorm (launch plan)": lambda: K.rmsnorm(x, w, 1e-6),
+        "K.rmsnorm (plans off)": without_plans(lambda: K.rmsnorm(x, w, 1e-6)),
+        "torch x + r, F.rms_norm": lambda: torch.nn.functional.rms_norm(x + r, (x.shape[-1],), w, 1e-6),
+        "K.add_rmsnorm (launch plan)": lambda: K.add_rmsnorm(x, r, w, 1e-6),
+        "K.add_rmsnorm (plans off)": without_plans(lambda: K.add_rmsnorm(x, r, w, 1e-6)),
+        "op body rmsnorm (fast launch)": lambda: body_of(rn._rmsnorm, x, w, 1e-6),
+    }
+    try:
+        import vllm._custom_ops  # noqa: F401
+
+        def theirs():
+            out = torch.empty_like(x)
+            torch.ops._C.rms_norm(out, x, w, 1e-6)
+            return out
+
+        rows["vllm rms_norm (+ empty_like)"] = theirs
+    except Exception as exc:  # noqa: BLE001
+        print(f"# vllm unavailable: {exc}")
+    return rows
+
+
+def body_of(fn, *args):
+    with set_wrap_triton_enabled(False):
+        return fn(*args)
+
+
 def swiglu_rows(a: torch.Tensor, b: torch.Tensor) -> dict:
     op = vllm_silu_and_mul()
     ab = torch.cat([a, b], -1)
     rows = {"torch silu(a)*b": lambda: torch.nn.functional.silu(a) * b, "K.swiglu": lambda: K.swiglu(a, b)}
+    rows["K.swiglu (plans off)"] = without_plans(lambda: K.swiglu(a, b))
     rows["K.silu_and_mul"] = lambda: K.silu_and_mul(ab)
+    rows["K.silu_and_mul (plans off)"] = without_plans(lambda: K.silu_and_mul(ab))
     if op is not None:
 
         def theirs():
@@ -143,6 +192,9 @@ def main() -> None:
     for shape in ((16, 32768), (1, 4096)):
         print(f"softmax {shape}:")
         table(softmax_rows(torch.randn(*shape, device="cuda", dtype=torch.bfloat16)))
+    for shape in ((1, 4096), (16, 4096)):
+        print(f"rmsnorm {shape}:")
+        table(rmsnorm_rows(torch.randn(*shape, device="cuda", dtype=torch.bfloat16)))
     for shape in ((1, 4096), (16, 14336)):
         print(f"swiglu {shape}:")
         a, b = (torch.randn(*shape, device="cuda", dtype=torch.bfloat16) for _ in range(2))

@@ -1,0 +1,209 @@
+"""Eager launch plans: an op body's kernel launches, recorded once per input signature and replayed.
+
+A decode-sized eager call of a memory-bound op is host time, not GPU time: the op body prepares its launch
+in Python (views, strides, launch settings, the grid, Triton's specialization key) for ~20 us where the
+kernel runs 2-5 us (tests/benchmarks/NOTES.md). None of that preparation depends on anything but the
+inputs' shapes, strides, dtypes, devices, pointer alignment and the scalar arguments, so
+:class:`LaunchPlans` runs the body once per such signature while recording what it does, and on later calls
+with the same signature only allocates the outputs and calls the compiled kernels' launchers with the new
+tensors in place of the recorded ones.
+
+A body is replayable when, recorded: every launch went through ``launch.FastLaunch``'s cached path (or the
+interpreter), every tensor a kernel received lies inside an input or an output (an offset into one is kept:
+``x[..., d:]``), the outputs are fresh contiguous tensors, and no torch op other than allocations and views
+ran (a copy, a fill or a scratch buffer would not be repeated by a replay). Anything else runs the body on
+every call, as do calls that need gradients, CPU tensors on the reference path, and calls while a Triton
+launch hook (a profiler) is installed. ``SQUEEZESERVE_LAUNCH_PLANS=0`` turns plans off, as does
+``SQUEEZESERVE_FAST_LAUNCH=0`` (every launch through Triton's own dispatch).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from squeezeserve.kernels.ops import launch
+from squeezeserve.kernels.registry import direct_launches, use_reference
+
+LAUNCH_PLANS = os.environ.get("SQUEEZESERVE_LAUNCH_PLANS", "1") != "0"
+# Signatures kept per op before the memo starts over (an eager prefill sees one per prompt length).
+MAX_PLANS = 256
+# Recordings of one signature that may fail (e.g. a first call that compiles and so runs Triton's own
+# launch) before it runs the body on every call.
+RECORD_ATTEMPTS = 2
+
+_aten = torch.ops.aten
+# Torch ops a replayable body may run: allocations, views and metadata (nothing that reads or writes memory).
+_ALLOWED = frozenset({
+    _aten.empty, _aten.empty_like, _aten.empty_strided, _aten.new_empty, _aten.new_empty_strided,
+    _aten.view, _aten._unsafe_view, _aten.reshape, _aten.alias, _aten.slice, _aten.select, _aten.as_strided,
+    _aten.t, _aten.transpose, _aten.permute, _aten.unsqueeze, _aten.squeeze, _aten.expand, _aten.detach,
+    _aten.split, _aten.chunk, _aten.unbind, _aten.promote_types, _aten.result_type,
+})  # fmt: skip
+
+
+class _OnlyViews(TorchDispatchMode):
+    """Notes whether any torch op other than an allocation or a view runs while it is active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.other: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket not in _ALLOWED:
+            self.other.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def signature(inputs: tuple) -> tuple:
+    """What an op body's launches depend on: per tensor its shape, strides, dtype, device and whether its
+    address is 16-byte aligned; per other argument its type and value (1, 1.0 and True differ)."""
+    key = []
+    for a in inputs:
+        if isinstance(a, torch.Tensor):
+            key.append((a.shape, a.stride(), a.dtype, a.get_device(), a.data_ptr() % 16 == 0))
+        else:
+            key.append((type(a), a))
+    return tuple(key)
+
+
+class _Plan:
+    """Outputs to allocate and launches to repeat. A launch's arguments are ``(None, value)`` for a constant
+    and ``(index, where)`` for a tensor: ``pool[index]`` of the call's inputs followed by its outputs, itself
+    (``where`` None) or ``(byte offset, view)`` into it (see :func:`_argument`)."""
+
+    __slots__ = ("outputs", "launches", "single")
+
+    def __init__(self, outputs: list, launches: list, single: bool):
+        self.outputs = outputs  # [allocate(inputs) -> tensor]
+        self.launches = launches  # [(launch, [(index, where) | (None, constant)])]
+        self.single = single
+
+    def __call__(self, inputs: tuple):
+        outs = [allocate(inputs) for allocate in self.outputs]
+        pool = (*inputs, *outs)
+        for run, spec in self.launches:
+            run([value if index is None else _argument(pool[index], value) for index, value in spec])
+        return outs[0] if self.single else tuple(outs)
+
+
+def _argument(t: torch.Tensor, where: tuple | None):
+    """The kernel argument in ``t``: ``t`` itself (``where`` None, it starts there), or ``offset`` bytes into
+    it for ``where = (offset, view)``: an address for a compiled launcher (``view`` None), a view (its sizes
+    and strides, ``t``'s dtype) for the interpreter, which takes only tensors."""
+    if where is None:
+        return t
+    offset, view = where
+    if view is None:
+        return t.data_ptr() + offset
+    return t.as_strided(view[0], view[1], t.storage_offset() + offset // t.element_size())
+
+
+def _allocator(out: torch.Tensor, inputs: tuple):
+    """``allocate(inputs)`` making a tensor like ``out``: ``torch.empty_like`` of an input of its shape where
+    that gives ``out``'s strides (1.5 us a call against ``torch.empty``'s 5 with its keywords), else
+    ``torch.empty``."""
+    for i, a in enumerate(inputs):
+        if not isinstance(a, torch.Tensor) or a.shape != out.shape or a.device != out.device:
+            continue
+        if a.dtype == out.dtype:
+            allocate = lambda inputs, i=i: torch.empty_like(inputs[i])  # noqa: E731
+        else:
+            allocate = lambda inputs, i=i, dtype=out.dtype: torch.empty_like(inputs[i], dtype=dtype)  # noqa: E731
+        if allocate(inputs).stride() == out.stride():
+            return allocate
+    return lambda inputs, shape=out.shape, dtype=out.dtype, device=out.device: torch.empty(
+        shape, dtype=dtype, device=device
+    )
+
+
+def _extent(t: torch.Tensor) -> tuple[int, int]:
+    """[first byte, one past the last byte] that ``t`` addresses (dense or strided, non-negative strides)."""
+    start = t.data_ptr()
+    if t.numel() == 0:
+        return start, start
+    last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride(), strict=True))
+    return start, start + (last + 1) * t.element_size()
+
+
+def _inside(address: int, extent: tuple[int, int]) -> bool:
+    start, end = extent
+    return start <= address < end or address == start  # an empty tensor's address is its start
+
+
+def _build(inputs: tuple, result, launches: list, other_ops: list) -> _Plan | None:
+    """The plan for what one recorded body call did, or None when a replay could not repeat it."""
+    single = isinstance(result, torch.Tensor)
+    outs = [result] if single else list(result) if isinstance(result, tuple) else None
+    if outs is None or other_ops or not launches or any(entry is None for entry in launches):
+        return None
+    if not all(isinstance(o, torch.Tensor) and o.is_contiguous() for o in outs):
+        return None
+    pool = (*inputs, *outs)
+    extents = [_extent(t) if isinstance(t, torch.Tensor) else None for t in pool]
+    in_extents = [e for e in extents[: len(inputs)] if e is not None]
+    for o in extents[len(inputs) :]:  # fresh outputs: no input shares their memory
+        if any(o[0] < e[1] and e[0] < o[1] for e in in_extents):
+            return None
+    # An output is never inside an input (checked above): look there first, then in the inputs.
+    order = [*range(len(inputs), len(pool)), *range(len(inputs))]
+    plan_launches = []
+    for run, args in launches:
+        spec = []
+        for a in args:
+            if not isinstance(a, torch.Tensor):
+                spec.append((None, a))
+                continue
+            address = a.data_ptr()
+            home = next((i for i in order if extents[i] and _inside(address, extents[i])), None)
+            if home is None:
+                return None  # a tensor the body made and did not return: a replay would not make it
+            offset = address - extents[home][0]
+            view = None
+            if offset and not isinstance(run, launch.CompiledLaunch):
+                if a.dtype != pool[home].dtype:
+                    return None
+                view = (a.shape, a.stride())
+            spec.append((home, (offset, view) if offset else None))
+        plan_launches.append((run, spec))
+    return _Plan([_allocator(o, inputs) for o in outs], plan_launches, single)
+
+
+class LaunchPlans:
+    """Per op, the launch plans of its eager calls without gradients (module docstring); ``plans(body,
+    inputs)`` returns ``body(*inputs)``."""
+
+    def __init__(self) -> None:
+        self.plans: dict[tuple, _Plan | int] = {}  # signature -> plan, or failed recordings so far
+
+    def __call__(self, body, inputs: tuple):
+        first = inputs[0]  # every op with plans takes a tensor first
+        if not (LAUNCH_PLANS and launch.FAST_LAUNCH) or use_reference(first) or launch.launch_hooks():
+            with direct_launches:
+                return body(*inputs)
+        key = signature(inputs)
+        if first.is_cuda:
+            key = (key, torch._C._cuda_getDevice())  # the device Triton launches on
+        plan = self.plans.get(key, 0)
+        if type(plan) is _Plan:
+            return plan(inputs)
+        if plan >= RECORD_ATTEMPTS:
+            with direct_launches:
+                return body(*inputs)
+        return self._record(key, plan, body, inputs)
+
+    def _record(self, key: tuple, failures: int, body, inputs: tuple):
+        launches: list = []
+        views = _OnlyViews()
+        launch.recording.launches = launches
+        try:
+            with direct_launches, views:
+                result = body(*inputs)
+        finally:
+            launch.recording.launches = None
+        if len(self.plans) >= MAX_PLANS:
+            self.plans.clear()
+        self.plans[key] = _build(inputs, result, launches, views.other) or failures + 1
+        return result

@@ -1,0 +1,171 @@
+"""Eager launch plans (kernels/ops/replay.py): a call without gradients records its op body's launches once
+per input signature, later calls replay them. Under the interpreter the recorded launches are the
+interpreter's kernels, so these tests replay the real kernels on CPU tensors."""
+
+import pytest
+import torch
+
+from squeezeserve.kernels import functional as K
+from squeezeserve.kernels import registry
+from squeezeserve.kernels.ops import replay
+from squeezeserve.kernels.ops import rmsnorm as rmsnorm_op
+from squeezeserve.kernels.ops import softmax as softmax_op
+from squeezeserve.kernels.ops import swiglu as swiglu_op
+
+_ops = torch.ops.squeezeserve
+EPS = 1e-6
+
+# (eager op, registered op, inputs on a device): the eager op's body recorded, then replayed on new inputs.
+CASES = {
+    "swiglu": (
+        swiglu_op.swiglu_eager,
+        _ops.swiglu,
+        lambda d: (torch.randn(3, 37, device=d), torch.randn(3, 37, device=d)),
+    ),
+    "swiglu_oai": (
+        swiglu_op.swiglu_oai_eager,
+        _ops.swiglu_oai,
+        lambda d: (torch.randn(2, 5, 16, device=d), torch.randn(2, 5, 16, device=d), 1.702, 2.0),
+    ),
+    # the up half is a kernel argument 37 elements into the input: an offset view in the plan
+    "silu_and_mul": (
+        swiglu_op.silu_and_mul_eager,
+        _ops.silu_and_mul,
+        lambda d: (torch.randn(3, 74, device=d),),
+    ),
+    "rmsnorm": (
+        rmsnorm_op.rmsnorm_eager,
+        _ops.rmsnorm,
+        lambda d: (torch.randn(4, 37, dtype=torch.bfloat16, device=d), torch.rand(37, device=d) + 0.5, EPS),
+    ),
+    "add_rmsnorm": (
+        rmsnorm_op.add_rmsnorm_eager,
+        _ops.add_rmsnorm,
+        lambda d: (
+            torch.randn(3, 37, device=d),
+            torch.randn(3, 37, device=d),
+            torch.rand(37, device=d) + 0.5,
+            EPS,
+        ),
+    ),
+    "softmax": (softmax_op.softmax_eager, _ops.softmax, lambda d: (torch.randn(5, 300, device=d),)),
+}
+
+
+class Counting:
+    """An op body that counts its runs (replays do not run it)."""
+
+    def __init__(self, body):
+        self.body, self.runs = body, 0
+
+    def __call__(self, *inputs):
+        self.runs += 1
+        return self.body(*inputs)
+
+
+def _outputs(out):
+    return out if isinstance(out, tuple) else (out,)
+
+
+@pytest.fixture
+def fresh_plans():
+    """Each op's memo emptied before and after a test (plans are per process)."""
+    for op, _, _ in CASES.values():
+        op.plans.plans.clear()
+    yield
+    for op, _, _ in CASES.values():
+        op.plans.plans.clear()
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_replay_equals_the_registered_op_on_new_inputs(name, device, fresh_plans):
+    op, registered, make = CASES[name]
+    body = Counting(op.forward)
+    with torch.no_grad():
+        first = make(device)
+        recorded = op.plans(body, first)
+        assert len(op.plans.plans) == 1 and isinstance(next(iter(op.plans.plans.values())), replay._Plan)
+        for _ in range(2):
+            inputs = make(device)  # new tensors (and addresses), same signature
+            replayed = op.plans(body, inputs)
+            expected = registered(*inputs)
+            # The same kernels on the same inputs: bit-identical outputs.
+            for a, b in zip(_outputs(replayed), _outputs(expected), strict=True):
+                assert torch.equal(a, b)
+                assert all(a.data_ptr() != t.data_ptr() for t in inputs if isinstance(t, torch.Tensor))
+    assert body.runs == 1, "the body ran again where the plan should have replayed"
+    for a, b in zip(_outputs(recorded), _outputs(registered(*first)), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_functional_calls_without_gradients_go_through_the_plans(device, fresh_plans):
+    x = torch.randn(6, 40, device=device)
+    with torch.no_grad():
+        for _ in range(3):
+            assert torch.equal(K.softmax(x), _ops.softmax(x))
+    assert len(softmax_op.softmax_eager.plans.plans) == 1
+
+
+def test_a_new_signature_records_a_new_plan(device, fresh_plans):
+    op = rmsnorm_op.rmsnorm_eager
+    w = torch.rand(32, device=device) + 0.5
+    with torch.no_grad():
+        for rows in (1, 16, 1):
+            x = torch.randn(rows, 32, device=device)
+            assert torch.equal(op(x, w, EPS), _ops.rmsnorm(x, w, EPS))
+        op(torch.randn(1, 32, device=device), w, 1e-5)  # another eps: another signature
+        op(torch.randn(1, 32, dtype=torch.float16, device=device), w, EPS)  # another dtype
+    assert len(op.plans.plans) == 4
+
+
+def test_aliased_inputs_replay_a_plan_recorded_without_aliasing(device, fresh_plans):
+    op = rmsnorm_op.add_rmsnorm_eager
+    w = torch.rand(37, device=device) + 0.5
+    with torch.no_grad():
+        op(torch.randn(3, 37, device=device), torch.randn(3, 37, device=device), w, EPS)
+        x = torch.randn(3, 37, device=device)
+        y, h = op(x, x, w, EPS)  # x + x
+    expected_y, expected_h = _ops.add_rmsnorm(x, x.clone(), w, EPS)
+    assert torch.equal(y, expected_y) and torch.equal(h, expected_h)
+
+
+def test_bodies_a_replay_could_not_repeat_run_every_call(device, fresh_plans):
+    op = softmax_op.softmax_eager
+    with torch.no_grad():
+        # A non-contiguous row: the body copies it first (a torch op that is not a view).
+        x = torch.randn(40, 6, device=device).t()
+        for _ in range(replay.RECORD_ATTEMPTS + 1):
+            assert torch.equal(op(x), _ops.softmax(x.contiguous()))
+        assert list(op.plans.plans.values()) == [replay.RECORD_ATTEMPTS]
+        # A body that writes into its output after the launch.
+        body = Counting(lambda t: softmax_op._softmax(t).mul_(2))
+        y = torch.randn(3, 8, device=device)
+        for _ in range(3):
+            assert torch.equal(op.plans(body, (y,)), 2 * _ops.softmax(y))
+    assert body.runs == 3
+
+
+def test_bad_input_raises_and_records_nothing(device, fresh_plans):
+    op = rmsnorm_op.rmsnorm_eager
+    with torch.no_grad(), pytest.raises(ValueError, match="rmsnorm"):
+        op(torch.randn(2, 8, device=device), torch.rand(7, device=device), EPS)
+    assert op.plans.plans == {}
+
+
+def test_calls_with_gradients_and_reference_calls_keep_out_of_the_plans(device, fresh_plans):
+    x = torch.randn(3, 37, device=device, requires_grad=True)
+    K.softmax(x).sum().backward()
+    assert x.grad is not None and softmax_op.softmax_eager.plans.plans == {}
+    with registry.triton_on_cpu(False), torch.no_grad():
+        K.softmax(x.detach().cpu())  # CPU tensors outside triton_on_cpu: the reference
+    assert softmax_op.softmax_eager.plans.plans == {}
+
+
+def test_the_memo_starts_over_when_full(device, fresh_plans, monkeypatch):
+    monkeypatch.setattr(replay, "MAX_PLANS", 2)
+    op = swiglu_op.swiglu_eager
+    with torch.no_grad():
+        for rows in (1, 2, 3):
+            a, b = torch.randn(rows, 8, device=device), torch.randn(rows, 8, device=device)
+            assert torch.equal(op(a, b), _ops.swiglu(a, b))
+    assert len(op.plans.plans) == 1
