@@ -2,8 +2,8 @@
 count, tuning, the split-K workspace, registration and autograd. The kernels and their design are in
 ``quant_matmul_kernels.py``; the layout in ``kernels/quant_layout.py``.
 
-One row of int4 (M <= GEMV_MAX_M) runs on the FMA units (``_gemv_int4_kernel``), up to SKINNY_MAX_M rows
-(and int8 at one row) on tensor cores (``_skinny_kernel``). Prefill (M > SKINNY_MAX_M) is
+One or two rows of int4 (M <= GEMV_MAX_M) run on the FMA units (``_gemv_int4_kernel``), up to SKINNY_MAX_M
+rows (and int8 at one row) on tensor cores (``_skinny_kernel``). Prefill (M > SKINNY_MAX_M) is
 compute-bound and takes the faster of two paths for its shape (``PREFILL``): ``_prefill_kernel``, a
 tensor-core GEMM that dequantizes each weight tile in registers, or ``_dequantize_kernel`` expanding W to
 the activation dtype once (bit-exact, as compressed-tensors dequantizes; at memory speed) and cuBLAS. The
@@ -34,7 +34,9 @@ SKINNY_MAX_M = 64
 # cuBLAS (0.83-0.95x bf16 from 2048 rows, while the Triton GEMM reaches 0.37-0.45x there).
 PREFILL = "auto"
 TRITON_PREFILL_MAX_M, TRITON_PREFILL_MIN_N = 128, 8192
-GEMV_MAX_M = 1  # rows up to which the FMA kernel beats the tensor-core one (bench_quant_matmul --sweep)
+# Rows up to which the FMA kernel beats the tensor-core one where groups align to its GEMV_BLOCK_K tiles
+# (g32_probe.py --sweep-gemv-rows, H100: 1.0-1.4x faster at 2 rows, slower at 4); other groups: one row.
+GEMV_MAX_M = 2
 GEMV_BLOCK_K = 512  # the FMA kernel's K tile where groups align to it (g32_probe.py --sweep-gemv-narrow)
 # bf16: 0x4300 is 128.0 with a 7-bit mantissa (integers 128..255 exact); fp16: 0x6400 is 1024.0 with a
 # 10-bit mantissa (1024..2047 exact).
@@ -124,7 +126,7 @@ def _groups_per_tile(group_size: int, block_k: int, per_word: int) -> int:
 
 
 def tuning(kernel: str, m: int, n_out: int, k_in: int, block_k: int, device: torch.device,
-           narrow_groups: bool = False, bits: int = 4) -> dict:  # fmt: skip
+           narrow_groups: bool = False, bits: int = 4, group_size: int = 0) -> dict:  # fmt: skip
     """BLOCK_N, split-K, warps and stages for the decode kernels, chosen from the sweeps of
     ``tests/benchmarks/bench_quant_matmul.py --sweep`` and ``tests/gpu/g32_probe.py --sweep / --sweep-gemv``
     (results and figures: tests/benchmarks/NOTES.md): one setting within a few percent of each shape's best,
@@ -143,13 +145,18 @@ def tuning(kernel: str, m: int, n_out: int, k_in: int, block_k: int, device: tor
     N tiles leave SMs idle. ``g32_probe.py --sweep-gemv-narrow`` (H100, 2026-11-24; g128 and g32, with and
     without zero points, three decode shapes): among the best four of 36 settings at 9 of the 12 points, where
     the best was 1.15-1.31x faster than the 32-128 x 128-256 tiles on 4-8 warps before; one row of int4 g128
-    went from 1.97-2.41x bf16 to 2.44-2.83x (``bench_quant_matmul.py``)."""
+    went from 1.97-2.41x bf16 to 2.44-2.83x (``bench_quant_matmul.py``). Two rows (``--sweep-gemv-rows``):
+    16 output rows a program where groups hold 64 columns or more, split as for one row; 8 and no split
+    past the SMs' fill for g32: the best of 18 settings at 11 of the 12 points (g128; g32 with and without
+    zero points; four shapes), 0.6% off the best at the twelfth."""
     tiles = cdiv(k_in, block_k)
     if interpreting():  # small tiles; split-K whenever there are two tiles, so the tests cover both paths
         return {"BLOCK_N": 16, "split": min(2, tiles), "num_warps": 4, "num_stages": 1}
     if kernel == "gemv" and block_k == GEMV_BLOCK_K:
-        split = max(cdiv(tiles, 16), cdiv(sm_count(device), cdiv(n_out, 8)))
-        return {"BLOCK_N": 8, "split": max(1, min(split, tiles)), "num_warps": 2, "num_stages": 3}
+        two_narrow = m > 1 and group_size < 64  # two rows of g32: K split only to fill the SMs
+        block_n = 16 if m > 1 and not two_narrow else 8
+        split = max(1 if two_narrow else cdiv(tiles, 16), cdiv(sm_count(device), cdiv(n_out, block_n)))
+        return {"BLOCK_N": block_n, "split": max(1, min(split, tiles)), "num_warps": 2, "num_stages": 3}
     many = cdiv(n_out, 64) * 4 >= 2 * sm_count(device) or m > 32
     if narrow_groups:
         return {"BLOCK_N": 64, "split": max(1, min(4 if many else 8, tiles)),
@@ -189,13 +196,13 @@ def _quant_matmul(
             return (x2 @ weight.t()).reshape(*x.shape[:-1], n_out)
         return _prefill(x2, qweight, scales, zeros, zero_arg, group_size, bits).reshape(*x.shape[:-1], n_out)
     per16 = 16 // bits
-    gemv = m <= GEMV_MAX_M and bits == 4 and group_size % 8 == 0  # the FMA kernel reads whole int32 words
+    deep = GEMV_BLOCK_K % group_size == 0 or group_size % GEMV_BLOCK_K == 0  # whole groups a tile, or in one
+    # The FMA kernel reads whole int32 words (groups of 8 values or more).
+    gemv = bits == 4 and group_size % 8 == 0 and m <= (GEMV_MAX_M if deep else 1)
     if gemv:
         kernel, block_m, prescale = _gemv_int4_kernel, next_power_of_2(m), False
-        block_k = 256 if group_size % 256 == 0 else 128
-        if not interpreting() and (GEMV_BLOCK_K % group_size == 0 or group_size % GEMV_BLOCK_K == 0):
-            block_k = GEMV_BLOCK_K  # whole groups in a tile, or a tile inside one group
-        cfg = tuning("gemv", m, n_out, k_in, block_k, x.device, group_size < block_k)
+        block_k = GEMV_BLOCK_K if deep and not interpreting() else (256 if group_size % 256 == 0 else 128)
+        cfg = tuning("gemv", m, n_out, k_in, block_k, x.device, group_size < block_k, group_size=group_size)
         block_k = cfg.get("BLOCK_K", block_k)  # a probe's tiling (groups aligned to it, as above)
     else:
         kernel, block_m = _skinny_kernel, (16 if m <= 16 else (32 if m <= 32 else 64))

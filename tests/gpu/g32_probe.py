@@ -15,6 +15,7 @@ commit 554c95b: int4 read as bytes with the scale after the dot, and the dequant
     python3 tests/gpu/g32_probe.py --sweep-gemv    # one-row FMA kernel tiles at g32, with zero points too
     python3 tests/gpu/g32_probe.py --sweep-int8    # int8 g128 / per channel: tensor-core kernel tiles
     python3 tests/gpu/g32_probe.py --sweep-gemv-narrow  # one-row FMA kernel: narrow N, deep K, g128/g32
+    python3 tests/gpu/g32_probe.py --sweep-gemv-rows    # FMA kernel at 2 and 4 rows vs the tensor-core one
 """
 
 from __future__ import annotations
@@ -200,6 +201,55 @@ def sweep_gemv_narrow() -> None:
                       f"shipped {shipped * 1e3:.2f}us", flush=True)  # fmt: skip
 
 
+def sweep_gemv_rows() -> None:
+    """The FMA kernel at 2 and 4 rows (``GEMV_MAX_M`` raised for the probe) on narrow deep tiles (BLOCK_K 512,
+    as one row ships), against the shipped tensor-core kernel at the same rows; groups 128 and 32, symmetric
+    and with zero points, the four decode shapes; best four settings and the shipped time, with bf16's."""
+    grid = list(itertools.product((8, 16, 32), (2, 4), (512,), (1, 2, 4)))
+    for k, n in KN:
+        weight = torch.randn(n, k, device="cuda", dtype=DTYPE) / 64
+        dense = [weight] + [weight.clone() for _ in range(_copies(weight.numel() * 2) - 1)]
+        for group in (128, 32):
+            t = quant_layout.pack_weight(weight, 4, group, False)
+            qw, sc, zp = t["weight_packed"], t["weight_scale"], t["weight_zero_point"]
+            packs = [(qw, sc, zp)] + [
+                (qw.clone(), sc.clone(), zp.clone()) for _ in range(_copies(qw.numel() * 4) - 1)
+            ]
+            ref_w = quant_layout.dequantize(qw, sc, zp, (n, k), group, 4).float()
+            for m in (2, 4):
+                x = torch.randn(m, k, device="cuda", dtype=DTYPE)
+                t_bf16 = do_bench_cudagraph(_cycle([lambda d=d, x=x: x @ d.t() for d in dense]), rep=30)
+                ref = x.float() @ ref_w.t()
+                for zeros in (False, True) if group == 32 else (False,):
+                    calls = [(x, p[0], p[1], p[2] if zeros else None, group, 4) for p in packs]
+                    fn = _cycle([lambda a=a: K.quant_matmul(*a) for a in calls])
+                    shipped = do_bench_cudagraph(fn, rep=30)
+                    results, saved_tuning, saved_max = [], qm.tuning, qm.GEMV_MAX_M
+                    qm.GEMV_MAX_M = 4
+                    for bn, warps, bk, split in grid:
+                        cfg = {"BLOCK_N": bn, "BLOCK_K": bk, "split": split, "num_warps": warps}
+                        qm.tuning = lambda *a, cfg=cfg | {"num_stages": 3}: cfg
+                        try:
+                            if zeros:
+                                y = K.quant_matmul(x, qw, sc, zp, group, 4).float()
+                                assert ((y - ref).norm() / ref.norm()).item() < 1e-2, cfg
+                            results.append((do_bench_cudagraph(fn, rep=30), bn, warps, bk, split))
+                        except Exception as exc:  # registers, shared memory, or a wrong result
+                            print(f"# {cfg}: {type(exc).__name__} {str(exc)[:120]}", flush=True)
+                        finally:
+                            qm.tuning = saved_tuning
+                    qm.tuning = saved_tuning
+                    default = do_bench_cudagraph(fn, rep=30)  # the FMA kernel at the shipped one-row tuning
+                    qm.GEMV_MAX_M = saved_max
+                    results.sort()
+                    best = "; ".join(
+                        f"{t * 1e3:.2f}us bn{bn} w{w} split{sp}" for t, bn, w, bk, sp in results[:4]
+                    )
+                    print(f"gemv-rows m={m} g={group} zp={zeros} k={k} n={n}: bf16 {t_bf16 * 1e3:.2f}us | "
+                          f"tensor-core (shipped) {shipped * 1e3:.2f}us | FMA at the one-row tuning "
+                          f"{default * 1e3:.2f}us | FMA best {best}", flush=True)  # fmt: skip
+
+
 def sweep_int8() -> None:
     """int8 weight-only (issue 16 asks >= 1.6x bf16 at <= 16 rows), groups of 128 (the bench's rows) and per
     channel (what compress writes), on the tensor-core kernel (int8's only decode kernel since an int8 FMA
@@ -222,10 +272,13 @@ def sweep_int8() -> None:
 
 
 if __name__ == "__main__":
-    if {"--sweep", "--sweep-gemv", "--sweep-int8", "--sweep-gemv-narrow"} & set(sys.argv):
+    sweeps = {"--sweep", "--sweep-gemv", "--sweep-int8", "--sweep-gemv-narrow", "--sweep-gemv-rows"}
+    if sweeps & set(sys.argv):
         print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
         if "--sweep-gemv-narrow" in sys.argv:
             sweep_gemv_narrow()
+        elif "--sweep-gemv-rows" in sys.argv:
+            sweep_gemv_rows()
         elif "--sweep" in sys.argv:
             sweep("--zp" in sys.argv)
         elif "--sweep-gemv" in sys.argv:

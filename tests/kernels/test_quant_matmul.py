@@ -17,6 +17,7 @@ from squeezeserve.kernels.ops import quant_matmul as qm
 SHAPES = [
     (1, 72, 576, 64), (5, 40, 576, 32), (33, 24, 1536, 64), (3, 16, 200, 128), (2, 24, 576, 48),
     (70, 24, 576, 64), (1, 40, 512, 128), (67, 40, 200, 128), (80, 40, 576, 48), (72, 24, 512, 16),
+    (2, 40, 576, 64),  # two rows of groups aligned to the FMA kernel's deep tiles: the FMA kernel
 ]  # fmt: skip
 
 
@@ -56,19 +57,28 @@ def test_quant_matmul_matches_dequantize_then_matmul(m, n, k, group, bits, symme
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("symmetric", [True, False])
 @pytest.mark.parametrize(
-    ("k", "group", "split"), [(1536, 128, 2), (1200, 32, 3), (1024, 1024, 1), (1024, 16, 1)]
+    ("m", "k", "group", "split"),
+    [
+        (1, 1536, 128, 2),
+        (1, 1200, 32, 3),
+        (1, 1024, 1024, 1),
+        (1, 1024, 16, 1),
+        (2, 1536, 128, 2),
+        (2, 1200, 32, 1),
+    ],
 )
-def test_one_row_kernel_at_the_gpus_deep_tiles(k, group, split, symmetric, dtype, device, monkeypatch):
-    # The GPU's one-row tiling (tuning with GEMV_BLOCK_K): 8 output rows and 512 columns a program, several
-    # groups a tile (4, 16, 32 of them, scales per word) or a tile inside one group, a partial last tile
-    # (K = 1200) and split-K; the interpreter's own tiles are 128 wide, so it is forced here.
-    cfg = {"BLOCK_N": 8, "BLOCK_K": qm.GEMV_BLOCK_K, "split": split, "num_warps": 2, "num_stages": 1}
+def test_fma_kernel_at_the_gpus_deep_tiles(m, k, group, split, symmetric, dtype, device, monkeypatch):
+    # The GPU's one- and two-row tiling (tuning with GEMV_BLOCK_K): 8 (one row) or 16 (two) output rows and
+    # 512 columns a program, several groups a tile (4, 16, 32 of them, scales per word) or a tile inside one
+    # group, a partial last tile (K = 1200) and split-K; the interpreter's own tiles are 128 wide, so they
+    # are forced here.
+    cfg = {"BLOCK_N": 8 * m, "BLOCK_K": qm.GEMV_BLOCK_K, "split": split, "num_warps": 2, "num_stages": 1}
     monkeypatch.setattr(qm, "tuning", lambda *args, **kwargs: cfg)
     n = 20
     tensors = {
         name: t.to(device) for name, t in ql.pack_weight(torch.randn(n, k), 4, group, symmetric).items()
     }
-    x = torch.randn(1, k, device=device).to(dtype)
+    x = torch.randn(m, k, device=device).to(dtype)
     zeros = tensors.get("weight_zero_point")
     y = K.quant_matmul(x, tensors["weight_packed"], tensors["weight_scale"].to(dtype), zeros, group, 4)
     ref = _dense_reference(
