@@ -95,7 +95,7 @@ def sweep(kn=KN[:3], group=128, bits=4, ms=None):
                 results = []
                 for bn, warps, stages, split in grid:
                     cfg = {"BLOCK_N": bn, "split": split, "num_warps": warps, "num_stages": stages}
-                    qm.tuning = lambda *a, cfg=cfg: cfg
+                    qm.tuning = lambda *a, cfg=cfg, **kw: cfg
                     fn = _cycle(
                         [lambda p=p, x=x: K.quant_matmul(x, p[0], p[1], None, group, bits) for p in packs]
                     )

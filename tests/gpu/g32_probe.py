@@ -89,7 +89,7 @@ def tiles(run, grid) -> str:
     saved, results = qm.tuning, []
     for bn, warps, stages, split in grid:
         cfg = {"BLOCK_N": bn, "split": split, "num_warps": warps, "num_stages": stages}
-        qm.tuning = lambda *a, cfg=cfg: cfg
+        qm.tuning = lambda *a, cfg=cfg, **kw: cfg
         try:
             results.append((run(), bn, warps, stages, split))
         except Exception as exc:  # out of shared memory / registers
@@ -158,6 +158,26 @@ def sweep_gemv() -> None:
                 print(f"gemv g={group} zp={zeros} k={k} n={n}: " + tiles(run, grid), flush=True)
 
 
+def forced_gemv_tiles(fn, grid, check_args, ref) -> list[tuple]:
+    """Time ``fn`` under each (BLOCK_N, warps, BLOCK_K, split) of ``grid`` forced into ``quant_matmul.tuning``
+    (3 stages), first checking ``K.quant_matmul(*check_args)`` against ``ref`` when given; sorted
+    (ms, BLOCK_N, warps, BLOCK_K, split), settings that fail printed and left out."""
+    results, saved = [], qm.tuning
+    for bn, warps, bk, split in grid:
+        cfg = {"BLOCK_N": bn, "BLOCK_K": bk, "split": split, "num_warps": warps, "num_stages": 3}
+        qm.tuning = lambda *a, cfg=cfg, **kw: cfg
+        try:
+            if check_args is not None:
+                y = K.quant_matmul(*check_args).float()
+                assert ((y - ref).norm() / ref.norm()).item() < 1e-2, cfg
+            results.append((do_bench_cudagraph(fn, rep=30), bn, warps, bk, split))
+        except Exception as exc:  # registers, shared memory, or a wrong result
+            print(f"# {cfg}: {type(exc).__name__} {str(exc)[:120]}", flush=True)
+        finally:
+            qm.tuning = saved
+    return sorted(results)
+
+
 def sweep_gemv_narrow() -> None:
     """The one-row FMA kernel at the tiles that won the 4-bit codebook's FMA kernel (issue 20: 8 output rows x
     512 columns on 2 warps, no K split), which the shipped grid (32-128 rows, 4-8 warps, split 4-16) never
@@ -179,20 +199,7 @@ def sweep_gemv_narrow() -> None:
             for zeros in (False, True):
                 calls = [(x, p[0], p[1], p[2] if zeros else None, group, 4) for p in packs]
                 fn = _cycle([lambda a=a: K.quant_matmul(*a) for a in calls])
-                results, saved = [], qm.tuning
-                for bn, warps, bk, split in grid:
-                    cfg = {"BLOCK_N": bn, "BLOCK_K": bk, "split": split, "num_warps": warps, "num_stages": 3}
-                    qm.tuning = lambda *a, cfg=cfg: cfg
-                    try:
-                        if zeros:
-                            y = K.quant_matmul(x, qw, sc, zp, group, 4).float()
-                            assert ((y - ref).norm() / ref.norm()).item() < 1e-2, cfg
-                        results.append((do_bench_cudagraph(fn, rep=30), bn, warps, bk, split))
-                    except Exception as exc:  # registers, shared memory, or a wrong result
-                        print(f"# {cfg}: {type(exc).__name__} {str(exc)[:120]}", flush=True)
-                    finally:
-                        qm.tuning = saved
-                results.sort()
+                results = forced_gemv_tiles(fn, grid, (x, qw, sc, zp, group, 4) if zeros else None, ref)
                 best = "; ".join(
                     f"{t * 1e3:.2f}us bn{bn} w{w} bk{bk} split{sp}" for t, bn, w, bk, sp in results[:4]
                 )
@@ -203,8 +210,10 @@ def sweep_gemv_narrow() -> None:
 
 def sweep_gemv_rows() -> None:
     """The FMA kernel at 2 and 4 rows (``GEMV_MAX_M`` raised for the probe) on narrow deep tiles (BLOCK_K 512,
-    as one row ships), against the shipped tensor-core kernel at the same rows; groups 128 and 32, symmetric
-    and with zero points, the four decode shapes; best four settings and the shipped time, with bf16's."""
+    as one row ships), against the tensor-core kernel at the same rows (2 rows' kernel before GEMV_MAX_M = 2);
+    groups 128 and 32, symmetric and with zero points, the four decode shapes; the best four settings and
+    the shipped tuning's time, with bf16's. The log of the run that chose GEMV_MAX_M = 2 calls the
+    tensor-core column "shipped" and the FMA kernel at that day's one-row tuning "one-row tuning"."""
     grid = list(itertools.product((8, 16, 32), (2, 4), (512,), (1, 2, 4)))
     for k, n in KN:
         weight = torch.randn(n, k, device="cuda", dtype=DTYPE) / 64
@@ -223,30 +232,17 @@ def sweep_gemv_rows() -> None:
                 for zeros in (False, True) if group == 32 else (False,):
                     calls = [(x, p[0], p[1], p[2] if zeros else None, group, 4) for p in packs]
                     fn = _cycle([lambda a=a: K.quant_matmul(*a) for a in calls])
-                    shipped = do_bench_cudagraph(fn, rep=30)
-                    results, saved_tuning, saved_max = [], qm.tuning, qm.GEMV_MAX_M
+                    saved_max, qm.GEMV_MAX_M = qm.GEMV_MAX_M, 1  # the tensor-core kernel from 2 rows
+                    tensor_core = do_bench_cudagraph(fn, rep=30)
                     qm.GEMV_MAX_M = 4
-                    for bn, warps, bk, split in grid:
-                        cfg = {"BLOCK_N": bn, "BLOCK_K": bk, "split": split, "num_warps": warps}
-                        qm.tuning = lambda *a, cfg=cfg | {"num_stages": 3}: cfg
-                        try:
-                            if zeros:
-                                y = K.quant_matmul(x, qw, sc, zp, group, 4).float()
-                                assert ((y - ref).norm() / ref.norm()).item() < 1e-2, cfg
-                            results.append((do_bench_cudagraph(fn, rep=30), bn, warps, bk, split))
-                        except Exception as exc:  # registers, shared memory, or a wrong result
-                            print(f"# {cfg}: {type(exc).__name__} {str(exc)[:120]}", flush=True)
-                        finally:
-                            qm.tuning = saved_tuning
-                    qm.tuning = saved_tuning
-                    default = do_bench_cudagraph(fn, rep=30)  # the FMA kernel at the shipped one-row tuning
+                    results = forced_gemv_tiles(fn, grid, (x, qw, sc, zp, group, 4) if zeros else None, ref)
+                    default = do_bench_cudagraph(fn, rep=30)  # the FMA kernel at the shipped tuning
                     qm.GEMV_MAX_M = saved_max
-                    results.sort()
                     best = "; ".join(
                         f"{t * 1e3:.2f}us bn{bn} w{w} split{sp}" for t, bn, w, bk, sp in results[:4]
                     )
                     print(f"gemv-rows m={m} g={group} zp={zeros} k={k} n={n}: bf16 {t_bf16 * 1e3:.2f}us | "
-                          f"tensor-core (shipped) {shipped * 1e3:.2f}us | FMA at the one-row tuning "
+                          f"tensor-core {tensor_core * 1e3:.2f}us | FMA at the shipped tuning "
                           f"{default * 1e3:.2f}us | FMA best {best}", flush=True)  # fmt: skip
 
 
