@@ -12,9 +12,10 @@ A body is replayable when, recorded: every launch went through ``launch.FastLaun
 interpreter), every tensor a kernel received lies inside an input or an output (an offset into one is kept:
 ``x[..., d:]``), the outputs are fresh contiguous tensors, and no torch op other than allocations and views
 ran (a copy, a fill or a scratch buffer would not be repeated by a replay). Anything else runs the body on
-every call, as do calls that need gradients, CPU tensors on the reference path, and calls while a Triton
-launch hook (a profiler) is installed. ``SQUEEZESERVE_LAUNCH_PLANS=0`` turns plans off, as does
-``SQUEEZESERVE_FAST_LAUNCH=0`` (every launch through Triton's own dispatch).
+every call, as do calls that need gradients, calls whose inputs share memory (they record nothing), CPU
+tensors on the reference path, and calls while a Triton launch hook (a profiler) is installed.
+``SQUEEZESERVE_LAUNCH_PLANS=0`` turns plans off, as does ``SQUEEZESERVE_FAST_LAUNCH=0`` (every launch
+through Triton's own dispatch).
 """
 
 from __future__ import annotations
@@ -133,6 +134,12 @@ def _inside(address: int, extent: tuple[int, int]) -> bool:
     return start <= address < end or address == start  # an empty tensor's address is its start
 
 
+def _aliased(inputs: tuple) -> bool:
+    """Whether two tensor inputs share memory (``add_rmsnorm(x, x, w)``)."""
+    extents = [_extent(t) for t in inputs if isinstance(t, torch.Tensor) and t.numel()]
+    return any(a[0] < b[1] and b[0] < a[1] for i, a in enumerate(extents) for b in extents[i + 1 :])
+
+
 def _build(inputs: tuple, result, launches: list, other_ops: list) -> _Plan | None:
     """The plan for what one recorded body call did, or None when a replay could not repeat it."""
     single = isinstance(result, torch.Tensor)
@@ -203,6 +210,10 @@ class LaunchPlans:
                 result = body(*inputs)
         finally:
             launch.recording.launches = None
+        if _aliased(inputs):
+            # A kernel argument in the shared memory could belong to either input: a plan might hand a later
+            # call's other input to the kernel. Nothing is recorded; the next call of the signature records.
+            return result
         if len(self.plans) >= MAX_PLANS:
             self.plans.clear()
         self.plans[key] = _build(inputs, result, launches, views.other) or failures + 1

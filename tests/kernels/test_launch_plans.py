@@ -129,6 +129,22 @@ def test_aliased_inputs_replay_a_plan_recorded_without_aliasing(device, fresh_pl
     assert torch.equal(y, expected_y) and torch.equal(h, expected_h)
 
 
+def test_a_call_with_aliased_inputs_records_no_plan(device, fresh_plans):
+    # Recorded on x + x, a plan could hand a later call's x to the kernel as its residual too.
+    op = rmsnorm_op.add_rmsnorm_eager
+    w = torch.rand(37, device=device) + 0.5
+    with torch.no_grad():
+        x = torch.randn(3, 37, device=device)
+        op(x, x, w, EPS)
+        assert op.plans.plans == {}
+        a, b = torch.randn(3, 37, device=device), torch.randn(3, 37, device=device)
+        for _ in range(2):  # records, then replays
+            y, h = op(a, b, w, EPS)
+            expected_y, expected_h = _ops.add_rmsnorm(a, b, w, EPS)
+            assert torch.equal(y, expected_y) and torch.equal(h, expected_h)
+    assert isinstance(next(iter(op.plans.plans.values())), replay._Plan)
+
+
 def test_bodies_a_replay_could_not_repeat_run_every_call(device, fresh_plans):
     op = softmax_op.softmax_eager
     with torch.no_grad():
