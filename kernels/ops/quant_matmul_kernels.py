@@ -17,14 +17,17 @@ where it beat an int8 FMA kernel at every shape measured, tests/benchmarks/NOTES
   contiguously and split by position within a word in registers (:func:`_deinterleave`).
 - Swapped operands: each program computes ``acc[BLOCK_N, BLOCK_M] = W_tile @ x_tile.T``, so the weight,
   the big operand, is the MMA's A operand in its stored K-major order, and the few activation rows are B.
-- No unpacking reshape: the packed words are read as int16 (4 int4 / 2 int8 values each, value k of a row
-  at int16 ``k // V``, position ``k % V``). Position ``i`` of every int16 in a tile is one [BLOCK_N, T]
-  operand whose columns are k = 4t + i; it meets the activations at the same k. V dots of depth
-  T = BLOCK_K / V replace one dot of depth BLOCK_K.
+- No unpacking reshape: the packed words are taken as int16 halves (4 int4 / 2 int8 values each, value k
+  of a row in half ``k // V``, position ``k % V``). Position ``i`` of every half in a tile is one
+  [BLOCK_N, T] operand whose columns are k = V t + i; it meets the activations at the same k. V dots of
+  depth T = BLOCK_K / V replace one dot of depth BLOCK_K. The words are loaded and masked as int32, so
+  one shift and one LOP3 make position i of both halves of a word (:func:`_magic`); read as int16 the
+  kernel spent a shift a value and a PRMT a pair re-packing them: 22-45% more instructions in its K
+  loop (sm_90 SASS) and 10-24% more time at 4-32 rows on the H100 (tests/benchmarks/NOTES.md).
 - No conversion instructions (int-to-float runs at 1/8 of the FMA rate and would bound the kernel): a value
   q is turned into the float ``BIAS + q`` by OR-ing it into the mantissa of ``BIAS`` (0x4300 = 128.0 in
-  bf16, 0x6400 = 1024.0 in fp16; exact since q < 2**7 resp. 2**10), then bitcast. The int4 FMA kernel does
-  two values per instruction (``0x43004300`` over an int32 word). int8 with bf16 activations (q up to 255
+  bf16, 0x6400 = 1024.0 in fp16; exact since q < 2**7 resp. 2**10), then bitcast: two values per
+  instruction (``0x43004300`` over an int32 word), in both kernels. int8 with bf16 activations (q up to 255
   does not fit) goes through the fp32 magic 2**23 and one conversion.
 - Scale and zero point after the dot: a tile is one quantization group, so
   ``sum_k (q - z) s x = s * (sum_k (BIAS + q) x - (BIAS + z) * sum_k x)``; the correction is per (row, group).
@@ -149,15 +152,36 @@ def _deinterleave(x, R: tl.constexpr, T: tl.constexpr, V: tl.constexpr):
 
 
 @triton.jit
-def _magic(h, i: tl.constexpr, BITS: tl.constexpr, MAGIC: tl.constexpr, dtype: tl.constexpr):
-    """Value i of every int16 in h as the float ``BIAS + q`` (OR-ed into BIAS's mantissa, no conversion)."""
-    return (((h >> (i * BITS)) & ((1 << BITS) - 1)) | MAGIC).to(tl.int16).to(dtype, bitcast=True)
+def _halves(p, R: tl.constexpr, T: tl.constexpr):
+    """int32 [R, T / 2] -> int16 [R, T]: each word's low half, then its high half (their order in memory)."""
+    return tl.reshape(tl.join(p.to(tl.int16), (p >> 16).to(tl.int16)), [R, T])
+
+
+@triton.jit
+def _magic(h, i: tl.constexpr, BITS: tl.constexpr, MAGIC: tl.constexpr, dtype: tl.constexpr, R: tl.constexpr,
+           T: tl.constexpr):  # fmt: skip
+    """Value i of both int16 halves of every int32 word in h [R, T / 2] as the float ``BIAS + q``, [R, T]:
+    OR-ed into BIAS's mantissa two at a time (one shift, one LOP3 a word), no conversion."""
+    p = ((h >> (i * BITS)) & (((1 << BITS) - 1) * 0x10001)) | (MAGIC * 0x10001)
+    return _halves(p, R, T).to(dtype, bitcast=True)
+
+
+@triton.jit
+def _offset(h, i: tl.constexpr, BITS: tl.constexpr, zz, dtype: tl.constexpr, R: tl.constexpr,
+            T: tl.constexpr):  # fmt: skip
+    """As :func:`_magic`, with the zero point taken off as an integer: ``zz`` holds ``MAGIC + OFF - z`` in
+    both halves of each word (OFF = 2**BITS keeps the mantissa positive), so the floats are
+    ``BIAS + OFF + q - z``, exact. The int32 add keeps each word's two halves in one register; subtracting
+    a zero point [R, T] in the float dtype made Triton swap every pair's halves back and forth (two PRMT a
+    pair in the sm_90 SASS: 661 instructions a K tile against 559 this way, g32 with zero points)."""
+    p = ((h >> (i * BITS)) & (((1 << BITS) - 1) * 0x10001)) + zz
+    return _halves(p, R, T).to(dtype, bitcast=True)
 
 
 @triton.jit
 def _skinny_kernel(
     x_ptr,  # [M, K] activations (fp16/bf16)
-    qw_ptr,  # [N, ceil(K / V)] int16 view of the packed int32 weight
+    qw_ptr,  # [N, ceil(K / (2 V))] the packed int32 weight
     scale_ptr,  # [N, ceil(K / GROUP)]
     zero_ptr,  # [ceil(N / (32 // BITS)), ceil(K / GROUP)] int32 packed zero points (only when HAS_ZERO)
     y_ptr,  # [M, N]: the output dtype, or fp32 partial sums (MODE 1)
@@ -189,19 +213,23 @@ def _skinny_kernel(
     DOT_FP32: tl.constexpr,  # upcast the dot operands (Triton's interpreter gets bf16 tl.dot wrong)
 ):
     """y[m, n] = sum_k x[m, k] (q[n, k] - z[n, g]) s[n, g],  g = k // GROUP."""
-    V: tl.constexpr = 16 // BITS  # values per int16
-    T: tl.constexpr = BLOCK_K // V  # int16 per row of a tile
+    V: tl.constexpr = 16 // BITS  # values per int16 half of a word
+    T: tl.constexpr = BLOCK_K // V  # int16 halves per row of a tile
     MASK: tl.constexpr = (1 << BITS) - 1
+    OFF: tl.constexpr = 1 << BITS  # keeps OFF + q - z positive (PRESCALE in the activation dtype)
+    # Zero points per group taken off as integers (_offset) where each weight is dequantized in the
+    # activation dtype.
+    OFFSET: tl.constexpr = MAGIC != 0 and PRESCALE and NATIVE and GPT > 0 and HAS_ZERO
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_t = tl.arange(0, T)
+    offs_w = tl.arange(0, T // 2)
     offs_k = tl.arange(0, BLOCK_K)
     mask_n = offs_n < N
     mask_m = offs_m < M
-    n_words = tl.cdiv(K, V)
+    n_words = tl.cdiv(K, 2 * V)
     qw_rows = qw_ptr + offs_n[:, None].to(tl.int64) * qw_row_stride
     x_rows = x_ptr + offs_m[:, None].to(tl.int64) * x_row_stride
     dtype = x_ptr.dtype.element_ty
@@ -213,12 +241,15 @@ def _skinny_kernel(
                                       zero_row_stride, BITS, GROUP, HAS_ZERO, BLOCK_K, GPT)  # fmt: skip
     for tile in range(tile_begin, tile_end):
         k0 = tile * BLOCK_K
-        words = k0 // V + offs_t
+        words = k0 // (2 * V) + offs_w
         ks = k0 + offs_k
         if GPT > 0:
             if PRESCALE and NATIVE:  # in the activation dtype, BIAS folded into z (exact)
                 s = _per_word(s_next.to(dtype), BLOCK_N, GPT, T)
-                z = _per_word((BIAS + z_next).to(dtype), BLOCK_N, GPT, T)
+                if OFFSET:  # OFF - z for both halves of each word, added to q in BIAS's mantissa
+                    zz = _per_word(((MAGIC + OFF) - z_next.to(tl.int32)) * 0x10001, BLOCK_N, GPT, T // 2)
+                else:
+                    z = _per_word((BIAS + z_next).to(dtype), BLOCK_N, GPT, T)
             else:
                 s, z = _per_word(s_next, BLOCK_N, GPT, T), _per_word(z_next, BLOCK_N, GPT, T)  # [BN, 1 or T]
             following = tl.minimum(tile + 1, tile_end - 1)
@@ -229,20 +260,24 @@ def _skinny_kernel(
         part = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         for i in tl.static_range(V):
             xi = tl.trans(xs[i])  # [T, BLOCK_M]
-            if MAGIC != 0:
-                w = _magic(h, i, BITS, MAGIC, dtype)  # BIAS + q, exactly
+            if OFFSET:
+                w = _offset(h, i, BITS, zz, dtype, BLOCK_N, T)  # BIAS + OFF + q - z, exactly
+            elif MAGIC != 0:
+                w = _magic(h, i, BITS, MAGIC, dtype, BLOCK_N, T)  # BIAS + q, exactly
             else:  # q through the fp32 magic 2**23 (exact), then one conversion
-                q = (h.to(tl.int32) >> (i * BITS)) & MASK
+                q = _halves(h >> (i * BITS), BLOCK_N, T).to(tl.int32) & MASK
                 w = ((q | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0).to(dtype)
             if PRESCALE:
                 if GPT == 0:  # groups not aligned to tiles: the group of each value
-                    k = k0 + offs_t * V + i
+                    k = k0 + tl.arange(0, T) * V + i
                     s, z = _group_params(scale_ptr, zero_ptr, offs_n[:, None], (k // GROUP)[None, :],
                                          mask_n[:, None] & (k < K)[None, :], scale_row_stride,
                                          zero_row_stride, BITS, HAS_ZERO)  # fmt: skip
                     if NATIVE:
                         s, z = s.to(dtype), (BIAS + z).to(dtype)
-                if NATIVE:  # (BIAS + q) - (BIAS + z) is exact in the activation dtype; times s: one rounding
+                if OFFSET:  # (BIAS + OFF + q - z) - (BIAS + OFF): exact, as below
+                    w = (w - (BIAS + OFF)) * s
+                elif NATIVE:  # (BIAS + q) - (BIAS + z): exact in the activation dtype; times s: one rounding
                     w = (w - z) * s
                 else:
                     w = ((w.to(tl.float32) - (BIAS + z)) * s).to(dtype)

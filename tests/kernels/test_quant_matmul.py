@@ -134,17 +134,19 @@ def test_quant_matmul_gradient_wrt_x(device):
     torch.testing.assert_close(x.grad.float(), weight.float().sum(0).expand(5, 64), atol=2e-2, rtol=2e-3)
 
 
+@pytest.mark.parametrize("group", [32, 128])
 @pytest.mark.parametrize("scales_dtype", ["activations", "float32"])
 @pytest.mark.parametrize("symmetric", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_prescale_dequantizes_bit_exactly(dtype, symmetric, scales_dtype, device):
+def test_skinny_kernel_dequantizes_bit_exactly(dtype, symmetric, scales_dtype, group, device):
     # Groups narrower than a dot (int4 g32) dequantize each weight before it: in the activation dtype when the
-    # scales are in it (two operations, exact difference then one rounding), else in fp32 and one cast. Both
-    # must give compressed-tensors' dequantized weight bit for bit: one-hot rows pick single weights out
-    # (one non-zero product per output, so no accumulation order), at positions across words and groups.
+    # scales are in it (two operations, exact difference then one rounding; zero points taken off as
+    # integers), else in fp32 and one cast. Groups of 128 apply the scale after the dot. All must give
+    # compressed-tensors' dequantized weight bit for bit: one-hot rows pick single weights out (one non-zero
+    # product per output, so no accumulation order), at positions across words and groups.
     if device == "cpu" and dtype == torch.bfloat16:
         pytest.skip("the interpreter rounds and computes bf16 otherwise: the bf16 path is checked on CUDA")
-    n, k, group = 24, 512, 32
+    n, k = 24, 512
     tensors = {name: t.to(device) for name, t in ql.pack_weight(torch.randn(n, k).to(dtype), 4, group,
                                                                  symmetric).items()}  # fmt: skip
     qweight, scales = tensors["weight_packed"], tensors["weight_scale"]
@@ -155,7 +157,7 @@ def test_prescale_dequantizes_bit_exactly(dtype, symmetric, scales_dtype, device
     kernel_scales = scales if scales_dtype == "activations" else scales.float()
     y = K.quant_matmul(x, qweight, kernel_scales, zeros, group, 4)
     weight = ql.dequantize(qweight, scales, zeros, (n, k), group, 4)
-    assert qm._tile_k(group, k, 4)[1], "int4 g32 is a PRESCALE tile"
+    assert qm._tile_k(group, k, 4)[1] == (group == 32), "int4 g32 is a PRESCALE tile, g128 is not"
     torch.testing.assert_close(y, weight[:, cols].t(), atol=0, rtol=0)
 
 
