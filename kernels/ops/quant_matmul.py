@@ -2,7 +2,8 @@
 count, tuning, the split-K workspace, registration and autograd. The kernels and their design are in
 ``quant_matmul_kernels.py``; the layout in ``kernels/quant_layout.py``.
 
-One or two rows of int4 (M <= GEMV_MAX_M) run on the FMA units (``_gemv_int4_kernel``), up to SKINNY_MAX_M
+One row of int4, or two of groups narrower than 128 (M <= GEMV_MAX_M), run on the FMA units
+(``_gemv_int4_kernel``), up to SKINNY_MAX_M
 rows (and int8 at one row) on tensor cores (``_skinny_kernel``). Prefill (M > SKINNY_MAX_M) is
 compute-bound and takes the faster of two paths for its shape (``PREFILL``): ``_prefill_kernel``, a
 tensor-core GEMM that dequantizes each weight tile in registers, or ``_dequantize_kernel`` expanding W to
@@ -34,9 +35,13 @@ SKINNY_MAX_M = 64
 # cuBLAS (0.83-0.95x bf16 from 2048 rows, while the Triton GEMM reaches 0.37-0.45x there).
 PREFILL = "auto"
 TRITON_PREFILL_MAX_M, TRITON_PREFILL_MIN_N = 128, 8192
-# Rows up to which the FMA kernel beats the tensor-core one where groups align to its GEMV_BLOCK_K tiles
-# (g32_probe.py --sweep-gemv-rows, H100: 1.0-1.4x faster at 2 rows, slower at 4); other groups: one row.
+# Rows up to which the FMA kernel beats the tensor-core one where groups align to its GEMV_BLOCK_K tiles and
+# hold at most GEMV_ROWS_MAX_GROUP values (g32_probe.py --sweep-gemv-rows, H100: g32 1.0-1.4x faster at 2
+# rows, slower at 4); other groups one row. Since the tensor-core kernel reads int32 words, 2 rows of g128 run
+# faster on it (4-13% at three of four shapes, 2% slower at 14336^2: gemv_rows_h100_2026-11-24_int32_words.log
+# in tests/benchmarks/results).
 GEMV_MAX_M = 2
+GEMV_ROWS_MAX_GROUP = 64
 GEMV_BLOCK_K = 512  # the FMA kernel's K tile where groups align to it (g32_probe.py --sweep-gemv-narrow)
 # bf16: 0x4300 is 128.0 with a 7-bit mantissa (integers 128..255 exact); fp16: 0x6400 is 1024.0 with a
 # 10-bit mantissa (1024..2047 exact).
@@ -213,7 +218,8 @@ def _quant_matmul(
     per16 = 16 // bits
     deep = GEMV_BLOCK_K % group_size == 0 or group_size % GEMV_BLOCK_K == 0  # whole groups a tile, or in one
     # The FMA kernel reads whole int32 words (groups of 8 values or more).
-    gemv = bits == 4 and group_size % 8 == 0 and m <= (GEMV_MAX_M if deep else 1)
+    rows = GEMV_MAX_M if deep and group_size <= GEMV_ROWS_MAX_GROUP else 1
+    gemv = bits == 4 and group_size % 8 == 0 and m <= rows
     if gemv:
         kernel, block_m, prescale = _gemv_int4_kernel, next_power_of_2(m), False
         block_k = GEMV_BLOCK_K if deep and not interpreting() else (256 if group_size % 256 == 0 else 128)

@@ -82,7 +82,8 @@ def run(rec, bits=4, group=128, ms_=(1, 2, 4, 8, 16, 32, 64, 128, 512, 2048, 819
 def sweep(kn=KN[:3], group=128, bits=4, ms=None):
     """Time the decode kernels under every tile / split-K / warps / stages setting; print the best
     per shape (it chose ``quant_matmul.tuning`` and ``GEMV_MAX_M``)."""
-    saved = {name: getattr(qm, name) for name in ("tuning", "GEMV_MAX_M")}
+    saved = {name: getattr(qm, name) for name in ("tuning", "GEMV_MAX_M", "GEMV_ROWS_MAX_GROUP")}
+    qm.GEMV_ROWS_MAX_GROUP = 1 << 30  # "gemv" rows on the FMA kernel at every group
     grid = list(itertools.product((64, 128), (4, 8), (3, 4), (4, 8, 16)))
     ms = ms or {"gemv": (1, 2), "mma": (4, 16, 64)}
     for k, n in kn:
@@ -114,7 +115,7 @@ def sweep(kn=KN[:3], group=128, bits=4, ms=None):
                 print(f"sweep {kernel} m={m} n={n} k={k} g={group}: " + "; ".join(
                     f"{t * 1e3:.1f}us bn{bn} w{w} s{st} split{sp}" for t, bn, w, st, sp in results[:5])
                     + f" | default {default} {t_default * 1e3:.1f}us", flush=True)  # fmt: skip
-    qm.GEMV_MAX_M = saved["GEMV_MAX_M"]
+    qm.GEMV_MAX_M, qm.GEMV_ROWS_MAX_GROUP = saved["GEMV_MAX_M"], saved["GEMV_ROWS_MAX_GROUP"]
 
 
 PREFILL_MS = (128, 512, 2048, 8192)

@@ -130,13 +130,15 @@ def sweep(zeros: bool = False) -> None:
                 fn = _cycle(
                     [lambda p=p, x=x, g=group: K.quant_matmul(x, p[0], p[1], None, g, 4) for p in packs]
                 )
+                saved = qm.GEMV_MAX_M, qm.GEMV_ROWS_MAX_GROUP
+                qm.GEMV_MAX_M = 1
                 t_mma = do_bench_cudagraph(fn, rep=30)
-                qm.GEMV_MAX_M = 64
+                qm.GEMV_MAX_M, qm.GEMV_ROWS_MAX_GROUP = 64, 1 << 30
                 try:
                     t_fma = do_bench_cudagraph(fn, rep=30)
                 finally:
-                    qm.GEMV_MAX_M = 1
-                print(f"fma m={m} k={k} n={n} g={group}: shipped {t_mma * 1e3:.1f}us, "
+                    qm.GEMV_MAX_M, qm.GEMV_ROWS_MAX_GROUP = saved
+                print(f"fma m={m} k={k} n={n} g={group}: GEMV_MAX_M=1 {t_mma * 1e3:.1f}us, "
                       f"FMA kernel {t_fma * 1e3:.1f}us", flush=True)  # fmt: skip
 
 
@@ -234,10 +236,10 @@ def sweep_gemv_rows() -> None:
                     fn = _cycle([lambda a=a: K.quant_matmul(*a) for a in calls])
                     saved_max, qm.GEMV_MAX_M = qm.GEMV_MAX_M, 1  # the tensor-core kernel from 2 rows
                     tensor_core = do_bench_cudagraph(fn, rep=30)
-                    qm.GEMV_MAX_M = 4
+                    saved_group, qm.GEMV_MAX_M, qm.GEMV_ROWS_MAX_GROUP = qm.GEMV_ROWS_MAX_GROUP, 4, 1 << 30
                     results = forced_gemv_tiles(fn, grid, (x, qw, sc, zp, group, 4) if zeros else None, ref)
                     default = do_bench_cudagraph(fn, rep=30)  # the FMA kernel at the shipped tuning
-                    qm.GEMV_MAX_M = saved_max
+                    qm.GEMV_MAX_M, qm.GEMV_ROWS_MAX_GROUP = saved_max, saved_group
                     best = "; ".join(
                         f"{t * 1e3:.2f}us bn{bn} w{w} split{sp}" for t, bn, w, bk, sp in results[:4]
                     )
