@@ -7,7 +7,7 @@ along K (P = 32 // bits, lowest bits first, offset-binary), ``scales`` [N, ceil(
 ``zeros`` int32 [ceil(N / P), ceil(K / G)] packed along N.
 
 Decode and batched decode (M <= SKINNY_MAX_M) stream the packed weight with as little arithmetic per
-weight as possible: one row of int4 (groups of whole words; two for groups narrower than 128) on the FMA units
+weight as possible: one row of int4 (groups of whole words; two for groups of at most 64) on the FMA units
 (:func:`_gemv_int4_kernel`), everything else on tensor cores (:func:`_skinny_kernel`; int8 at one row too,
 where it beat an int8 FMA kernel at every shape measured, tests/benchmarks/NOTES.md):
 
