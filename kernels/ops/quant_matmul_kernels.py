@@ -23,7 +23,7 @@ where it beat an int8 FMA kernel at every shape measured, tests/benchmarks/NOTES
   depth T = BLOCK_K / V replace one dot of depth BLOCK_K. The words are loaded and masked as int32, so
   one shift and one LOP3 make position i of both halves of a word (:func:`_magic`); read as int16 the
   kernel spent a shift a value and a PRMT a pair re-packing them: 22-45% more instructions in its K
-  loop (sm_90 SASS) and 10-24% more time at 4-32 rows on the H100 (tests/benchmarks/NOTES.md).
+  loop (sm_90 SASS) and 4-30% more time at 4-32 rows on the H100 (tests/benchmarks/NOTES.md).
 - No conversion instructions (int-to-float runs at 1/8 of the FMA rate and would bound the kernel): a value
   q is turned into the float ``BIAS + q`` by OR-ing it into the mantissa of ``BIAS`` (0x4300 = 128.0 in
   bf16, 0x6400 = 1024.0 in fp16; exact since q < 2**7 resp. 2**10), then bitcast: two values per
