@@ -29,12 +29,14 @@ from squeezeserve.kernels.registry import direct_launches, eager, interpreting, 
 
 SKINNY_MAX_M = 64
 # Prefill: "triton" (_prefill_kernel, the weight dequantized in registers), "dequantize" (the dense weight
-# written once, then cuBLAS) or "auto": the faster of the two by `bench_quant_matmul.py --prefill-sweep`
-# on the H100 (2026-11-23, bf16, g128): the Triton GEMM only up to TRITON_PREFILL_MAX_M rows of an output
-# at least TRITON_PREFILL_MIN_N wide (0.54-0.55x bf16 against 0.43-0.44x); everywhere else dequantize +
-# cuBLAS (0.83-0.95x bf16 from 2048 rows, while the Triton GEMM reaches 0.37-0.45x there).
+# written once, then cuBLAS) or "auto": the faster of the two by `bench_quant_matmul.py --prefill-sweep` on
+# the H100 (2026-11-24, bf16, results/prefill_sweep_h100_2026-11-24.log). The Triton GEMM up to
+# TRITON_PREFILL_MAX_M rows (at 128 rows 0.63-1.12x bf16 cuBLAS against dequantize + cuBLAS's 0.43-0.54x),
+# and up to TRITON_PREFILL_WIDE_MAX_M rows of outputs at least TRITON_PREFILL_MIN_N wide in groups of at
+# least 64 (at 512 rows 0.77-0.79x against 0.65-0.68x); everywhere else dequantize + cuBLAS (0.84-1.0x from
+# 2048 rows, where the Triton GEMM reaches 0.63-0.78x).
 PREFILL = "auto"
-TRITON_PREFILL_MAX_M, TRITON_PREFILL_MIN_N = 128, 8192
+TRITON_PREFILL_MAX_M, TRITON_PREFILL_WIDE_MAX_M, TRITON_PREFILL_MIN_N = 256, 1024, 8192
 # Rows up to which the FMA kernel beats the tensor-core one where groups align to its GEMV_BLOCK_K tiles and
 # hold at most GEMV_ROWS_MAX_GROUP values (g32_probe.py --sweep-gemv-rows, H100: g32 1.0-1.4x faster at 2
 # rows, slower at 4); other groups one row. Since the tensor-core kernel reads int32 words, 2 rows of g128 run
@@ -210,7 +212,8 @@ def _quant_matmul(
     qweight, scales = qweight.contiguous(), scales.contiguous()
     zero_arg = zeros.contiguous() if zeros is not None else qweight
     if m > SKINNY_MAX_M:
-        auto_triton = m <= TRITON_PREFILL_MAX_M and n_out >= TRITON_PREFILL_MIN_N
+        wide = n_out >= TRITON_PREFILL_MIN_N and group_size >= 64
+        auto_triton = m <= TRITON_PREFILL_MAX_M or (wide and m <= TRITON_PREFILL_WIDE_MAX_M)
         if not (PREFILL == "triton" or (PREFILL == "auto" and auto_triton)):
             weight = dequantize(qweight, scales, zeros, k_in, group_size, bits, x.dtype)
             return (x2 @ weight.t()).reshape(*x.shape[:-1], n_out)
@@ -266,15 +269,25 @@ def _quant_matmul(
 
 
 def prefill_tuning(m: int, n_out: int, k_in: int, group_size: int, bits: int, device: torch.device) -> dict:
-    """Tiles, warps, stages and split-K of :func:`_prefill_kernel`: the best setting of
-    ``bench_quant_matmul.py --prefill-sweep`` on the H100 from 512 rows up (figures:
-    tests/benchmarks/NOTES.md); a 64-deep K tile lies inside one group for groups of 64 and more."""
+    """Tiles, warps, stages and split-K of :func:`_prefill_kernel`: the best settings of
+    ``bench_quant_matmul.py --prefill-sweep`` on the H100 (2026-11-24, int4 g128 and g32; figures in
+    tests/benchmarks/NOTES.md). BLOCK_M counts activation rows, BLOCK_N weight rows (the MMA's M)."""
     if interpreting():
         # Small tiles, and split-K so that the tests cover both ways partial tiles meet.
         block_k = 32 if group_size % 32 == 0 or 32 % group_size == 0 else 64
         return {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": block_k, "split": 2, "num_warps": 4,
                 "num_stages": 1, "SWIZZLE": 2}  # fmt: skip
-    return {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "split": 1, "num_warps": 4, "num_stages": 4,
+    wide = n_out >= TRITON_PREFILL_MIN_N
+    if m <= 128 and wide:  # one wave of 128 x 128 tiles, deep K tiles (g128 1.03-1.12x bf16, g32 0.86-0.91x)
+        return {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 128, "split": 1, "num_warps": 8, "num_stages": 3,
+                "SWIZZLE": 8}  # fmt: skip
+    if m <= 128:  # too few 64 x 64 tiles to fill the GPU: two K splits
+        return {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "split": 2, "num_warps": 4, "num_stages": 4,
+                "SWIZZLE": 8}  # fmt: skip
+    if wide:  # two warpgroups, each 64 weight rows x 256 activation rows
+        return {"BLOCK_M": 256, "BLOCK_N": 128, "BLOCK_K": 64, "split": 1, "num_warps": 8, "num_stages": 4,
+                "SWIZZLE": 8}  # fmt: skip
+    return {"BLOCK_M": 256, "BLOCK_N": 64, "BLOCK_K": 64, "split": 1, "num_warps": 4, "num_stages": 3,
             "SWIZZLE": 8}  # fmt: skip
 
 
@@ -292,15 +305,20 @@ def _prefill(x2, qweight, scales, zeros, zero_arg, group_size, bits) -> torch.Te
     dtype = torch.float32 if mode == 1 else x2.dtype
     y = (torch.zeros if mode == 1 else torch.empty)((m, n_out), dtype=dtype, device=x2.device)
     ws, counts = _workspace(x2.device, m * n_out, grid[0]) if mode == 2 else (y, y)
+    magic, bias, mantissa = _MAGIC[x2.dtype]
+    if bits >= mantissa:  # int8 values do not fit bf16's 7-bit mantissa: converted instead (BIAS 0)
+        magic, bias = 0, 0.0
+    bf16_interpreted = interpreting() and x2.dtype == torch.bfloat16  # (see _quant_matmul)
     traceable(_prefill_kernel)[grid](
         x2, qweight, scales, zero_arg, y, ws, counts, m, n_out, k_in,
         x2.stride(0), qweight.stride(0), scales.stride(0), zero_arg.stride(0), y.stride(0),
         tiles_per_split, split,
-        BITS=bits, GROUP=group_size, HAS_ZERO=zeros is not None, BLOCK_M=cfg["BLOCK_M"],
+        BITS=bits, GROUP=group_size, HAS_ZERO=zeros is not None, MAGIC=magic, BIAS=bias,
+        NATIVE=scales.dtype == x2.dtype and not bf16_interpreted, BLOCK_M=cfg["BLOCK_M"],
         BLOCK_N=cfg["BLOCK_N"], BLOCK_K=block_k, MODE=mode, EVEN_K=k_in % block_k == 0,
         GPT=_groups_per_tile(group_size, block_k, 32 // bits), SWIZZLE=cfg["SWIZZLE"],
-        DOT_FP32=interpreting() and x2.dtype == torch.bfloat16,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        DOT_FP32=bf16_interpreted, ASYNC_MMA=not interpreting(), num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
     )  # fmt: skip
     return y.to(x2.dtype)
 

@@ -435,6 +435,79 @@ def _mma(a, b, acc, DOT_FP32: tl.constexpr):
 
 
 @triton.jit
+def _after_mma(h):
+    """h, once every tensor-core product this warpgroup has in flight is complete (``wgmma.wait_group 0``).
+
+    The prefill GEMM's A operand is computed in registers every K tile. Triton (3.6) lets those products run
+    on asynchronously across loop iterations, but the registers the next tile's weights are written to may
+    still be read by them (PTX: undefined): on the H100, 2-16% of the outputs came out wrong at the tiles
+    where ptxas kept them in flight. Routing the next tile's words through this wait orders every write
+    after it; the products of one tile still run back to back."""
+    return tl.inline_asm_elementwise(
+        "wgmma.wait_group.sync.aligned 0;\n\t"
+        "mov.b32 $0, $4;\n\tmov.b32 $1, $5;\n\tmov.b32 $2, $6;\n\tmov.b32 $3, $7;",
+        "=r,=r,=r,=r,r,r,r,r",
+        [h],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=4,
+    )
+
+
+@triton.jit
+def _tile_weight(h, s_t, z_t, k0, offs_k, offs_n, mask_n, K, scale_ptr, zero_ptr, scale_row_stride,
+                 zero_row_stride, dtype: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
+                 HAS_ZERO: tl.constexpr, MAGIC: tl.constexpr, BIAS: tl.constexpr, NATIVE: tl.constexpr,
+                 GPT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+    """The K tile of words h [BLOCK_N, W] dequantized, ``(q - z) * s``, as one dot's A operand [BLOCK_N,
+    BLOCK_K] (``offs_k``: its K offsets). Values 2 p and 2 p + 1 of a word (adjacent in K) land in one int32
+    register, low and high half, as [BLOCK_N, W, P, 2] -> [BLOCK_N, BLOCK_K] lays them out: one A-operand
+    fragment register as the tensor cores take it (each thread holds pairs 2 c, 2 c + 1 of a 16-deep slice).
+    Triton then loads each thread's words from shared memory straight into that layout, the four threads
+    that share a word each taking their pair of it, with no shared-memory trip for the dequantized tile.
+    ``s_t, z_t`` [BLOCK_N, GPT]: the tile's groups (fp32); with GPT == 0 (groups straddling tiles) they are
+    gathered per value instead."""
+    PACK: tl.constexpr = 32 // BITS
+    P: tl.constexpr = PACK // 2  # value pairs a word
+    W: tl.constexpr = BLOCK_K // PACK
+    MASK: tl.constexpr = (1 << BITS) - 1
+    OFF: tl.constexpr = 1 << BITS  # keeps OFF + q - z positive (OFFSET)
+    # Zero points of whole-word groups taken off as integers in the mantissa (as _offset).
+    OFFSET: tl.constexpr = MAGIC != 0 and NATIVE and GPT > 0 and HAS_ZERO
+    shift = (tl.arange(0, P) * (2 * BITS))[None, None, :]  # value 2 p of a word at bit 0
+    hw = h[:, :, None]
+    pairs = ((hw >> shift) & MASK) | (((hw >> (shift + BITS)) & MASK) << 16)  # [BN, W, P]
+    if GPT > 0:
+        s = _per_word(s_t, BLOCK_N, GPT, W)[:, :, None, None]  # [BN, W or 1, 1, 1]
+        z = _per_word(z_t, BLOCK_N, GPT, W)
+        if OFFSET:
+            pairs = pairs + (((MAGIC + OFF) - z.to(tl.int32)) * 0x10001)[:, :, None]  # BIAS + OFF + q - z
+        elif MAGIC != 0:
+            pairs = pairs | (MAGIC * 0x10001)  # BIAS + q, exactly
+        z = z[:, :, None, None]
+    elif MAGIC != 0:
+        pairs = pairs | (MAGIC * 0x10001)
+    halves = tl.join(pairs.to(tl.int16), (pairs >> 16).to(tl.int16))  # [BN, W, P, 2]: k = PACK w + 2 p + j
+    if MAGIC != 0:
+        w = halves.to(dtype, bitcast=True)
+    else:  # q through the fp32 magic 2**23 (exact), then one conversion
+        w = (((halves.to(tl.int32) & 0xFFFF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0).to(dtype)
+    if GPT == 0:  # groups not aligned to tiles: the group of each value
+        w = tl.reshape(w, [BLOCK_N, BLOCK_K])
+        ks = k0 + offs_k
+        s, z = _group_params(scale_ptr, zero_ptr, offs_n[:, None], (ks // GROUP)[None, :],
+                             mask_n[:, None] & (ks < K)[None, :], scale_row_stride, zero_row_stride, BITS,
+                             HAS_ZERO)  # fmt: skip
+    if OFFSET:  # (BIAS + OFF + q - z) - (BIAS + OFF): exact, as below
+        w = (w - (BIAS + OFF)) * s.to(dtype)
+    elif NATIVE:  # (BIAS + q) - (BIAS + z): exact in the activation dtype; times s: one rounding
+        w = (w - (BIAS + z).to(dtype)) * s.to(dtype)
+    else:
+        w = ((w.to(tl.float32) - (BIAS + z)) * s).to(dtype)
+    return tl.reshape(w, [BLOCK_N, BLOCK_K])
+
+
+@triton.jit
 def _prefill_kernel(
     x_ptr,  # [M, K] activations (fp16/bf16)
     qw_ptr,  # [N, ceil(K / PACK)] packed int32 weight
@@ -456,6 +529,9 @@ def _prefill_kernel(
     BITS: tl.constexpr,
     GROUP: tl.constexpr,
     HAS_ZERO: tl.constexpr,
+    MAGIC: tl.constexpr,  # bit pattern of BIAS in the activation dtype; 0: convert q (BIAS 0)
+    BIAS: tl.constexpr,
+    NATIVE: tl.constexpr,  # dequantize in the activation dtype (the scales are in it): see the module doc
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -464,16 +540,21 @@ def _prefill_kernel(
     GPT: tl.constexpr,  # groups per K tile when groups align to tiles (1 for groups of whole tiles), else 0
     SWIZZLE: tl.constexpr,  # N tiles per band of the launch order (tiles sharing x run together)
     DOT_FP32: tl.constexpr,  # upcast the dot operands (Triton's interpreter gets bf16 tl.dot wrong)
+    ASYNC_MMA: tl.constexpr,  # compiled for the GPU (not interpreted): dots are asynchronous, see _after_mma
 ):
     """Prefill: a tensor-core GEMM that dequantizes the weight tile in registers (no dense weight in memory).
 
-    Each program computes ``acc[BLOCK_N, BLOCK_M] = W_tile @ x_tile.T``: the dequantized weight is the MMA's
-    A operand, which Hopper's wgmma may take from registers. Every weight becomes ``(q - z) * s`` exactly as
-    :func:`_dequantize_kernel` writes it (``q - z`` exact through the fp32 magic 2**23, times the scale in
-    fp32, one rounding), so the product matches dequantize + cuBLAS up to accumulation order. (The weight
-    as the B operand, and scales applied per tile after the dot, were slower on the H100: NOTES.md.)
+    Each program computes ``acc[BLOCK_N, BLOCK_M] = W_tile @ x_tile.T`` with the weight as the wgmma's A
+    operand, from registers, and one dot a K tile. :func:`_tile_weight` makes that operand from the int32
+    words in the layout the tensor cores read, so the words go from their pipelined shared-memory stage to
+    the tensor cores without another trip through shared memory, and the activations stream in as in any
+    GEMM (16-byte copies). Each tile's products are in flight together; :func:`_after_mma` waits for them
+    before the next tile's weights are written. Each weight is ``(q - z) * s`` rounded once, as
+    :func:`_dequantize_kernel` writes it, so the product matches dequantize + cuBLAS up to accumulation order.
+    (The kernel this replaced unpacked [N, W, 8] -> [N, K] through shared memory and ran its K-16 products one
+    at a time: 0.37-0.45x bf16 cuBLAS from 512 rows against 0.62-0.79x now; NOTES.md.)
     """
-    PACK: tl.constexpr = 32 // BITS
+    PACK: tl.constexpr = 32 // BITS  # values per int32 word
     W: tl.constexpr = BLOCK_K // PACK  # words per row of a tile
     pid = tl.program_id(0)
     tiles_n = tl.cdiv(N, BLOCK_N)
@@ -500,12 +581,17 @@ def _prefill_kernel(
     for tile in range(tile_begin, tile_end):
         k0 = tile * BLOCK_K
         words = k0 // PACK + offs_w
-        ks = k0 + offs_k
-        h, xt = _load_tile(qw_rows, x_rows, words, ks, mask_n, mask_m, n_words, K, EVEN_K)
-        q = _unpack(h, BLOCK_N, BLOCK_K, BITS)
-        s, z = _value_params(scale_ptr, zero_ptr, offs_n, mask_n, tile, ks, K, scale_row_stride,
-                             zero_row_stride, BITS, GROUP, HAS_ZERO, BLOCK_N, BLOCK_K, GPT)  # fmt: skip
-        w = (((q | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + z)) * s).to(dtype)
+        h, xt = _load_tile(qw_rows, x_rows, words, k0 + offs_k, mask_n, mask_m, n_words, K, EVEN_K)
+        if ASYNC_MMA:
+            h = _after_mma(h)
+        if GPT > 0:
+            s_t, z_t = _tile_params(scale_ptr, zero_ptr, offs_n, mask_n, tile, K, scale_row_stride,
+                                    zero_row_stride, BITS, GROUP, HAS_ZERO, BLOCK_K, GPT)  # fmt: skip
+        else:
+            s_t, z_t = 0, 0  # gathered per value (_tile_weight)
+        w = _tile_weight(h, s_t, z_t, k0, offs_k, offs_n, mask_n, K, scale_ptr, zero_ptr, scale_row_stride,
+                         zero_row_stride, dtype, BITS, GROUP, HAS_ZERO, MAGIC, BIAS, NATIVE, GPT, BLOCK_N,
+                         BLOCK_K)  # fmt: skip
         acc = _mma(w, tl.trans(xt), acc, DOT_FP32)
     _write_tile(acc, y_ptr, ws_ptr, count_ptr, offs_n, offs_m, mask_n, mask_m, y_row_stride, n_splits, MODE)
 

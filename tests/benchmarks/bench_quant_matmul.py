@@ -122,9 +122,10 @@ PREFILL_MS = (128, 512, 2048, 8192)
 # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, split) of the prefill sweep. (The weight as the MMA's B operand
 # and scales after the dot were swept too, on 2026-11-23, and were slower everywhere: NOTES.md.)
 PREFILL_GRID = [
-    (128, 128, 64, 4, 4, 1), (128, 128, 128, 4, 3, 1), (128, 128, 64, 8, 3, 1), (256, 128, 64, 8, 3, 1),
-    (128, 256, 64, 8, 3, 1), (128, 64, 64, 4, 4, 1), (64, 128, 64, 4, 4, 2), (64, 64, 64, 4, 4, 2),
-    (128, 128, 64, 8, 4, 1),
+    (128, 128, 64, 4, 4, 1), (128, 128, 64, 8, 4, 1), (128, 128, 64, 8, 3, 1), (256, 128, 64, 8, 3, 1),
+    (256, 128, 64, 8, 4, 1), (128, 256, 64, 8, 3, 1), (128, 64, 64, 4, 4, 1), (128, 64, 64, 4, 3, 1),
+    (64, 128, 64, 4, 4, 1), (128, 128, 128, 8, 3, 1), (128, 64, 128, 4, 3, 1), (64, 64, 64, 4, 4, 1),
+    (64, 64, 64, 4, 4, 2), (256, 64, 64, 4, 3, 1),
 ]  # fmt: skip
 
 
@@ -264,6 +265,7 @@ if __name__ == "__main__":
     parser.add_argument("--shapes", help="sweep only these K:N pairs, e.g. 4096:14336,14336:4096")
     parser.add_argument("--prefill-sweep", action="store_true", help="tile sweep of the prefill GEMM")
     parser.add_argument("--groups", default="128", help="groups of --prefill-sweep, e.g. 128,32")
+    parser.add_argument("--ms", help="row counts of --prefill-sweep, e.g. 128,2048")
     args = parser.parse_args()
     peaks()
     if args.dump:
@@ -279,7 +281,8 @@ if __name__ == "__main__":
         sweep(kn)
     if args.prefill_sweep:
         kn = [tuple(map(int, p.split(":"))) for p in args.shapes.split(",")] if args.shapes else KN
-        prefill_sweep(kn, groups=tuple(map(int, args.groups.split(","))))
+        ms = tuple(map(int, args.ms.split(","))) if args.ms else PREFILL_MS
+        prefill_sweep(kn, groups=tuple(map(int, args.groups.split(","))), ms=ms)
     if args.dump or args.sweep or args.prefill_sweep:
         sys.exit(0)
     recorder = Recorder("quant_matmul")

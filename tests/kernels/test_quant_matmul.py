@@ -134,6 +134,23 @@ def test_quant_matmul_gradient_wrt_x(device):
     torch.testing.assert_close(x.grad.float(), weight.float().sum(0).expand(5, 64), atol=2e-2, rtol=2e-3)
 
 
+def _one_hot_products(dtype, symmetric, scales_dtype, group, bits, rows, device):
+    """(y, expected): one-hot activation rows pick single weights out (one non-zero product per output, so no
+    accumulation order), at positions across words and groups; y must be compressed-tensors' dequantized
+    weight bit for bit."""
+    n, k = 24, 512
+    tensors = {name: t.to(device) for name, t in ql.pack_weight(torch.randn(n, k).to(dtype), bits, group,
+                                                                 symmetric).items()}  # fmt: skip
+    qweight, scales = tensors["weight_packed"], tensors["weight_scale"]
+    zeros = tensors.get("weight_zero_point")
+    cols = (torch.arange(rows, device=device) * 37 + 3) % k
+    x = torch.zeros(rows, k, device=device, dtype=dtype)
+    x[torch.arange(rows), cols] = 1
+    kernel_scales = scales if scales_dtype == "activations" else scales.float()
+    y = K.quant_matmul(x, qweight, kernel_scales, zeros, group, bits)
+    return y, ql.dequantize(qweight, scales, zeros, (n, k), group, bits)[:, cols].t()
+
+
 @pytest.mark.parametrize("group", [32, 128])
 @pytest.mark.parametrize("scales_dtype", ["activations", "float32"])
 @pytest.mark.parametrize("symmetric", [True, False])
@@ -141,24 +158,27 @@ def test_quant_matmul_gradient_wrt_x(device):
 def test_skinny_kernel_dequantizes_bit_exactly(dtype, symmetric, scales_dtype, group, device):
     # Groups narrower than a dot (int4 g32) dequantize each weight before it: in the activation dtype when the
     # scales are in it (two operations, exact difference then one rounding; zero points taken off as
-    # integers), else in fp32 and one cast. Groups of 128 apply the scale after the dot. All must give
-    # compressed-tensors' dequantized weight bit for bit: one-hot rows pick single weights out (one non-zero
-    # product per output, so no accumulation order), at positions across words and groups.
+    # integers), else in fp32 and one cast. Groups of 128 apply the scale after the dot.
     if device == "cpu" and dtype == torch.bfloat16:
         pytest.skip("the interpreter rounds and computes bf16 otherwise: the bf16 path is checked on CUDA")
-    n, k = 24, 512
-    tensors = {name: t.to(device) for name, t in ql.pack_weight(torch.randn(n, k).to(dtype), 4, group,
-                                                                 symmetric).items()}  # fmt: skip
-    qweight, scales = tensors["weight_packed"], tensors["weight_scale"]
-    zeros = tensors.get("weight_zero_point")
-    cols = torch.arange(3, k, 37, device=device)
-    x = torch.zeros(len(cols), k, device=device, dtype=dtype)
-    x[torch.arange(len(cols)), cols] = 1
-    kernel_scales = scales if scales_dtype == "activations" else scales.float()
-    y = K.quant_matmul(x, qweight, kernel_scales, zeros, group, 4)
-    weight = ql.dequantize(qweight, scales, zeros, (n, k), group, 4)
-    assert qm._tile_k(group, k, 4)[1] == (group == 32), "int4 g32 is a PRESCALE tile, g128 is not"
-    torch.testing.assert_close(y, weight[:, cols].t(), atol=0, rtol=0)
+    assert qm._tile_k(group, 512, 4)[1] == (group == 32), "int4 g32 is a PRESCALE tile, g128 is not"
+    y, expected = _one_hot_products(dtype, symmetric, scales_dtype, group, 4, 14, device)
+    torch.testing.assert_close(y, expected, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize(("bits", "group"), [(4, 16), (4, 128), (8, 64)])
+@pytest.mark.parametrize("scales_dtype", ["activations", "float32"])
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_prefill_kernel_dequantizes_bit_exactly(dtype, symmetric, scales_dtype, bits, group, device,
+                                                monkeypatch):  # fmt: skip
+    # The prefill GEMM dequantizes every weight in registers before the dot, as the skinny kernel's narrow
+    # groups do (activation dtype or fp32; zero points as integers; int8 in bf16 through the fp32 magic).
+    if device == "cpu" and dtype == torch.bfloat16:
+        pytest.skip("the interpreter rounds and computes bf16 otherwise: the bf16 path is checked on CUDA")
+    monkeypatch.setattr(qm, "PREFILL", "triton")
+    y, expected = _one_hot_products(dtype, symmetric, scales_dtype, group, bits, 80, device)
+    torch.testing.assert_close(y, expected, atol=0, rtol=0)
 
 
 def test_quant_matmul_rejects_mismatched_layout(device):
@@ -221,6 +241,24 @@ def test_prefill_paths_match(m, n, k, group, bits, symmetric, path, device, monk
     y = K.quant_matmul(x, *packed, group, bits)
     ref = _dense_reference(x, tensors, (n, k), group, bits)
     assert ((y.float() - ref).norm() / ref.norm()).item() < 1e-2
+
+
+@pytest.mark.parametrize(("m", "n"), [(128, 4096), (128, 8192), (512, 4096), (512, 8192)])
+@pytest.mark.parametrize("group", [32, 128])
+def test_prefill_gemm_at_serving_sizes(m, n, group, monkeypatch):
+    # Every tuning of the prefill GEMM over many K tiles and many programs: its products run asynchronously
+    # on Hopper, and weights written into registers still being read gave 2-16% wrong outputs on the H100
+    # before _after_mma (small shapes never showed it). Compiled only: the interpreter runs no such race.
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA: the interpreter would take minutes and has no asynchronous products")
+    monkeypatch.setattr(qm, "PREFILL", "triton")
+    k = 4096
+    tensors = {name: t.cuda() for name, t in ql.pack_weight(torch.randn(n, k) / 64, 4, group).items()}
+    qweight, scales = tensors["weight_packed"], tensors["weight_scale"].to(torch.bfloat16)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    y = K.quant_matmul(x, qweight, scales, None, group, 4).float()
+    ref = (x @ ql.dequantize(qweight, scales, None, (n, k), group, 4).to(torch.bfloat16).t()).float()
+    assert ((y - ref).norm() / ref.norm()).item() < 2e-3
 
 
 @pytest.mark.parametrize("op_name", ["quant_matmul_opaque", "codebook_matmul_opaque"])
