@@ -35,8 +35,11 @@ SKINNY_MAX_M = 64
 # and up to TRITON_PREFILL_WIDE_MAX_M rows of outputs at least TRITON_PREFILL_MIN_N wide in groups of at
 # least 64 (at 512 rows 0.77-0.79x against 0.65-0.68x); everywhere else dequantize + cuBLAS (0.84-1.0x from
 # 2048 rows, where the Triton GEMM reaches 0.63-0.78x).
+# Outputs narrower than TRITON_PREFILL_MIN_N_ANY (the bundled model's, 576-3072) leave most SMs idle in the
+# Triton GEMM while their dense weights cost cuBLAS little (int4-serve run f: c=64 0.86x Marlin's tokens/s).
 PREFILL = "auto"
-TRITON_PREFILL_MAX_M, TRITON_PREFILL_WIDE_MAX_M, TRITON_PREFILL_MIN_N = 256, 1024, 8192
+TRITON_PREFILL_MAX_M, TRITON_PREFILL_WIDE_MAX_M = 256, 1024
+TRITON_PREFILL_MIN_N, TRITON_PREFILL_MIN_N_ANY = 8192, 4096
 # Rows up to which the FMA kernel beats the tensor-core one where groups align to its GEMV_BLOCK_K tiles and
 # hold at most GEMV_ROWS_MAX_GROUP values (g32_probe.py --sweep-gemv-rows, H100: g32 1.0-1.4x faster at 2
 # rows, slower at 4); other groups one row. Since the tensor-core kernel reads int32 words, 2 rows of g128 run
@@ -213,7 +216,9 @@ def _quant_matmul(
     zero_arg = zeros.contiguous() if zeros is not None else qweight
     if m > SKINNY_MAX_M:
         wide = n_out >= TRITON_PREFILL_MIN_N and group_size >= 64
-        auto_triton = m <= TRITON_PREFILL_MAX_M or (wide and m <= TRITON_PREFILL_WIDE_MAX_M)
+        auto_triton = n_out >= TRITON_PREFILL_MIN_N_ANY and (
+            m <= TRITON_PREFILL_MAX_M or (wide and m <= TRITON_PREFILL_WIDE_MAX_M)
+        )
         if not (PREFILL == "triton" or (PREFILL == "auto" and auto_triton)):
             weight = dequantize(qweight, scales, zeros, k_in, group_size, bits, x.dtype)
             return (x2 @ weight.t()).reshape(*x.shape[:-1], n_out)
@@ -281,7 +286,7 @@ def prefill_tuning(m: int, n_out: int, k_in: int, group_size: int, bits: int, de
     if m <= 128 and wide:  # one wave of 128 x 128 tiles, deep K tiles (g128 1.03-1.12x bf16, g32 0.86-0.91x)
         return {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 128, "split": 1, "num_warps": 8, "num_stages": 3,
                 "SWIZZLE": 8}  # fmt: skip
-    if m <= 128:  # too few 64 x 64 tiles to fill the GPU: two K splits
+    if m <= 256 and not wide:  # too few 64 x 64 tiles to fill the GPU: two K splits
         return {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "split": 2, "num_warps": 4, "num_stages": 4,
                 "SWIZZLE": 8}  # fmt: skip
     if wide:  # two warpgroups, each 64 weight rows x 256 activation rows
