@@ -181,6 +181,26 @@ def quant_linear(
     return y + bias if bias is not None else y
 
 
+# Row counts whose kernels a layer compiles at load rather than in the middle of serving: vLLM captures
+# its decode sizes into CUDA graphs, but prompt chunks of 65+ rows run eagerly, and each prefill path of
+# quant_matmul (the Triton GEMM's row-count tilings, dequantize + cuBLAS) is compiled on its first call.
+# 128 and 1024 rows reach every tiling of quant_matmul.prefill_tuning that the "auto" rule runs; 2048 the
+# dequantize kernel. A compile in a running server stalls every sequence in flight for seconds.
+PREFILL_WARM_ROWS = (128, 1024, 2048)
+
+
+def warm_prefill(layer: torch.nn.Module, scheme: WeightOnlyScheme, dtype: torch.dtype) -> None:
+    """Run the layer's prefill kernels once on zeros (each distinct kernel compiles once per process). Not
+    through quant_linear: the op probe (_note) counts serving calls only."""
+    k_in = layer.input_size_per_partition
+    zero = getattr(layer, "weight_zero_point", None)
+    for rows in PREFILL_WARM_ROWS:
+        x = torch.zeros(rows, k_in, dtype=dtype, device=layer.weight_packed.device)
+        torch.ops.squeezeserve.quant_matmul_opaque(
+            x, layer.weight_packed, layer.weight_scale, zero, scheme.group_size_for(k_in), scheme.bits
+        )
+
+
 # --- on vLLM's CPU backend: the packed CPU forms torch has matmuls for -------------------------------------
 
 
@@ -423,6 +443,8 @@ def _quantization_config_class() -> type:
                     setattr(layer, name, torch.nn.Parameter(param.data.contiguous(), requires_grad=False))
             if layer.weight_packed.device.type == "cpu":
                 prepare_cpu(layer, self.scheme)
+            else:
+                warm_prefill(layer, self.scheme, layer.weight_scale.dtype)
 
         def apply(
             self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None

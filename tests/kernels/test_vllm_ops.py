@@ -136,6 +136,19 @@ def test_quant_linear_counts_its_calls():
     assert vllm_ops.call_counts()["quant_matmul"] == before + 1
 
 
+def test_warm_prefill_runs_each_prefill_size_without_touching_the_layer(device):
+    # At load, on the GPU, each quantized layer runs its prefill kernels once on zeros (compiles at load, not
+    # mid-serving): the layer's tensors stay bit for bit, and the serving-call probe does not count them.
+    scheme = vllm_ops.WeightOnlyScheme(4, 32, False, ())
+    stacked, _ = _stacked_checkpoint([torch.randn(64, 96, dtype=torch.float16)], scheme)
+    layer = _loaded_layer({name: t.to(device) for name, t in stacked.items()}, 64, 96)
+    before = {name: t.clone() for name, t in layer.named_parameters()}
+    calls = vllm_ops.call_counts().get("quant_matmul", 0)
+    vllm_ops.warm_prefill(layer, scheme, torch.float16)
+    assert all(torch.equal(t, before[name]) for name, t in layer.named_parameters())
+    assert vllm_ops.call_counts().get("quant_matmul", 0) == calls
+
+
 # --- on vLLM's CPU backend: the weights unpacked once at load -------------------------------------------
 
 
