@@ -251,6 +251,17 @@ def sm_count(device: torch.device) -> int:
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
+@functools.cache
+def _wgmma(device_index: int) -> bool:
+    return torch.version.hip is None and torch.cuda.get_device_capability(device_index)[0] == 9
+
+
+def wgmma(device: torch.device) -> bool:
+    """Whether Triton's dots on this CUDA device are Hopper's asynchronous wgmma (compute capability 9.x:
+    the H100 / H200; not Ampere's synchronous mma, not Blackwell's tcgen05, not ROCm). Cached per device."""
+    return _wgmma(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def persistent_programs(device: torch.device, n_rows: int) -> int:
     """Programs for a kernel that loops over rows: one per SM on a GPU, a few under the interpreter."""
     most = sm_count(device) if device.type == "cuda" else 4

@@ -18,7 +18,7 @@ import torch
 from torch.library import triton_op
 
 from squeezeserve.kernels import quant_layout, reference
-from squeezeserve.kernels.ops.launch import cdiv, next_power_of_2, sm_count, traceable
+from squeezeserve.kernels.ops.launch import cdiv, next_power_of_2, sm_count, traceable, wgmma
 from squeezeserve.kernels.ops.quant_matmul_kernels import (
     _dequantize_kernel,
     _gemv_int4_kernel,
@@ -322,8 +322,8 @@ def _prefill(x2, qweight, scales, zeros, zero_arg, group_size, bits) -> torch.Te
         NATIVE=scales.dtype == x2.dtype and not bf16_interpreted, BLOCK_M=cfg["BLOCK_M"],
         BLOCK_N=cfg["BLOCK_N"], BLOCK_K=block_k, MODE=mode, EVEN_K=k_in % block_k == 0,
         GPT=_groups_per_tile(group_size, block_k, 32 // bits), SWIZZLE=cfg["SWIZZLE"],
-        DOT_FP32=bf16_interpreted, ASYNC_MMA=not interpreting(), num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"],
+        DOT_FP32=bf16_interpreted, ASYNC_MMA=not interpreting() and wgmma(x2.device),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
     return y.to(x2.dtype)
 
