@@ -1,14 +1,17 @@
 """Device probe for issue #16 items 2-3: int4 products of 64-8192 rows without a dense weight in memory.
 
-vLLM's chunked prefill puts 65-600 rows into most steps at c = 64, where ours takes dequantize + cuBLAS
-(the dense weight written and read again every step) or ``_prefill_kernel`` (0.37-0.55x bf16). Two
-candidates, each timed beside bf16 cuBLAS and today's path on cold weights (CUDA graphs, copies past L2):
+vLLM's chunked prefill puts 65-600 rows into most steps at c = 64, where ours then took dequantize + cuBLAS
+(the dense weight written and read again every step) or ``_prefill_kernel`` (0.37-0.55x bf16 on
+2026-11-24; since that night's seventh session it builds the weight tile in the operand layout and runs at
+0.62-1.12x, tests/benchmarks/NOTES.md). Two candidates of that day, each timed beside bf16 cuBLAS and the
+path of the time on cold weights (CUDA graphs, copies past L2):
 
 - ``skinny``: the decode tensor-core kernel (``_skinny_kernel``, 64-row tiles, scales after the dot, split-K)
   taken past its 64-row limit.
 - ``v2``: a GEMM whose weight tile is computed elementwise from gathered words (``w[n, k]`` from the word
   holding ``k``, shifted by ``k % 8``), so Triton can load the words straight into the wgmma A-operand
-  layout (no [N, W, 8] -> [N, K] reshape through shared memory, which ``_prefill_kernel`` pays every tile);
+  layout (no [N, W, 8] -> [N, K] reshape through shared memory, which ``_prefill_kernel`` then paid each
+  tile);
   ``BF16`` does the dequantize in bf16 ((128 + q) - 136 exact, one rounding of the product, as in fp32).
 
     python3 tests/gpu/prefill_probe.py [--quick]
