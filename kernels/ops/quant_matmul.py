@@ -34,7 +34,7 @@ SKINNY_MAX_M = 64
 # TRITON_PREFILL_MAX_M rows (at 128 rows 0.63-1.12x bf16 cuBLAS against dequantize + cuBLAS's 0.43-0.54x),
 # and up to TRITON_PREFILL_WIDE_MAX_M rows of outputs at least TRITON_PREFILL_MIN_N wide in groups of at
 # least 64 (at 512 rows 0.77-0.79x against 0.65-0.68x); everywhere else dequantize + cuBLAS (0.84-1.0x from
-# 2048 rows, where the Triton GEMM reaches 0.63-0.78x).
+# 2048 rows, where the Triton GEMM reaches 0.64-0.78x).
 # Outputs narrower than TRITON_PREFILL_MIN_N_ANY (the bundled model's, 576-3072) leave most SMs idle in the
 # Triton GEMM while their dense weights cost cuBLAS little (int4-serve run f: c=64 0.86x Marlin's tokens/s).
 PREFILL = "auto"
