@@ -179,6 +179,41 @@ def _offset(h, i: tl.constexpr, BITS: tl.constexpr, zz, dtype: tl.constexpr, R: 
 
 
 @triton.jit
+def _exact_float(q, dtype: tl.constexpr):
+    """Non-negative integers q < 2**23 (int32) as floats of ``dtype``: OR-ed into the fp32 magic 2**23, then
+    one conversion (int-to-float instructions run at 1/8 of the FMA rate)."""
+    return ((q | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0).to(dtype)
+
+
+@triton.jit
+def _gathered_params(scale_ptr, zero_ptr, offs_n, mask_n, ks, K, scale_row_stride, zero_row_stride,
+                     dtype: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr,
+                     BIAS: tl.constexpr, NATIVE: tl.constexpr):  # fmt: skip
+    """(scale, zero point) of each value at K columns ``ks`` of rows ``offs_n`` (groups straddling tiles),
+    in the form :func:`_dequant` takes."""
+    s, z = _group_params(scale_ptr, zero_ptr, offs_n[:, None], (ks // GROUP)[None, :],
+                         mask_n[:, None] & (ks < K)[None, :], scale_row_stride, zero_row_stride, BITS,
+                         HAS_ZERO)  # fmt: skip
+    if NATIVE:
+        s, z = s.to(dtype), (BIAS + z).to(dtype)
+    return s, z
+
+
+@triton.jit
+def _dequant(w, s, z, dtype: tl.constexpr, BITS: tl.constexpr, BIAS: tl.constexpr, OFFSET: tl.constexpr,
+             NATIVE: tl.constexpr):  # fmt: skip
+    """``(q - z) * s`` rounded once to ``dtype``, from w = ``BIAS + q`` (``BIAS + OFF + q - z`` with
+    ``OFFSET``, OFF = 2**BITS). With ``NATIVE`` s and ``BIAS + z`` are in ``dtype``: the difference is an
+    exact small integer and the product rounds once, as the fp32 form's final cast does."""
+    if OFFSET:  # (BIAS + OFF + q - z) - (BIAS + OFF): exact
+        return (w - (BIAS + (1 << BITS))) * s
+    elif NATIVE:
+        return (w - z) * s
+    else:
+        return ((w.to(tl.float32) - (BIAS + z)) * s).to(dtype)
+
+
+@triton.jit
 def _skinny_kernel(
     x_ptr,  # [M, K] activations (fp16/bf16)
     qw_ptr,  # [N, ceil(K / (2 V))] the packed int32 weight
@@ -246,8 +281,8 @@ def _skinny_kernel(
         if GPT > 0:
             if PRESCALE and NATIVE:  # in the activation dtype, BIAS folded into z (exact)
                 s = _per_word(s_next.to(dtype), BLOCK_N, GPT, T)
-                if OFFSET:  # OFF - z for both halves of each word, added to q in BIAS's mantissa
-                    zz = _per_word(((MAGIC + OFF) - z_next.to(tl.int32)) * 0x10001, BLOCK_N, GPT, T // 2)
+                if OFFSET:  # z as MAGIC + OFF - z in both halves of each word, added to q in BIAS's mantissa
+                    z = _per_word(((MAGIC + OFF) - z_next.to(tl.int32)) * 0x10001, BLOCK_N, GPT, T // 2)
                 else:
                     z = _per_word((BIAS + z_next).to(dtype), BLOCK_N, GPT, T)
             else:
@@ -261,26 +296,18 @@ def _skinny_kernel(
         for i in tl.static_range(V):
             xi = tl.trans(xs[i])  # [T, BLOCK_M]
             if OFFSET:
-                w = _offset(h, i, BITS, zz, dtype, BLOCK_N, T)  # BIAS + OFF + q - z, exactly
+                w = _offset(h, i, BITS, z, dtype, BLOCK_N, T)  # BIAS + OFF + q - z, exactly
             elif MAGIC != 0:
                 w = _magic(h, i, BITS, MAGIC, dtype, BLOCK_N, T)  # BIAS + q, exactly
             else:  # q through the fp32 magic 2**23 (exact), then one conversion
-                q = _halves(h >> (i * BITS), BLOCK_N, T).to(tl.int32) & MASK
-                w = ((q | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0).to(dtype)
+                w = _exact_float(_halves(h >> (i * BITS), BLOCK_N, T).to(tl.int32) & MASK, dtype)
             if PRESCALE:
                 if GPT == 0:  # groups not aligned to tiles: the group of each value
                     k = k0 + tl.arange(0, T) * V + i
-                    s, z = _group_params(scale_ptr, zero_ptr, offs_n[:, None], (k // GROUP)[None, :],
-                                         mask_n[:, None] & (k < K)[None, :], scale_row_stride,
-                                         zero_row_stride, BITS, HAS_ZERO)  # fmt: skip
-                    if NATIVE:
-                        s, z = s.to(dtype), (BIAS + z).to(dtype)
-                if OFFSET:  # (BIAS + OFF + q - z) - (BIAS + OFF): exact, as below
-                    w = (w - (BIAS + OFF)) * s
-                elif NATIVE:  # (BIAS + q) - (BIAS + z): exact in the activation dtype; times s: one rounding
-                    w = (w - z) * s
-                else:
-                    w = ((w.to(tl.float32) - (BIAS + z)) * s).to(dtype)
+                    s, z = _gathered_params(scale_ptr, zero_ptr, offs_n, mask_n, k, K, scale_row_stride,
+                                            zero_row_stride, dtype, BITS, GROUP, HAS_ZERO, BIAS,
+                                            NATIVE)  # fmt: skip
+                w = _dequant(w, s, z, dtype, BITS, BIAS, OFFSET, NATIVE)
             if DOT_FP32:
                 part = tl.dot(w.to(tl.float32), xi.to(tl.float32), part, input_precision="ieee")
             else:
@@ -479,33 +506,27 @@ def _tile_weight(h, s_t, z_t, k0, offs_k, offs_n, mask_n, K, scale_ptr, zero_ptr
     hw = h[:, :, None]
     pairs = ((hw >> shift) & MASK) | (((hw >> (shift + BITS)) & MASK) << 16)  # [BN, W, P]
     if GPT > 0:
-        s = _per_word(s_t, BLOCK_N, GPT, W)[:, :, None, None]  # [BN, W or 1, 1, 1]
+        s = _per_word(s_t, BLOCK_N, GPT, W)  # [BN, W or 1]
         z = _per_word(z_t, BLOCK_N, GPT, W)
         if OFFSET:
             pairs = pairs + (((MAGIC + OFF) - z.to(tl.int32)) * 0x10001)[:, :, None]  # BIAS + OFF + q - z
         elif MAGIC != 0:
             pairs = pairs | (MAGIC * 0x10001)  # BIAS + q, exactly
-        z = z[:, :, None, None]
+        if NATIVE:
+            s, z = s.to(dtype), (BIAS + z).to(dtype)
+        s, z = s[:, :, None, None], z[:, :, None, None]
     elif MAGIC != 0:
         pairs = pairs | (MAGIC * 0x10001)
     halves = tl.join(pairs.to(tl.int16), (pairs >> 16).to(tl.int16))  # [BN, W, P, 2]: k = PACK w + 2 p + j
     if MAGIC != 0:
         w = halves.to(dtype, bitcast=True)
     else:  # q through the fp32 magic 2**23 (exact), then one conversion
-        w = (((halves.to(tl.int32) & 0xFFFF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0).to(dtype)
+        w = _exact_float(halves.to(tl.int32) & 0xFFFF, dtype)
     if GPT == 0:  # groups not aligned to tiles: the group of each value
         w = tl.reshape(w, [BLOCK_N, BLOCK_K])
-        ks = k0 + offs_k
-        s, z = _group_params(scale_ptr, zero_ptr, offs_n[:, None], (ks // GROUP)[None, :],
-                             mask_n[:, None] & (ks < K)[None, :], scale_row_stride, zero_row_stride, BITS,
-                             HAS_ZERO)  # fmt: skip
-    if OFFSET:  # (BIAS + OFF + q - z) - (BIAS + OFF): exact, as below
-        w = (w - (BIAS + OFF)) * s.to(dtype)
-    elif NATIVE:  # (BIAS + q) - (BIAS + z): exact in the activation dtype; times s: one rounding
-        w = (w - (BIAS + z).to(dtype)) * s.to(dtype)
-    else:
-        w = ((w.to(tl.float32) - (BIAS + z)) * s).to(dtype)
-    return tl.reshape(w, [BLOCK_N, BLOCK_K])
+        s, z = _gathered_params(scale_ptr, zero_ptr, offs_n, mask_n, k0 + offs_k, K, scale_row_stride,
+                                zero_row_stride, dtype, BITS, GROUP, HAS_ZERO, BIAS, NATIVE)  # fmt: skip
+    return tl.reshape(_dequant(w, s, z, dtype, BITS, BIAS, OFFSET, NATIVE), [BLOCK_N, BLOCK_K])
 
 
 @triton.jit
