@@ -468,7 +468,7 @@ def _after_mma(h):
     The prefill GEMM's A operand is computed in registers every K tile. Triton (3.6) lets those products run
     on asynchronously across loop iterations, but the registers the next tile's weights are written to may
     still be read by them (PTX: undefined): on the H100 the tilings where ptxas kept them in flight gave
-    products off by 0.5-16% (relative error against cuBLAS). Routing the next tile's words through this
+    products off by 0.45-16% (relative error against cuBLAS). Routing the next tile's words through this
     wait orders every write after it; the products of one tile still run back to back. Hopper only (wgmma
     is sm_90's instruction)."""
     return tl.inline_asm_elementwise(
