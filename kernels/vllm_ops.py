@@ -183,11 +183,12 @@ def quant_linear(
 
 # Row counts whose kernels a layer compiles at load rather than in the middle of serving: vLLM captures
 # its decode sizes into CUDA graphs, but prompt chunks run eagerly, and each prefill path of quant_matmul
-# (the Triton GEMM's row-count tilings, dequantize + cuBLAS) is compiled on its first call. 128 and 1024
-# rows reach every tiling of quant_matmul.prefill_tuning that the "auto" rule runs, 2048 the dequantize
-# kernel; Triton compiles a row count that is not a multiple of 16 separately (127, 1023). A compile in a
-# running server stalls every sequence in flight (vLLM's JIT monitor logged one in synth run 23).
-PREFILL_WARM_ROWS = (127, 128, 1023, 1024, 2048)
+# (the Triton GEMM's row-count tilings, dequantize + cuBLAS) is compiled on its first call. 128, 256 and 512
+# rows reach every kernel of quant_matmul.prefill_tuning that the "auto" rule runs (a tiling with and without
+# K splits: fill_split's count changes with the row tiles), 2048 the dequantize kernel; Triton compiles a row
+# count that is not a multiple of 16 separately (127, 255, 511). A compile in a running server stalls every
+# sequence in flight (vLLM's JIT monitor logged one in synth run 23).
+PREFILL_WARM_ROWS = (127, 128, 255, 256, 511, 512, 2048)
 
 
 def warm_prefill(layer: torch.nn.Module, scheme: WeightOnlyScheme, dtype: torch.dtype) -> None:

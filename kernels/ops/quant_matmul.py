@@ -30,16 +30,18 @@ from squeezeserve.kernels.registry import direct_launches, eager, interpreting, 
 SKINNY_MAX_M = 64
 # Prefill: "triton" (_prefill_kernel, the weight dequantized in registers), "dequantize" (the dense weight
 # written once, then cuBLAS) or "auto": the faster of the two by `bench_quant_matmul.py --prefill-sweep` on
-# the H100 (2026-11-24, bf16, results/prefill_sweep_h100_2026-11-24.log). The Triton GEMM up to
-# TRITON_PREFILL_MAX_M rows (at 128 rows 0.63-1.12x bf16 cuBLAS against dequantize + cuBLAS's 0.43-0.54x),
-# and up to TRITON_PREFILL_WIDE_MAX_M rows of outputs at least TRITON_PREFILL_MIN_N wide in groups of at
-# least 64 (at 512 rows 0.77-0.79x against 0.65-0.68x); everywhere else dequantize + cuBLAS (0.84-1.0x from
-# 2048 rows, where the Triton GEMM reaches 0.64-0.78x).
+# the H100 (bf16; results/prefill_sweep_h100_2026-11-24.log and, with K splits that fill the SMs,
+# prefill_split_sweep_h100_2026-11-25.log). The Triton GEMM up to TRITON_PREFILL_MAX_M rows (at 128 rows
+# 0.67-1.19x bf16 cuBLAS against dequantize + cuBLAS's 0.43-0.53x), and up to TRITON_PREFILL_WIDE_MAX_M
+# rows where outputs are at least TRITON_PREFILL_MIN_N wide in groups of at least 64, or narrower with a
+# reduction at least TRITON_PREFILL_MIN_K deep (at 512 rows 0.71-0.78x against 0.62-0.67x); everywhere else
+# dequantize + cuBLAS (0.77-0.81x at 1024 rows and 0.84-1.0x from 2048, where the Triton GEMM reaches
+# 0.64-0.78x).
 # Outputs narrower than TRITON_PREFILL_MIN_N_ANY (the bundled model's, 576-3072) leave most SMs idle in the
 # Triton GEMM while their dense weights cost cuBLAS little (int4-serve run f: c=64 0.86x Marlin's tokens/s).
 PREFILL = "auto"
-TRITON_PREFILL_MAX_M, TRITON_PREFILL_WIDE_MAX_M = 256, 1024
-TRITON_PREFILL_MIN_N, TRITON_PREFILL_MIN_N_ANY = 8192, 4096
+TRITON_PREFILL_MAX_M, TRITON_PREFILL_WIDE_MAX_M = 256, 512
+TRITON_PREFILL_MIN_N, TRITON_PREFILL_MIN_N_ANY, TRITON_PREFILL_MIN_K = 8192, 4096, 8192
 # Rows up to which the FMA kernel beats the tensor-core one where groups align to its GEMV_BLOCK_K tiles and
 # hold at most GEMV_ROWS_MAX_GROUP values (g32_probe.py --sweep-gemv-rows, H100: g32 1.0-1.4x faster at 2
 # rows, slower at 4); other groups one row. Since the tensor-core kernel reads int32 words, 2 rows of g128 run
@@ -215,11 +217,7 @@ def _quant_matmul(
     qweight, scales = qweight.contiguous(), scales.contiguous()
     zero_arg = zeros.contiguous() if zeros is not None else qweight
     if m > SKINNY_MAX_M:
-        wide = n_out >= TRITON_PREFILL_MIN_N and group_size >= 64
-        auto_triton = n_out >= TRITON_PREFILL_MIN_N_ANY and (
-            m <= TRITON_PREFILL_MAX_M or (wide and m <= TRITON_PREFILL_WIDE_MAX_M)
-        )
-        if not (PREFILL == "triton" or (PREFILL == "auto" and auto_triton)):
+        if not (PREFILL == "triton" or (PREFILL == "auto" and prefill_in_triton(m, n_out, k_in, group_size))):
             weight = dequantize(qweight, scales, zeros, k_in, group_size, bits, x.dtype)
             return (x2 @ weight.t()).reshape(*x.shape[:-1], n_out)
         return _prefill(x2, qweight, scales, zeros, zero_arg, group_size, bits).reshape(*x.shape[:-1], n_out)
@@ -273,25 +271,53 @@ def _quant_matmul(
     return y.to(x.dtype).reshape(*x.shape[:-1], n_out)
 
 
+def prefill_in_triton(m: int, n_out: int, k_in: int, group_size: int) -> bool:
+    """Whether ``PREFILL="auto"`` runs ``m`` rows of this weight on the Triton GEMM (else dequantize +
+    cuBLAS); the rule and its measurements are PREFILL's comment."""
+    if n_out < TRITON_PREFILL_MIN_N_ANY:
+        return False
+    if n_out >= TRITON_PREFILL_MIN_N:
+        wide_or_deep = group_size >= 64
+    else:  # narrow: K splits fill the SMs (fill_split), which pays where K is long
+        wide_or_deep = k_in >= TRITON_PREFILL_MIN_K
+    return m <= TRITON_PREFILL_MAX_M or (m <= TRITON_PREFILL_WIDE_MAX_M and wide_or_deep)
+
+
+def fill_split(tiles: int, sms: int, most: int = 4) -> int:
+    """K splits that bring ``tiles`` programs of one an SM up to about one wave: ``sms // tiles``, at most
+    ``most`` (each split adds a pass of fp32 partial sums). Nsight Compute on the H100 showed the prefill
+    GEMM's tile grids leaving SMs idle (32 or 64 programs for 132 SMs where N = 4096); filled, 128 rows of
+    N 4096, K 14336 went from 63.5 to 44.9 us (4 splits) and 256 rows from 114 to 72.8 us."""
+    return max(1, min(most, sms // max(tiles, 1)))
+
+
 def prefill_tuning(m: int, n_out: int, k_in: int, group_size: int, bits: int, device: torch.device) -> dict:
     """Tiles, warps, stages and split-K of :func:`_prefill_kernel`: the best settings of
-    ``bench_quant_matmul.py --prefill-sweep`` on the H100 (2026-11-24, int4 g128 and g32; figures in
-    tests/benchmarks/NOTES.md). BLOCK_M counts activation rows, BLOCK_N weight rows (the MMA's M)."""
+    ``bench_quant_matmul.py --prefill-sweep`` (and ``--split-grid``) on the H100 (2026-11-24 and 25, int4 g128
+    and g32; figures in tests/benchmarks/NOTES.md). BLOCK_M counts activation rows, BLOCK_N weight rows (the
+    MMA's M). Both leading tilings hold one program an SM; K splits fill the SMs where the tiles do not
+    (:func:`fill_split`)."""
     if interpreting():
         # Small tiles, and split-K so that the tests cover both ways partial tiles meet.
         block_k = 32 if group_size % 32 == 0 or 32 % group_size == 0 else 64
         return {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": block_k, "split": 2, "num_warps": 4,
                 "num_stages": 1, "SWIZZLE": 2}  # fmt: skip
-    wide = n_out >= TRITON_PREFILL_MIN_N
-    if m <= 128 and wide:  # one wave of 128 x 128 tiles, deep K tiles (g128 1.03-1.12x bf16, g32 0.86-0.91x)
-        return {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 128, "split": 1, "num_warps": 8, "num_stages": 3,
-                "SWIZZLE": 8}  # fmt: skip
-    if m <= 256 and not wide:  # too few 64 x 64 tiles to fill the GPU: two K splits
-        return {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "split": 2, "num_warps": 4, "num_stages": 4,
-                "SWIZZLE": 8}  # fmt: skip
-    if wide:  # two warpgroups, each 64 weight rows x 256 activation rows
-        return {"BLOCK_M": 256, "BLOCK_N": 128, "BLOCK_K": 64, "split": 1, "num_warps": 8, "num_stages": 4,
-                "SWIZZLE": 8}  # fmt: skip
+    return prefill_tiles(m, n_out, k_in, sm_count(device))
+
+
+def prefill_tiles(m: int, n_out: int, k_in: int, sms: int) -> dict:
+    """:func:`prefill_tuning`'s choice on a GPU with ``sms`` multiprocessors."""
+    tiles_n = cdiv(n_out, 128)
+    if m <= 128:  # one 128 x 128 tile of rows; g128 1.04-1.19x bf16 where N = 14336 or K = 14336
+        return {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 128, "split": fill_split(tiles_n, sms),
+                "num_warps": 8, "num_stages": 3, "SWIZZLE": 8}  # fmt: skip
+    if m <= 256 or n_out >= TRITON_PREFILL_MIN_N or k_in >= TRITON_PREFILL_MIN_K:
+        # two warpgroups, each 64 weight rows x 256 activation rows
+        split = fill_split(tiles_n * cdiv(m, 256), sms)
+        return {"BLOCK_M": 256, "BLOCK_N": 128, "BLOCK_K": 64, "split": split, "num_warps": 8,
+                "num_stages": 4, "SWIZZLE": 8}  # fmt: skip
+    # Narrow and shallow (forced PREFILL="triton" only): two programs an SM, no split (a split's partial sums
+    # cost more than the idle SMs: 512 x 4096 x 4096 39.8 us against 50.1 at 256 x 128 with two splits).
     return {"BLOCK_M": 256, "BLOCK_N": 64, "BLOCK_K": 64, "split": 1, "num_warps": 4, "num_stages": 3,
             "SWIZZLE": 8}  # fmt: skip
 

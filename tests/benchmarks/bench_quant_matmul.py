@@ -127,9 +127,21 @@ PREFILL_GRID = [
     (64, 128, 64, 4, 4, 1), (128, 128, 128, 8, 3, 1), (128, 64, 128, 4, 3, 1), (64, 64, 64, 4, 4, 1),
     (64, 64, 64, 4, 4, 2), (256, 64, 64, 4, 3, 1),
 ]  # fmt: skip
+# --split-grid: the leading tilings above with K splits, for grids that fill the SMs unevenly (ncu,
+# results/ncu_h100_2026-11-25/: 224 programs of one an SM are 1.70 waves on the H100's 132 SMs)
+PREFILL_SPLIT_GRID = [
+    (bm, bn, bk, w, st, sp)
+    for bm, bn, bk, w, st in (
+        (256, 128, 64, 8, 4),
+        (256, 64, 64, 4, 3),
+        (128, 128, 128, 8, 3),
+        (64, 64, 64, 4, 4),
+    )
+    for sp in (1, 2, 3, 4, 7)
+]
 
 
-def prefill_sweep(kn=KN, groups=(128,), bits=4, ms=PREFILL_MS):
+def prefill_sweep(kn=KN, groups=(128,), bits=4, ms=PREFILL_MS, grid=PREFILL_GRID):
     """Time the prefill GEMM under every PREFILL_GRID setting beside bf16 cuBLAS and dequantize + cuBLAS;
     print the best per shape (it chose ``quant_matmul.prefill_tuning``)."""
     saved = qm.prefill_tuning
@@ -148,7 +160,7 @@ def prefill_sweep(kn=KN, groups=(128,), bits=4, ms=PREFILL_MS):
                 t_deq = do_bench_cudagraph(ours, rep=30)
                 qm.PREFILL = "triton"
                 results = []
-                for bm, bn, bk, warps, stages, split in PREFILL_GRID:
+                for bm, bn, bk, warps, stages, split in grid:
                     cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "split": split, "num_warps": warps,
                            "num_stages": stages, "SWIZZLE": 8}  # fmt: skip
                     qm.prefill_tuning = lambda *a, cfg=cfg: cfg
@@ -163,11 +175,14 @@ def prefill_sweep(kn=KN, groups=(128,), bits=4, ms=PREFILL_MS):
                     finally:
                         qm.prefill_tuning = saved
                     results.append((t, err, bm, bn, bk, warps, stages, split))
+                qm.PREFILL = "auto"
+                t_auto = do_bench_cudagraph(ours, rep=30)
                 results.sort()
                 print(f"prefill m={m} n={n} k={k} g={group}: bf16 {t_bf16 * 1e3:.1f}us dequant+cublas "
-                      f"{t_deq * 1e3:.1f}us ({t_bf16 / t_deq:.2f}x) | " + "; ".join(
+                      f"{t_deq * 1e3:.1f}us ({t_bf16 / t_deq:.2f}x) auto {t_auto * 1e3:.1f}us "
+                      f"({t_bf16 / t_auto:.2f}x) | " + "; ".join(
                       f"{t * 1e3:.1f}us {t_bf16 / t:.2f}x m{bm} n{bn} k{bk} w{w} s{st} sp{sp} err{e:.1e}"
-                      for t, e, bm, bn, bk, w, st, sp in results[:4]), flush=True)  # fmt: skip
+                      for t, e, bm, bn, bk, w, st, sp in results[:6]), flush=True)  # fmt: skip
 
 
 def profile(n=14336, k=14336, group=128, bits=4):
@@ -266,6 +281,7 @@ if __name__ == "__main__":
     parser.add_argument("--prefill-sweep", action="store_true", help="tile sweep of the prefill GEMM")
     parser.add_argument("--groups", default="128", help="groups of --prefill-sweep, e.g. 128,32")
     parser.add_argument("--ms", help="row counts of --prefill-sweep, e.g. 128,2048")
+    parser.add_argument("--split-grid", action="store_true", help="--prefill-sweep over PREFILL_SPLIT_GRID")
     args = parser.parse_args()
     peaks()
     if args.dump:
@@ -282,7 +298,8 @@ if __name__ == "__main__":
     if args.prefill_sweep:
         kn = [tuple(map(int, p.split(":"))) for p in args.shapes.split(",")] if args.shapes else KN
         ms = tuple(map(int, args.ms.split(","))) if args.ms else PREFILL_MS
-        prefill_sweep(kn, groups=tuple(map(int, args.groups.split(","))), ms=ms)
+        grid = PREFILL_SPLIT_GRID if args.split_grid else PREFILL_GRID
+        prefill_sweep(kn, groups=tuple(map(int, args.groups.split(","))), ms=ms, grid=grid)
     if args.dump or args.sweep or args.prefill_sweep:
         sys.exit(0)
     recorder = Recorder("quant_matmul")

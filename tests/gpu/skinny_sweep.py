@@ -9,6 +9,9 @@ programs and 2 stages are in it.
 
     python3 tests/gpu/skinny_sweep.py          # 4 and 16 rows
     python3 tests/gpu/skinny_sweep.py 64       # 64 rows (what quant_matmul.tuning's m > 32 rule came from)
+    python3 tests/gpu/skinny_sweep.py 4,16 deep  # deeper pipelines (3-6 stages) and the splits between 4
+                                                 # and 16 (the grid count of a 14336-wide output), g128
+                                                 # and g32 with zero points, the shapes with a 14336 side
 """
 
 from __future__ import annotations
@@ -30,7 +33,9 @@ from squeezeserve.kernels import quant_layout  # noqa: E402
 from squeezeserve.kernels.ops import quant_matmul as qm  # noqa: E402
 
 
-def grid(rows: list[int]) -> list[tuple]:
+def grid(rows: list[int], deep: bool = False) -> list[tuple]:
+    if deep:
+        return list(itertools.product((64, 128), (4,), (3, 4, 5, 6), (4, 7, 8, 9, 14, 16)))
     if rows == [64]:
         return list(itertools.product((64, 128), (4, 8), (2, 3, 4), (1, 2, 4, 8)))
     return list(itertools.product((64, 128, 256), (4,), (3, 4), (2, 4, 8, 16)))
@@ -38,11 +43,13 @@ def grid(rows: list[int]) -> list[tuple]:
 
 def main() -> None:
     rows = [int(v) for v in sys.argv[1].split(",")] if len(sys.argv) > 1 else [4, 16]
-    settings, shipped_tuning = grid(rows), qm.tuning
+    deep = sys.argv[2:] == ["deep"]
+    settings, shipped_tuning = grid(rows, deep), qm.tuning
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
     torch.manual_seed(0)
-    for group, zeros in ((128, False), (32, False), (32, True)):
-        for k, n in KN:
+    formats = ((128, False), (32, True)) if deep else ((128, False), (32, False), (32, True))
+    for group, zeros in formats:
+        for k, n in [kn for kn in KN if not deep or max(kn) == 14336]:
             weight = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / 64
             t = quant_layout.pack_weight(weight, 4, group, symmetric=not zeros)
             qw, sc, zp = t["weight_packed"], t["weight_scale"], t.get("weight_zero_point")

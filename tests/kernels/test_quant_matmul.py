@@ -243,23 +243,65 @@ def test_prefill_paths_match(m, n, k, group, bits, symmetric, path, device, monk
     assert ((y.float() - ref).norm() / ref.norm()).item() < 1e-2
 
 
-@pytest.mark.parametrize(("m", "n"), [(128, 4096), (128, 8192), (512, 4096), (512, 8192)])
+@pytest.mark.parametrize(("m", "n", "k"), [
+    (128, 4096, 4096), (128, 8192, 4096), (512, 4096, 4096), (512, 8192, 4096), (256, 4096, 14336),
+    (512, 4096, 14336),
+])  # fmt: skip
 @pytest.mark.parametrize("group", [32, 128])
-def test_prefill_gemm_at_serving_sizes(m, n, group, monkeypatch):
-    # Every tuning of the prefill GEMM over many K tiles and many programs: its products run asynchronously
-    # on Hopper, and weights written into registers still being read made products 0.45-16% off (relative
-    # error) on the H100 before _after_mma; small shapes never showed it. Compiled only: the interpreter
-    # runs no such race.
+def test_prefill_gemm_at_serving_sizes(m, n, k, group, monkeypatch):
+    # Every tuning of the prefill GEMM over many K tiles and many programs, with and without the K splits
+    # that fill the SMs: its products run asynchronously on Hopper, and weights written into registers still
+    # being read made products 0.45-16% off (relative error) on the H100 before _after_mma; small shapes
+    # never showed it. Compiled only: the interpreter runs no such race.
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA: the interpreter would take minutes and has no asynchronous products")
     monkeypatch.setattr(qm, "PREFILL", "triton")
-    k = 4096
     tensors = {name: t.cuda() for name, t in ql.pack_weight(torch.randn(n, k) / 64, 4, group).items()}
     qweight, scales = tensors["weight_packed"], tensors["weight_scale"].to(torch.bfloat16)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     y = K.quant_matmul(x, qweight, scales, None, group, 4).float()
     ref = (x @ ql.dequantize(qweight, scales, None, (n, k), group, 4).to(torch.bfloat16).t()).float()
     assert ((y - ref).norm() / ref.norm()).item() < 2e-3
+
+
+def test_fill_split_fills_one_wave_at_most():
+    # K splits top a grid of one program an SM up to the SMs, never past them (each split costs a pass of
+    # fp32 partial sums) and never more than four; a grid that fills the SMs runs unsplit.
+    for tiles in range(1, 400):
+        split = qm.fill_split(tiles, 132)
+        assert 1 <= split <= 4
+        assert tiles * split <= max(tiles, 132)
+        assert split == 4 or tiles * (split + 1) > 132
+    assert [qm.fill_split(t, 132) for t in (32, 64, 112, 224)] == [4, 2, 1, 1]
+
+
+@pytest.mark.parametrize("m", [65, 128, 200, 256, 300, 512, 2048])
+@pytest.mark.parametrize(
+    ("n", "k"), [(4096, 4096), (4096, 14336), (14336, 4096), (14336, 14336), (8192, 2048)]
+)
+def test_prefill_tiles_keep_the_pipeline_deep(m, n, k):
+    # Whatever the split, each program still streams at least 8 K tiles (the pipeline's 3-4 stages stay
+    # full) and the programs fit one wave of an H100's 132 SMs, or are unsplit.
+    cfg = qm.prefill_tiles(m, n, k, 132)
+    k_tiles = -(-k // cfg["BLOCK_K"])
+    assert k_tiles // cfg["split"] >= 8
+    programs = -(-n // cfg["BLOCK_N"]) * -(-m // cfg["BLOCK_M"])
+    assert cfg["split"] == 1 or programs * cfg["split"] <= 132
+
+
+def test_auto_prefill_rule():
+    # Measured on the H100 (tests/benchmarks/NOTES.md, 2026-11-25): the Triton GEMM up to 256 rows of
+    # outputs 4096 wide or more; at 512 rows where outputs are 8192 wide in groups of 64 or more, or
+    # narrower over a K of 8192 or more; dequantize + cuBLAS from 1024 rows and for the bundled model's
+    # narrow outputs.
+    rule = qm.prefill_in_triton
+    assert rule(128, 4096, 4096, 32) and rule(256, 14336, 4096, 32) and rule(256, 4096, 14336, 128)
+    assert rule(512, 14336, 4096, 128) and rule(512, 4096, 14336, 32)
+    assert (
+        not rule(512, 14336, 4096, 32) and not rule(512, 14336, 14336, 32) and not rule(512, 4096, 4096, 128)
+    )
+    assert not any(rule(1024, n, k, 128) for n in (4096, 14336) for k in (4096, 14336))
+    assert not any(rule(m, n, 576, 32) for m in (65, 128, 256) for n in (576, 1536, 3072))
 
 
 @pytest.mark.parametrize("op_name", ["quant_matmul_opaque", "codebook_matmul_opaque"])

@@ -1,0 +1,118 @@
+"""Device probe for issue #16's unmet items: one call of a kernel for Nsight Compute (ncu) to read.
+
+Each case runs its product twice (compiles, warms the allocator) and a third time inside the NVTX range
+``prof``, which ncu selects (``--nvtx --nvtx-include prof/``), so the report holds that call's kernels only.
+ncu replays each kernel once per metric pass with the caches flushed (cold weights, as the benchmarks time
+them). ``run_ncu`` runs every case under ncu and writes one text report per case:
+
+    python3 tests/gpu/ncu_probe.py --list
+    python3 tests/gpu/ncu_probe.py CASE              # the case alone (what ncu launches)
+    python3 tests/gpu/ncu_probe.py --run-ncu OUTDIR [CASE ...]
+
+Cases: ``prefill-M-N-K`` (``_prefill_kernel`` forced, int4 g128), ``bf16-M-N-K`` (cuBLAS, ``x @ w.t()``),
+``decode-M-N-K[-g32z]`` (the skinny / FMA kernel as ``quant_matmul`` picks it; ``g32z``: int4 g32 with zero
+points), ``dequant-N-K`` (the prefill path's dequantize kernel before cuBLAS).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+import squeezeserve.kernels as K
+from squeezeserve.kernels import quant_layout
+from squeezeserve.kernels.ops import quant_matmul as qm
+
+DTYPE = torch.bfloat16
+SECTIONS = (
+    "SpeedOfLight",
+    "LaunchStats",
+    "Occupancy",
+    "WarpStateStats",
+    "SchedulerStats",
+    "ComputeWorkloadAnalysis",
+    "MemoryWorkloadAnalysis",
+)
+CASES = (
+    "prefill-128-14336-14336",
+    "bf16-128-14336-14336",
+    "prefill-512-4096-14336",
+    "bf16-512-4096-14336",
+    "prefill-512-14336-14336",
+    "bf16-512-14336-14336",
+    "prefill-2048-14336-14336",
+    "bf16-2048-14336-14336",
+    "decode-16-14336-14336",
+    "decode-16-4096-14336",
+    "decode-16-14336-4096",
+    "decode-16-14336-14336-g32z",
+    "bf16-16-14336-14336",
+)
+
+
+def _case(name: str):
+    """The product ``name`` names, as a no-argument callable."""
+    kind, *dims = name.split("-")
+    fmt = dims.pop() if not dims[-1].isdigit() else "g128"
+    m, n, k = (int(d) for d in dims)
+    group, zeros = (32, True) if fmt == "g32z" else (128, False)
+    x = torch.randn(m, k, device="cuda", dtype=DTYPE)
+    weight = torch.randn(n, k, device="cuda", dtype=DTYPE) / 64
+    if kind == "bf16":
+        return lambda: x @ weight.t()
+    t = quant_layout.pack_weight(weight, 4, group, symmetric=not zeros)
+    qw, sc, zp = t["weight_packed"], t["weight_scale"], t.get("weight_zero_point")
+    if kind == "prefill":
+        qm.PREFILL = "triton"
+    return lambda: K.quant_matmul(x, qw, sc, zp, group, 4)
+
+
+def run_case(name: str) -> None:
+    fn = _case(name)
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    torch.cuda.nvtx.range_push("prof")
+    fn()
+    torch.cuda.nvtx.range_pop()
+    torch.cuda.synchronize()
+
+
+def run_ncu(out: Path, cases) -> int:
+    out.mkdir(parents=True, exist_ok=True)
+    failed = 0
+    for name in cases:
+        cmd = ["ncu", "--clock-control", "none", "--nvtx", "--nvtx-include", "prof/"]
+        cmd += ["--print-details", "all"]
+        for s in SECTIONS:
+            cmd += ["--section", s]
+        cmd += [sys.executable, __file__, name]
+        r = subprocess.run(cmd, capture_output=True, text=True, env=os.environ)
+        (out / f"{name}.txt").write_text(r.stdout + ("\n# stderr\n" + r.stderr if r.returncode else ""))
+        print(f"{name}: rc={r.returncode}", flush=True)
+        failed += r.returncode != 0
+    return failed
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("cases", nargs="*")
+    p.add_argument("--list", action="store_true")
+    p.add_argument("--run-ncu", metavar="OUTDIR")
+    a = p.parse_args()
+    if a.list:
+        print("\n".join(CASES))
+    elif a.run_ncu:
+        sys.exit(1 if run_ncu(Path(a.run_ncu), a.cases or CASES) else 0)
+    else:
+        for name in a.cases:
+            run_case(name)
+
+
+if __name__ == "__main__":
+    main()
