@@ -8,6 +8,7 @@ them). ``run_ncu`` runs every case under ncu and writes one text report per case
     python3 tests/gpu/ncu_probe.py --list
     python3 tests/gpu/ncu_probe.py CASE              # the case alone (what ncu launches)
     python3 tests/gpu/ncu_probe.py --run-ncu OUTDIR [CASE ...]
+    python3 tests/gpu/ncu_probe.py --summarize OUTDIR  # one block per kernel: the figures below, top stalls
 
 Cases: ``prefill-M-N-K`` (``_prefill_kernel`` forced, int4 g128), ``bf16-M-N-K`` (cuBLAS, ``x @ w.t()``),
 ``decode-M-N-K[-g32z]`` (the skinny / FMA kernel as ``quant_matmul`` picks it; ``g32z``: int4 g32 with zero
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -53,6 +55,37 @@ CASES = (
     "decode-16-14336-14336-g32z",
     "bf16-16-14336-14336",
 )
+
+
+# What --summarize reads from each kernel's report (the sections' names for them).
+FIGURES = (
+    "Duration", "DRAM Throughput", "Memory Throughput", "Compute (SM) Throughput", "Tensor (All)", "ALU",
+    "Waves Per SM", "Grid Size", "Block Size", "Registers Per Thread", "Dynamic Shared Memory Per Block",
+    "Theoretical Occupancy", "Achieved Occupancy", "Issue Slots Busy", "Eligible Warps Per Scheduler",
+    "L2 Hit Rate",
+)  # fmt: skip
+
+
+def summarize(path: Path) -> str:
+    """The FIGURES and the five largest warp stalls (cycles per issued instruction) of each kernel in one
+    ncu text report (``--print-details all``)."""
+    header = r"\n  (\S.*?) \((\d+, \d+, \d+)\)x\((\d+, \d+, \d+)\), Context[^\n]*"
+    parts = re.split(header, path.read_text())
+    lines = [f"== {path.stem}"]
+    for i in range(1, len(parts), 4):
+        body = parts[i + 3]
+        figures = []
+        for name in FIGURES:
+            hit = re.search(rf"^\s+{re.escape(name)}\s+(\S+(?:/\S+)?\s+)?([\d,.]+)\s*$", body, re.M)
+            if hit:
+                figures.append(f"{name} {hit.group(2)}{(' ' + hit.group(1).strip()) if hit.group(1) else ''}")
+        stalls = sorted(
+            ((float(v), s) for s, v in re.findall(r"Stall ([A-Za-z ]+?)\s+inst\s+([\d.]+)", body))
+        )
+        lines.append(f"  {parts[i][:100]} grid ({parts[i + 1]}) x ({parts[i + 2]})")
+        lines.append("    " + "; ".join(figures))
+        lines.append("    stalls: " + ", ".join(f"{s} {v}" for v, s in stalls[::-1][:5]))
+    return "\n".join(lines)
 
 
 def _case(name: str):
@@ -104,9 +137,12 @@ def main() -> None:
     p.add_argument("cases", nargs="*")
     p.add_argument("--list", action="store_true")
     p.add_argument("--run-ncu", metavar="OUTDIR")
+    p.add_argument("--summarize", metavar="OUTDIR")
     a = p.parse_args()
     if a.list:
         print("\n".join(CASES))
+    elif a.summarize:
+        print("\n".join(summarize(f) for f in sorted(Path(a.summarize).glob("*.txt"))))
     elif a.run_ncu:
         sys.exit(1 if run_ncu(Path(a.run_ncu), a.cases or CASES) else 0)
     else:
