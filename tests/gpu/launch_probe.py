@@ -11,19 +11,26 @@ plan" rows replay the op's recorded launches (kernels/ops/replay.py), "plans off
 Second part: whether autograd keeps (steals) the gradients fused linear cross-entropy computes in its
 forward, or copies them into ``.grad`` (a copy doubles the gradients' memory at the peak).
 
-    python3 tests/gpu/launch_probe.py
+``--quant``: the host time of one int4 ``quant_matmul`` call as vLLM makes it (``quant_matmul_opaque``, the
+op our vLLM method calls) at prompt sizes, which vLLM runs eagerly (its CUDA graphs hold decode steps only):
+enqueue time of 200 calls without a sync (the GPU work, 20-130 us a call, would otherwise be timed), against
+the call's GPU time (CUDA graph replay) and torch's bf16 matmul (cuBLAS, all C++).
+
+    python3 tests/gpu/launch_probe.py [--quant]
 """
 
 from __future__ import annotations
 
+import sys
 import time
 
 import torch
 from torch._library.triton import set_wrap_triton_enabled
 
 import squeezeserve.kernels as K
+from squeezeserve.kernels import quant_layout
 from squeezeserve.kernels.ops import fused_linear_ce as flce
-from squeezeserve.kernels.ops import launch, replay
+from squeezeserve.kernels.ops import launch, quant_matmul, replay
 from squeezeserve.kernels.ops import rmsnorm as rn
 from squeezeserve.kernels.ops import softmax as sm
 from squeezeserve.kernels.ops import swiglu as sw
@@ -187,8 +194,128 @@ def flce_grads() -> None:
         del loss
 
 
+def enqueue_us(fn, calls: int = 200) -> float:
+    """Host microseconds a call to enqueue ``fn`` (no sync inside: the launch queue absorbs ``calls``)."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host = (time.perf_counter() - start) * 1e6 / calls
+    torch.cuda.synchronize()
+    return host
+
+
+def _direct(body, x, qweight, scales):
+    """``body`` as the opaque op runs it: kernels launched directly, not through torch's wrap_triton."""
+    from squeezeserve.kernels.registry import direct_launches
+
+    with direct_launches:
+        return body(x, qweight, scales, None, 128, 4)
+
+
+def quant_host() -> None:
+    from triton.testing import do_bench_cudagraph
+
+    assert quant_matmul.quant_matmul_opaque  # registers the op
+    opaque = torch.ops.squeezeserve.quant_matmul_opaque  # what our vLLM method calls
+    for n, k in ((14336, 4096), (4096, 14336)):
+        t = quant_layout.pack_weight(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / 64, 4, 128)
+        qw, sc = t["weight_packed"], t["weight_scale"]
+        dense = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+        for m in (16, 256, 2048):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            rows = {
+                "quant_matmul_opaque": lambda x=x, q=qw, s=sc: opaque(x, q, s, None, 128, 4),
+                "K.quant_matmul": lambda x=x, q=qw, s=sc: K.quant_matmul(x, q, s, None, 128, 4),
+                "its body (_quant_matmul)": lambda x=x, q=qw, s=sc: _direct(
+                    quant_matmul._quant_matmul, x, q, s
+                ),
+                "torch bf16 x @ w.t()": lambda x=x, d=dense: x @ d.t(),
+            }
+            for fn in rows.values():
+                for _ in range(20):
+                    fn()
+            best = {name: min(enqueue_us(fn) for _ in range(ROUNDS)) for name, fn in rows.items()}
+            gpu = {name: do_bench_cudagraph(fn, rep=20) * 1e3 for name, fn in rows.items()}
+            print(f"{m}x{n}x{k}: " + "; ".join(f"{name} host {best[name]:.1f} us, GPU {gpu[name]:.1f} us"
+                                               for name in rows), flush=True)  # fmt: skip
+
+
+def quant_parts(m: int = 256, n: int = 4096, k: int = 4096) -> None:
+    """Host time of the pieces of one prefill call of ``quant_matmul_opaque`` (K split in two: the
+    workspace path)."""
+    from squeezeserve.kernels.ops import quant_matmul_kernels as qk
+    from squeezeserve.kernels.registry import direct_launches, eager
+
+    qm = quant_matmul
+    t = quant_layout.pack_weight(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / 64, 4, 128)
+    qw, sc = t["weight_packed"], t["weight_scale"]
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    opaque = torch.ops.squeezeserve.quant_matmul_opaque
+    cfg = qm.prefill_tuning(m, n, k, 128, 4, x.device)
+    tiles = launch.cdiv(k, cfg["BLOCK_K"])
+    per = launch.cdiv(tiles, cfg["split"])
+    split = launch.cdiv(tiles, per)
+    grid = (launch.cdiv(n, cfg["BLOCK_N"]) * launch.cdiv(m, cfg["BLOCK_M"]), 1, split)
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    ws, counts = qm._workspace(x.device, m * n, grid[0])
+    args = (x, qw, sc, qw, y, ws, counts, m, n, k, x.stride(0), qw.stride(0), sc.stride(0), qw.stride(0),
+            y.stride(0), per, split)  # fmt: skip
+    meta = {"BITS": 4, "GROUP": 128, "HAS_ZERO": False, "MAGIC": 0x4300, "BIAS": 128.0, "NATIVE": True}
+    meta |= {"BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": cfg["BLOCK_N"], "BLOCK_K": cfg["BLOCK_K"]}
+    meta |= {"MODE": 2 if split > 1 else 0, "EVEN_K": True, "GPT": 1, "SWIZZLE": cfg["SWIZZLE"]}
+    meta |= {
+        "DOT_FP32": False,
+        "ASYNC_MMA": True,
+        "num_warps": cfg["num_warps"],
+        "num_stages": cfg["num_stages"],
+    }
+
+    def body():
+        with direct_launches:
+            qm._quant_matmul(x, qw, sc, None, 128, 4)
+
+    def prefill():
+        with direct_launches:
+            qm._prefill(x, qw, sc, None, qw, 128, 4)
+
+    def launched():
+        with direct_launches:
+            launch.traceable(qk._prefill_kernel)[grid](*args, **meta)
+
+    rows = {
+        "quant_matmul_opaque (torch.ops)": lambda: opaque(x, qw, sc, None, 128, 4),
+        "body: _quant_matmul under direct_launches": body,
+        "_prefill under direct_launches": prefill,
+        "FastLaunch of the kernel, arguments made": launched,
+        "specialization_key": lambda: launch.specialization_key(args, meta),
+        "check_inputs": lambda: qm.check_inputs(x, qw, sc, None, 128, 4),
+        "prefill_in_triton + prefill_tuning": lambda: (
+            qm.prefill_in_triton(m, n, k, 128),
+            qm.prefill_tuning(m, n, k, 128, 4, x.device),
+        ),
+        "torch.empty((m, n), dtype=, device=)": lambda: torch.empty((m, n), dtype=x.dtype, device=x.device),
+        "eager(x, qw, sc, None)": lambda: eager(x, qw, sc, None),
+        "with direct_launches: pass": lambda: (
+            direct_launches.__enter__() or direct_launches.__exit__(None, None, None)
+        ),
+        "torch bf16 x @ x.t()[:, :n]-sized matmul": lambda: x @ x[:, :k].t(),
+    }
+    print(f"{m}x{n}x{k}, {split} K splits:")
+    for fn in rows.values():
+        for _ in range(50):
+            fn()
+    best = {name: min(enqueue_us(fn, 1000) for _ in range(ROUNDS)) for name, fn in rows.items()}
+    for name, us in best.items():
+        print(f"  {name:<48} {us:7.1f} us", flush=True)
+
+
 def main() -> None:
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
+    if sys.argv[1:] == ["--quant"]:
+        quant_host()
+        quant_parts()
+        return
     for shape in ((16, 32768), (1, 4096)):
         print(f"softmax {shape}:")
         table(softmax_rows(torch.randn(*shape, device="cuda", dtype=torch.bfloat16)))
