@@ -32,9 +32,9 @@ SKINNY_MAX_M = 64
 # written once, then cuBLAS) or "auto": the faster of the two by `bench_quant_matmul.py --prefill-sweep` on
 # the H100 (bf16; results/prefill_sweep_h100_2026-11-24.log and, with K splits that fill the SMs,
 # prefill_split_sweep_h100_2026-11-25.log). The Triton GEMM up to TRITON_PREFILL_MAX_M rows (at 128 rows
-# 0.67-1.19x bf16 cuBLAS against dequantize + cuBLAS's 0.43-0.53x), and up to TRITON_PREFILL_WIDE_MAX_M
+# 0.67-1.19x bf16 cuBLAS against dequantize + cuBLAS's 0.42-0.53x), and up to TRITON_PREFILL_WIDE_MAX_M
 # rows where outputs are at least TRITON_PREFILL_MIN_N wide in groups of at least 64, or narrower with a
-# reduction at least TRITON_PREFILL_MIN_K deep (at 512 rows 0.71-0.78x against 0.62-0.67x); everywhere else
+# reduction at least TRITON_PREFILL_MIN_K deep (at 512 rows 0.71-0.80x against 0.62-0.67x); everywhere else
 # dequantize + cuBLAS (0.77-0.81x at 1024 rows and 0.84-1.0x from 2048, where the Triton GEMM reaches
 # 0.64-0.78x).
 # Outputs narrower than TRITON_PREFILL_MIN_N_ANY (the bundled model's, 576-3072) leave most SMs idle in the
@@ -289,7 +289,8 @@ def prefill_in_triton(m: int, n_out: int, k_in: int, group_size: int) -> bool:
 def fill_split(tiles: int, sms: int, most: int = 4) -> int:
     """K splits that bring ``tiles`` programs of one an SM up to about one wave: ``sms // tiles``, at most
     ``most`` (each split adds a pass of fp32 partial sums). Nsight Compute on the H100 showed the prefill
-    GEMM's tile grids leaving SMs idle (32 or 64 programs for 132 SMs where N = 4096); filled, 128 rows of
+    GEMM's tile grids leaving SMs idle where N = 4096 (0.48 waves at 512 x 4096 x 14336); there the
+    one-program-an-SM tilings have 32 (128 rows) or 64 (512 rows) tiles for 132 SMs. Filled, 128 rows of
     N 4096, K 14336 went from 63.5 to 44.9 us (4 splits) and 256 rows from 114 to 72.8 us."""
     return max(1, min(most, sms // max(tiles, 1)))
 
