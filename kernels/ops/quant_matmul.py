@@ -259,7 +259,7 @@ def _quant_matmul(
                 "EVEN_K": k_in % block_k == 0, "num_warps": cfg["num_warps"],
                 "num_stages": cfg["num_stages"]}  # fmt: skip
         if cfg.get("maxnreg"):  # a register cap: tests/gpu/maxnreg_probe.py sets one, no shipped tuning does
-            # (H100: caps of 96-112 registers, 5 programs an SM instead of 4, were 0-20% slower: spills)
+            # (H100: caps of 96 and 80 registers, 5 and 6 programs an SM, were 5-34% and 34-84% slower)
             meta["maxnreg"] = cfg["maxnreg"]
         if gemv:
             meta |= {"STAGES": cfg["num_stages"], "GPT": _groups_per_tile(group_size, block_k, 8)}
