@@ -36,7 +36,7 @@ SKINNY_MAX_M = 64
 # rows where outputs are at least TRITON_PREFILL_MIN_N wide in groups of at least 64, or narrower with a
 # reduction at least TRITON_PREFILL_MIN_K deep (at 512 rows 0.71-0.80x against 0.62-0.67x); everywhere else
 # dequantize + cuBLAS (0.77-0.81x at 1024 rows and 0.84-1.0x from 2048, where the Triton GEMM reaches
-# 0.64-0.78x).
+# 0.64-0.80x).
 # Outputs narrower than TRITON_PREFILL_MIN_N_ANY (the bundled model's, 576-3072) leave most SMs idle in the
 # Triton GEMM while their dense weights cost cuBLAS little (int4-serve run f: c=64 0.86x Marlin's tokens/s).
 PREFILL = "auto"
