@@ -8,11 +8,11 @@ them). ``run_ncu`` runs every case under ncu and writes one text report per case
     python3 tests/gpu/ncu_probe.py --list
     python3 tests/gpu/ncu_probe.py CASE              # the case alone (what ncu launches)
     python3 tests/gpu/ncu_probe.py --run-ncu OUTDIR [CASE ...]
-    python3 tests/gpu/ncu_probe.py --summarize OUTDIR  # one block per kernel: the figures below, top stalls
+    python3 tests/gpu/ncu_probe.py --summarize OUTDIR  # one block per kernel: FIGURES, the top stalls
 
 Cases: ``prefill-M-N-K`` (``_prefill_kernel`` forced, int4 g128), ``bf16-M-N-K`` (cuBLAS, ``x @ w.t()``),
 ``decode-M-N-K[-g32z]`` (the skinny / FMA kernel as ``quant_matmul`` picks it; ``g32z``: int4 g32 with zero
-points), ``dequant-N-K`` (the prefill path's dequantize kernel before cuBLAS).
+points). Any M, N, K parse; ``--list`` gives the ones the 2026-11-25 reports hold.
 """
 
 from __future__ import annotations
