@@ -7,6 +7,7 @@
 #   bash tests/gpu/run_h100.sh ab      # run 3: our ops on vs off (+ int4 by Marlin vs quant_matmul), CPUs clean
 #   bash tests/gpu/run_h100.sh ckpt    # run 1: baseline/int8/int4/fp8 by vLLM behind our gateway + validate
 #   bash tests/gpu/run_h100.sh synth   # run 2: 8B-class synthetic Llama: bf16 / W4A16 vLLM / W4A16 ours
+#   bash tests/gpu/run_h100.sh ttft    # issue 16.3: synth's three configurations in-process, TTFT profiled
 #   bash tests/gpu/run_h100.sh disconnect  # issue 15.3: streams closed after ~1 s of reading stop vLLM within 1 s
 #   bash tests/gpu/run_h100.sh serve-pruned  # issue 19.4 in one call: vLLM speed of the recipe's shapes (below)
 #   bash tests/gpu/run_h100.sh int4-serve    # issue 16.3: bundled int4 g32 through our method vs vLLM's kernels
@@ -27,7 +28,7 @@
 # cache from memory another one is still allocating), each pinned to its own CPUs; measurements run one
 # server at a time while the others sit idle. One failing configuration leaves the others measured.
 set -uo pipefail
-STAGE=${1:?usage: run_h100.sh prep|ab|ckpt|synth|disconnect|serve-pruned|int4-serve|int8|recipes|tp|tp8b|scale}
+STAGE=${1:?usage: run_h100.sh prep|ab|ckpt|synth|ttft|disconnect|serve-pruned|int4-serve|int8|recipes|tp|tp8b|scale}
 OUT=${OUT:-/tmp/vllm-out}
 LOGS=/tmp/vllm-logs/$STAGE
 mkdir -p "$OUT" "$LOGS"
@@ -305,6 +306,23 @@ synth)
       --csv "$OUT/vllm_serving.csv" 2>&1 | tee -a "$SUMMARY"
     grep -E "Using .* for CompressedTensorsWNA16|squeezeserve plugin" "$LOGS/worker-$label.log" | head -3 | tee -a "$SUMMARY"
   done
+  ;;
+ttft)
+  # Issue 16.3: synth's TTFT without HTTP, profiled (tests/gpu/ttft_probe.py): the three synth configurations
+  # in-process, loading side by side (each pinned to its own CPUs, as synth's servers), measured one at a time.
+  python3 tests/gpu/synthetic_llama.py --tokenizer $MODELS/hf --out $MODELS/llama8b-bf16
+  python3 tests/gpu/synthetic_llama.py --tokenizer $MODELS/hf --out $MODELS/llama8b-w4a16 --w4a16
+  probe() {  # label cpus model [--quantization Q]
+    local label=$1 cpus=$2 model=$3; shift 3
+    timeout "$(cap 420)" taskset -c "$cpus" python3 tests/gpu/ttft_probe.py --model "$model" --label "$label" \
+      --out "$LOGS" "$@" > "$LOGS/probe-$label.log" 2>&1
+    note "$label: probe exit $?"; grep -E "in-process engine|^ttft/" "$LOGS/probe-$label.log" | tee -a "$SUMMARY"
+  }
+  probe bf16 0-3 $MODELS/llama8b-bf16 &
+  probe w4a16-vllm 4-7 $MODELS/llama8b-w4a16 &
+  probe w4a16-squeezeserve 8-11 $MODELS/llama8b-w4a16 --quantization squeezeserve &
+  wait
+  for f in "$LOGS"/ttft-*.txt; do [ -f "$f" ] && cp "$f" "$OUT/"; done  # traces travel in the log tarball
   ;;
 disconnect)
   # Issue 15.3: vLLM (our plugin loaded) serves the baseline, our gateway in front; tests/gpu/vllm_disconnect.py
