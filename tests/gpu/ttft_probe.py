@@ -82,8 +82,9 @@ def read_trace(path: Path, gap_us: float) -> list[str]:
         for k in mine:
             by_name[k["name"]].append(k["dur"])
         lines.append(
-            f"{call['name']}: wall {call['dur'] / 1e3:.2f} ms; {len(mine)} kernels, GPU busy {busy / 1e3:.2f} ms "
-            f"({busy / call['dur']:.0%}); first kernel at +{(mine[0]['ts'] - t0) / 1e3:.2f} ms, last ends "
+            f"{call['name']}: wall {call['dur'] / 1e3:.2f} ms; {len(mine)} kernels, "
+            f"GPU busy {busy / 1e3:.2f} ms ({busy / call['dur']:.0%}); "
+            f"first kernel at +{(mine[0]['ts'] - t0) / 1e3:.2f} ms, last ends "
             f"{(t1 - mine[-1]['ts'] - mine[-1]['dur']) / 1e3:.2f} ms before the call returns"
         )
         lines.append("  kernels by GPU time (ms total, calls, name):")
