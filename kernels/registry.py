@@ -87,9 +87,13 @@ def eager(*tensors: torch.Tensor | None) -> bool:
     """True when a functional call may take the fast path: nothing is tracing and every tensor is plain.
 
     Dynamo folds ``is_compiling()`` to True, so compiled code keeps calling the registered ops; AOT
-    tracing, make_fx and fake tensors run under a dispatch mode; functorch transforms wrap tensors.
+    tracing, make_fx and fake tensors run under a dispatch mode; functorch transforms wrap tensors. A mode
+    marked ``observes_only`` (replay.py's recorder: it notes each op and runs it unchanged) is not tracing.
     """
-    if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
+    if torch.compiler.is_compiling():
+        return False
+    mode = _get_current_dispatch_mode()
+    if mode is not None and not getattr(mode, "observes_only", False):  # (a launch plan's recording)
         return False
     if torch._C._functorch.peek_interpreter_stack() is not None:
         return False

@@ -46,6 +46,8 @@ from typing import Any
 import torch
 
 from squeezeserve.kernels import functional
+from squeezeserve.kernels.ops.quant_matmul import quant_matmul_serving
+from squeezeserve.kernels.registry import eager
 
 QUANT_METHOD_NAME = "squeezeserve"
 PROBE_ENV = "SQUEEZESERVE_VLLM_PROBE"
@@ -173,11 +175,15 @@ def quant_linear(
     """y = x @ dequantize(W).T (+ bias), W in compressed-tensors' pack-quantized layout."""
     _note("quant_matmul", x)
     group = scheme.group_size_for(x.shape[-1])
-    # The opaque op: vLLM compiles one graph for all batch sizes, and a traced-through quant_matmul would
-    # keep the kernel choice of the size it was traced at.
-    y = torch.ops.squeezeserve.quant_matmul_opaque(
-        x, weight_packed, weight_scale, weight_zero_point, group, scheme.bits
-    )
+    args = (x, weight_packed, weight_scale, weight_zero_point, group, scheme.bits)
+    if eager(*args[:4]):
+        # Nothing traces (vLLM's eager prompt forwards, decode graph captures): the op's body without torch's
+        # dispatcher, with launch plans (quant_matmul_serving).
+        y = quant_matmul_serving(*args)
+    else:
+        # The opaque op: vLLM compiles one graph for all batch sizes, and a traced-through quant_matmul would
+        # keep the kernel choice of the size it was traced at.
+        y = torch.ops.squeezeserve.quant_matmul_opaque(*args)
     return y + bias if bias is not None else y
 
 

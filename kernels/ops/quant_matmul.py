@@ -25,7 +25,8 @@ from squeezeserve.kernels.ops.quant_matmul_kernels import (
     _prefill_kernel,
     _skinny_kernel,
 )
-from squeezeserve.kernels.registry import direct_launches, eager, interpreting, use_reference
+from squeezeserve.kernels.ops.replay import LaunchPlans
+from squeezeserve.kernels.registry import eager, interpreting, use_reference
 
 SKINNY_MAX_M = 64
 # Prefill: "triton" (_prefill_kernel, the weight dequantized in registers), "dequantize" (the dense weight
@@ -109,6 +110,11 @@ def _workspace(device: torch.device, numel: int, tiles: int) -> tuple[torch.Tens
         counts = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
         _WORKSPACES[key] = (ws, counts)
     return ws, counts
+
+
+def workspace_buffers() -> list[torch.Tensor]:
+    """Every split-K workspace and counter tensor, current and replaced (all kept alive and zeroed)."""
+    return [t for pair in (*_WORKSPACES.values(), *_RETIRED) for t in pair]
 
 
 def _tile_k(group_size: int, k_in: int, bits: int) -> tuple[int, bool]:
@@ -405,8 +411,27 @@ def quant_matmul_opaque(
     range of token counts (vLLM): traced through, the dispatch would be fixed at the trace's size (vLLM
     traces at its largest batch, which took the prefill path for every decode step). No autograd: serving.
     """
-    with direct_launches:  # never traced: launch the kernels directly, not through the HOP
-        return _quant_matmul(x, qweight, scales, zeros, group_size, bits)
+    return quant_matmul_serving(x, qweight, scales, zeros, group_size, bits)
+
+
+# Serving calls' launch plans: vLLM runs a prompt's forward eagerly, and preparing one launch took the H100
+# machine's host 50-80 us (tests/gpu/launch_probe.py --quant; NOTES.md, 2026-11-25), more than the GPU
+# needs up to 512 rows. Row counts vary in serving: room for many signatures.
+_SERVING_PLANS = LaunchPlans(persistent=workspace_buffers, max_plans=2048)
+
+
+def quant_matmul_serving(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor | None,
+    group_size: int,
+    bits: int,
+) -> torch.Tensor:
+    """The body of :func:`quant_matmul_opaque`, callable without torch's dispatcher (whose custom-op layers
+    cost the H100 host ~25-30 us a call) where nothing traces: kernels launched directly, and per input
+    signature a launch plan (kernels/ops/replay.py) in place of the launch preparation. No autograd."""
+    return _SERVING_PLANS(_quant_matmul, (x, qweight, scales, zeros, group_size, bits))
 
 
 @quant_matmul_opaque.register_fake

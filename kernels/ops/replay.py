@@ -13,7 +13,9 @@ interpreter), every tensor a kernel received lies inside an input or an output (
 ``x[..., d:]``), the outputs are fresh contiguous tensors, and no torch op other than allocations and views
 ran (a copy, a fill or a scratch buffer would not be repeated by a replay). Anything else runs the body on
 every call, as do calls that need gradients, calls whose inputs share memory (they record nothing), CPU
-tensors on the reference path, and calls while a Triton launch hook (a profiler) is installed.
+tensors on the reference path, and calls while a Triton launch hook (a profiler) is installed. An op may
+name long-lived buffers its kernels use besides inputs and outputs (``persistent``: quant_matmul's split-K
+workspace, which every kernel leaves zeroed): a plan holds such a buffer as a constant.
 ``SQUEEZESERVE_LAUNCH_PLANS=0`` turns plans off, as does ``SQUEEZESERVE_FAST_LAUNCH=0`` (every launch
 through Triton's own dispatch).
 """
@@ -47,6 +49,8 @@ _ALLOWED = frozenset({
 
 class _OnlyViews(TorchDispatchMode):
     """Notes whether any torch op other than an allocation or a view runs while it is active."""
+
+    observes_only = True  # runs every op as it is: registry.eager() does not count it as tracing
 
     def __init__(self) -> None:
         super().__init__()
@@ -140,8 +144,9 @@ def _aliased(inputs: tuple) -> bool:
     return any(a[0] < b[1] and b[0] < a[1] for i, a in enumerate(extents) for b in extents[i + 1 :])
 
 
-def _build(inputs: tuple, result, launches: list, other_ops: list) -> _Plan | None:
-    """The plan for what one recorded body call did, or None when a replay could not repeat it."""
+def _build(inputs: tuple, result, launches: list, other_ops: list, persistent=()) -> _Plan | None:
+    """The plan for what one recorded body call did, or None when a replay could not repeat it.
+    ``persistent``: long-lived tensors a kernel argument may lie in (kept as constants)."""
     single = isinstance(result, torch.Tensor)
     outs = [result] if single else list(result) if isinstance(result, tuple) else None
     if outs is None or other_ops or not launches or any(entry is None for entry in launches):
@@ -166,6 +171,9 @@ def _build(inputs: tuple, result, launches: list, other_ops: list) -> _Plan | No
             address = a.data_ptr()
             home = next((i for i in order if extents[i] and _inside(address, extents[i])), None)
             if home is None:
+                if any(_inside(address, _extent(p)) for p in persistent):
+                    spec.append((None, a))  # a long-lived buffer: the same one on every replay
+                    continue
                 return None  # a tensor the body made and did not return: a replay would not make it
             offset = address - extents[home][0]
             view = None
@@ -182,8 +190,10 @@ class LaunchPlans:
     """Per op, the launch plans of its eager calls without gradients (module docstring); ``plans(body,
     inputs)`` returns ``body(*inputs)``."""
 
-    def __init__(self) -> None:
+    def __init__(self, persistent=None, max_plans: int | None = None) -> None:
         self.plans: dict[tuple, _Plan | int] = {}  # signature -> plan, or failed recordings so far
+        self.persistent = persistent  # () -> the long-lived tensors a plan may hold (module docstring)
+        self.max_plans = max_plans  # None: MAX_PLANS
 
     def __call__(self, body, inputs: tuple):
         first = inputs[0]  # every op with plans takes a tensor first
@@ -214,7 +224,8 @@ class LaunchPlans:
             # A kernel argument in the shared memory could belong to either input: a plan might hand a later
             # call's other input to the kernel. Nothing is recorded; the next call of the signature records.
             return result
-        if len(self.plans) >= MAX_PLANS:
+        if len(self.plans) >= (self.max_plans or MAX_PLANS):
             self.plans.clear()
-        self.plans[key] = _build(inputs, result, launches, views.other) or failures + 1
+        persistent = self.persistent() if self.persistent is not None else ()
+        self.plans[key] = _build(inputs, result, launches, views.other, persistent) or failures + 1
         return result

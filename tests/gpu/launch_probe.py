@@ -11,8 +11,9 @@ plan" rows replay the op's recorded launches (kernels/ops/replay.py), "plans off
 Second part: whether autograd keeps (steals) the gradients fused linear cross-entropy computes in its
 forward, or copies them into ``.grad`` (a copy doubles the gradients' memory at the peak).
 
-``--quant``: the host time of one int4 ``quant_matmul`` call as vLLM makes it (``quant_matmul_opaque``, the
-op our vLLM method calls) at prompt sizes, which vLLM runs eagerly (its CUDA graphs hold decode steps only):
+``--quant``: the host time of one int4 ``quant_matmul`` call as vLLM makes it (``quant_matmul_serving``,
+what our vLLM method calls where nothing traces, and ``quant_matmul_opaque``, the op it puts in compiled
+graphs) at prompt sizes, which vLLM runs eagerly (its CUDA graphs hold decode steps only):
 enqueue time of 200 calls without a sync (the GPU work, 20-130 us a call, would otherwise be timed), against
 the call's GPU time (CUDA graph replay) and torch's bf16 matmul (cuBLAS, all C++).
 
@@ -218,14 +219,17 @@ def quant_host() -> None:
 
     assert quant_matmul.quant_matmul_opaque  # registers the op
     opaque = torch.ops.squeezeserve.quant_matmul_opaque  # what our vLLM method calls
-    for n, k in ((14336, 4096), (4096, 14336)):
+    for n, k in ((14336, 4096), (4096, 14336), (6144, 4096)):
         t = quant_layout.pack_weight(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / 64, 4, 128)
         qw, sc = t["weight_packed"], t["weight_scale"]
         dense = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
-        for m in (16, 256, 2048):
+        for m in (16, 128, 256, 512, 2048):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             rows = {
                 "quant_matmul_opaque": lambda x=x, q=qw, s=sc: opaque(x, q, s, None, 128, 4),
+                "quant_matmul_serving": lambda x=x, q=qw, s=sc: quant_matmul.quant_matmul_serving(
+                    x, q, s, None, 128, 4
+                ),
                 "K.quant_matmul": lambda x=x, q=qw, s=sc: K.quant_matmul(x, q, s, None, 128, 4),
                 "its body (_quant_matmul)": lambda x=x, q=qw, s=sc: _direct(
                     quant_matmul._quant_matmul, x, q, s

@@ -306,21 +306,36 @@ synth)
       --csv "$OUT/vllm_serving.csv" 2>&1 | tee -a "$SUMMARY"
     grep -E "Using .* for CompressedTensorsWNA16|squeezeserve plugin" "$LOGS/worker-$label.log" | head -3 | tee -a "$SUMMARY"
   done
+  # TTFT at c=1 from 8 requests a server swung 26-57 ms for bf16 across runs 16-27: a second pass measures it
+  # alone (2 output tokens), the servers in turn over 3 rounds so that drift spreads over all of them.
+  for round in 1 2 3; do
+    for label in "${up[@]}"; do
+      timeout "$(cap 40)" taskset -c 14-15 python3 tests/benchmarks/bench_serving.py --base-url $GW --model "$label" \
+        --run "${RUN:-run2}-ttft" --label "$label" --vocab 49152 --concurrency 1 --requests-per-level 16 \
+        --warmup-requests 2 --seed "$round" --prompt-tokens 256 --output-tokens 2 --csv "$OUT/vllm_ttft.csv" 2>&1 \
+        | tee -a "$SUMMARY"
+    done
+  done
   ;;
 ttft)
-  # Issue 16.3: synth's TTFT without HTTP, profiled (tests/gpu/ttft_probe.py): the three synth configurations
-  # in-process, loading side by side (each pinned to its own CPUs, as synth's servers), measured one at a time.
+  # Issue 16.3: synth's TTFT without HTTP, profiled (tests/gpu/ttft_probe.py): synth's three configurations
+  # plus ours on the host path before launch plans, in-process, loading side by side (each pinned to its own
+  # CPUs, as synth's servers), then taking turns (one measures, the others idle).
   python3 tests/gpu/synthetic_llama.py --tokenizer $MODELS/hf --out $MODELS/llama8b-bf16
   python3 tests/gpu/synthetic_llama.py --tokenizer $MODELS/hf --out $MODELS/llama8b-w4a16 --w4a16
-  probe() {  # label cpus model [--quantization Q]
+  PEERS=bf16,w4a16-vllm,w4a16-squeezeserve,w4a16-squeezeserve-old
+  rm -rf /tmp/ttft_probe.sync
+  probe() {  # label cpus model [probe args]
     local label=$1 cpus=$2 model=$3; shift 3
-    timeout "$(cap 420)" taskset -c "$cpus" python3 tests/gpu/ttft_probe.py --model "$model" --label "$label" \
-      --out "$LOGS" "$@" > "$LOGS/probe-$label.log" 2>&1
+    timeout "$(cap 450)" taskset -c "$cpus" python3 tests/gpu/ttft_probe.py --model "$model" --label "$label" \
+      --peers $PEERS --out "$LOGS" "$@" > "$LOGS/probe-$label.log" 2>&1
     note "$label: probe exit $?"; grep -E "in-process engine|^ttft/" "$LOGS/probe-$label.log" | tee -a "$SUMMARY"
   }
   probe bf16 0-3 $MODELS/llama8b-bf16 &
   probe w4a16-vllm 4-7 $MODELS/llama8b-w4a16 &
   probe w4a16-squeezeserve 8-11 $MODELS/llama8b-w4a16 --quantization squeezeserve &
+  SQUEEZESERVE_LAUNCH_PLANS=0 probe w4a16-squeezeserve-old 12-15 $MODELS/llama8b-w4a16 --quantization squeezeserve \
+    --old-host-path &
   wait
   for f in "$LOGS"/ttft-*.txt; do [ -f "$f" ] && cp "$f" "$OUT/"; done  # traces travel in the log tarball
   ;;

@@ -1,24 +1,30 @@
 """Device probe for issue #16 item 3: where a W4A16 server's time to first token goes.
 
-``run_h100.sh synth`` measures TTFT through HTTP (gateway, API server, engine). This probe takes the HTTP
-away: one process per configuration builds vLLM's engine in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``,
-so torch's profiler sees the engine core's own step) with synth's settings, then, holding ``--lock`` (the
-configurations load side by side and measure one at a time):
+``run_h100.sh synth`` measures TTFT through HTTP (gateway, API server, engine), 8 requests a server. This
+probe takes the HTTP away: one process per configuration builds vLLM's engine in-process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``, so torch's profiler sees the engine core's own step) with synth's
+settings. The configurations (``--peers``, in order) load side by side, wait until all have loaded, then take
+turns (one at a time, the others idle):
 
-1. times ``--repeats`` one-token generations of distinct random ``--prompt-tokens`` prompts (prefill plus
-   the first sample; distinct, so the prefix cache hits nothing), median and quartiles;
-2. profiles ``--profile`` more under ``torch.profiler`` and reads the trace. Per call: the wall time, the
-   GPU's busy time (union of kernel intervals), kernel time by kernel, and the GPU's idle gaps, each with
-   what the host was doing then (the CPU op that launched the next kernel, and how long before its start).
-   A GPU idle while the host works is host time on the critical path; a GPU busy throughout is kernel time.
+1. ``--rounds`` turns each of ``--repeats`` one-token generations of distinct random ``--prompt-tokens``
+   prompts (prefill plus the first sample; distinct, so the prefix cache hits nothing): median, quartiles;
+2. one more turn of ``--profile`` generations under ``torch.profiler``, and the trace read back. Per call:
+   the wall time, the GPU's busy time (union of kernel intervals), kernel time by kernel, and the GPU's
+   idle gaps, each with what the host was doing (the CPU op that launched the next kernel, and how long
+   before its start). A GPU idle while the host works is host time on the critical path; a GPU busy
+   throughout is kernel time.
 
-    python3 tests/gpu/ttft_probe.py --model DIR --label NAME [--quantization squeezeserve] --out DIR
+``--old-host-path`` serves our method as the code did before 2026-11-25's launch plans: every call through
+torch's dispatcher (``quant_matmul_opaque``) and the launches prepared each call (set
+``SQUEEZESERVE_LAUNCH_PLANS=0`` beside it).
+
+    python3 tests/gpu/ttft_probe.py --model DIR --label NAME --peers A,B,.. --out DIR \\
+        [--quantization squeezeserve] [--old-host-path]
 """
 
 from __future__ import annotations
 
 import argparse
-import fcntl
 import gzip
 import json
 import os
@@ -26,6 +32,7 @@ import random
 import statistics
 import time
 from collections import defaultdict
+from contextlib import contextmanager
 from pathlib import Path
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -111,22 +118,69 @@ def read_trace(path: Path, gap_us: float) -> list[str]:
     return lines
 
 
+class Turns:
+    """Processes of one probe taking turns through files in ``folder``: ``wait_all`` until every peer has
+    arrived, then ``mine()`` (a context manager) runs while the shared counter names this peer."""
+
+    def __init__(self, folder: Path, peers: list[str], me: str) -> None:
+        self.folder, self.peers, self.index = folder, peers, peers.index(me)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.turn = 0
+
+    def wait_all(self, timeout_s: float = 600) -> None:
+        (self.folder / f"ready-{self.peers[self.index]}").touch()
+        self._until(lambda: all((self.folder / f"ready-{p}").exists() for p in self.peers), timeout_s)
+
+    def _until(self, done, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not done():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"peers {self.peers} did not arrive in {timeout_s} s")
+            time.sleep(0.005)
+
+    def _counter(self) -> int:
+        try:
+            return int((self.folder / "turn").read_text() or 0)
+        except (FileNotFoundError, ValueError):
+            return 0
+
+    @contextmanager
+    def mine(self, timeout_s: float = 300):
+        target = self.turn * len(self.peers) + self.index
+        self._until(lambda: self._counter() == target, timeout_s)
+        try:
+            yield
+        finally:
+            tmp = self.folder / f"turn.{self.peers[self.index]}"
+            tmp.write_text(str(target + 1))
+            tmp.replace(self.folder / "turn")
+            self.turn += 1
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True)
     parser.add_argument("--label", required=True)
+    parser.add_argument("--peers", required=True, help="every configuration's label, in turn order")
     parser.add_argument("--quantization", default=None)
+    parser.add_argument("--old-host-path", action="store_true")
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--lock", default="/tmp/ttft_probe.lock")
+    parser.add_argument("--sync-dir", type=Path, default=Path("/tmp/ttft_probe.sync"))
     parser.add_argument("--prompt-tokens", type=int, default=256)
     parser.add_argument("--vocab", type=int, default=49152)
-    parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--profile", type=int, default=3)
     parser.add_argument("--gap-us", type=float, default=50.0)
     args = parser.parse_args()
 
     import torch
     from vllm import LLM, SamplingParams
+
+    if args.old_host_path:
+        from squeezeserve.kernels import vllm_ops
+
+        vllm_ops.eager = lambda *tensors: False  # quant_linear takes torch.ops' opaque op on every call
 
     llm = LLM(
         model=args.model,
@@ -155,19 +209,23 @@ def main() -> None:
     for _ in range(5):
         one()
     args.out.mkdir(parents=True, exist_ok=True)
-    with open(args.lock, "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        times = sorted(one() for _ in range(args.repeats))
-        q = statistics.quantiles(times, n=4)
-        head = (
-            f"{args.label}: {args.repeats} one-token generations of {args.prompt_tokens}-token prompts, "
-            f"in-process engine: median {q[1]:.2f} ms (quartiles {q[0]:.2f}-{q[2]:.2f}, min {times[0]:.2f})"
-        )
-        print(head, flush=True)
-        activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-        with torch.profiler.profile(activities=activities) as prof:
-            profiled = [one(f"ttft/{i}") for i in range(args.profile)]
-        fcntl.flock(lock, fcntl.LOCK_UN)
+    turns = Turns(args.sync_dir, args.peers.split(","), args.label)
+    turns.wait_all()
+    times = []
+    for _ in range(args.rounds):
+        with turns.mine():
+            times += [one() for _ in range(args.repeats)]
+    times.sort()
+    q = statistics.quantiles(times, n=4)
+    head = (
+        f"{args.label}: {len(times)} one-token generations of {args.prompt_tokens}-token prompts "
+        f"({args.rounds} turns), in-process engine: median {q[1]:.2f} ms (quartiles {q[0]:.2f}-{q[2]:.2f}, "
+        f"min {times[0]:.2f})"
+    )
+    print(head, flush=True)
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with turns.mine(), torch.profiler.profile(activities=activities) as prof:
+        profiled = [one(f"ttft/{i}") for i in range(args.profile)]
     trace = args.out / f"trace-{args.label}.json"
     prof.export_chrome_trace(str(trace))
     lines = [head, f"profiled calls (ms, with the profiler on): {', '.join(f'{t:.2f}' for t in profiled)}"]

@@ -185,3 +185,68 @@ def test_the_memo_starts_over_when_full(device, fresh_plans, monkeypatch):
             a, b = torch.randn(rows, 8, device=device), torch.randn(rows, 8, device=device)
             assert torch.equal(op(a, b), _ops.swiglu(a, b))
     assert len(op.plans.plans) == 1
+
+
+# --- quant_matmul's serving calls (vLLM's eager prompt forwards) ------------------------------------------
+
+
+def _packed_weight(n: int, k: int, group: int, device: str):
+    from squeezeserve.kernels import quant_layout as ql
+
+    tensors = ql.pack_weight(torch.randn(n, k).half(), 4, group)  # fp16: fp32 activations take the reference
+    return tensors["weight_packed"].to(device), tensors["weight_scale"].to(device)
+
+
+@pytest.mark.parametrize("m", [1, 5, 70], ids=["fma", "skinny-split", "prefill-split"])
+def test_quant_serving_plans_replay_split_k_through_the_workspace(m, device, monkeypatch):
+    # The serving path of quant_matmul (quant_matmul_serving: vLLM's eager calls) records one plan per
+    # signature and replays it, split-K partials included: those meet in the long-lived workspace, which a
+    # plan holds as a constant. Replays equal the body's own launches bit for bit and leave the workspace
+    # zeroed for the next call.
+    from squeezeserve.kernels.ops import quant_matmul as qm
+
+    monkeypatch.setattr(qm, "PREFILL", "triton")  # 70 rows: the prefill GEMM at any width
+    plans = replay.LaunchPlans(persistent=qm.workspace_buffers)
+    body = Counting(qm._quant_matmul)
+    qweight, scales = _packed_weight(40, 256, 32, device)
+    with torch.no_grad():
+        with registry.direct_launches:  # the workspace made first: making it is a fill, which no plan repeats
+            qm._quant_matmul(torch.randn(m, 256, device=device).half(), qweight, scales, None, 32, 4)
+        for _ in range(3):
+            x = torch.randn(m, 256, device=device).half()
+            got = plans(body, (x, qweight, scales, None, 32, 4))
+            with registry.direct_launches:
+                expected = qm._quant_matmul(x, qweight, scales, None, 32, 4)
+            assert torch.equal(got, expected)
+    assert body.runs == 1, "the body ran again where the plan should have replayed"
+    assert isinstance(next(iter(plans.plans.values())), replay._Plan)
+    assert all(not t.any() for t in qm.workspace_buffers()), "a replay left partial sums in the workspace"
+
+
+def test_quant_serving_plans_skip_the_dequantize_path(device, monkeypatch):
+    # Dequantize + matmul makes a dense weight the body does not return and runs a matmul: no plan, the
+    # body on every call, the right product.
+    from squeezeserve.kernels.ops import quant_matmul as qm
+
+    monkeypatch.setattr(qm, "PREFILL", "dequantize")
+    plans = replay.LaunchPlans(persistent=qm.workspace_buffers)
+    body = Counting(qm._quant_matmul)
+    qweight, scales = _packed_weight(24, 128, 32, device)
+    x = torch.randn(70, 128, device=device).half()
+    with torch.no_grad(), registry.direct_launches:
+        expected = qm._quant_matmul(x, qweight, scales, None, 32, 4)
+    with torch.no_grad():
+        for _ in range(replay.RECORD_ATTEMPTS + 1):
+            assert torch.equal(plans(body, (x, qweight, scales, None, 32, 4)), expected)
+    assert body.runs == replay.RECORD_ATTEMPTS + 1
+    assert list(plans.plans.values()) == [replay.RECORD_ATTEMPTS]
+
+
+def test_a_recording_is_not_tracing():
+    # The recorder's dispatch mode only observes, so an op body under it takes its eager path (quant_matmul
+    # picks the one-launch split-K there); any other mode still counts as tracing.
+    x = torch.randn(2)
+    with replay._OnlyViews():
+        assert registry.eager(x)
+    with torch.utils._python_dispatch.TorchDispatchMode():
+        assert not registry.eager(x)

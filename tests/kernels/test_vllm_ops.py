@@ -122,6 +122,50 @@ def test_quant_linear_on_stacked_shards_equals_dequantize_then_matmul(scheme, wi
     torch.testing.assert_close(y.float(), expected, rtol=2e-3, atol=2e-3)
 
 
+class _TorchOpsSeen(torch.overrides.TorchFunctionMode):
+    """The torch functions and ops called while active (torch.ops calls included)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.calls.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def test_quant_linear_skips_the_dispatcher_eagerly_and_stays_opaque_compiled(device):
+    # vLLM's eager prompt forwards call the op's body directly (torch's custom-op layers cost the H100 host
+    # ~25-30 us a call), through the serving launch plans; under torch.compile quant_linear still puts the
+    # one opaque op in the graph, whose row-count dispatch then runs per call.
+    from squeezeserve.kernels.ops import quant_matmul as qm
+
+    scheme = vllm_ops.WeightOnlyScheme(4, 32, True, ())
+    stacked, _ = _stacked_checkpoint([torch.randn(24, 64, dtype=torch.float16)], scheme)
+    weights = (stacked["weight_packed"].to(device), stacked["weight_scale"].to(device), None)
+    x = torch.randn(3, 64, dtype=torch.float16, device=device)
+    expected = torch.ops.squeezeserve.quant_matmul_opaque(x, *weights, 32, 4)
+    qm._SERVING_PLANS.plans.clear()
+    with torch.no_grad(), _TorchOpsSeen() as seen:
+        for _ in range(2):
+            assert torch.equal(vllm_ops.quant_linear(x, *weights, scheme), expected)
+    assert "squeezeserve.quant_matmul_opaque" not in seen.calls
+    assert len(qm._SERVING_PLANS.plans) == 1
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    compiled = torch.compile(
+        lambda t: vllm_ops.quant_linear(t, *weights, scheme), backend=backend, fullgraph=True
+    )
+    assert torch.equal(compiled(x), expected)
+    targets = [node.target for gm in graphs for node in gm.graph.nodes if node.op == "call_function"]
+    opaque = torch.ops.squeezeserve.quant_matmul_opaque
+    assert [t for t in targets if t in (opaque, opaque.default)], targets
+
+
 def test_quant_linear_counts_its_calls():
     scheme = vllm_ops.WeightOnlyScheme(8, None, True, ())
     stacked, _ = _stacked_checkpoint([torch.randn(8, 16, dtype=torch.float16)], scheme)
