@@ -320,24 +320,30 @@ synth)
 ttft)
   # Issue 16.3: synth's TTFT without HTTP, profiled (tests/gpu/ttft_probe.py): synth's three configurations
   # plus ours on the host path before launch plans, in-process, loading side by side (each pinned to its own
-  # CPUs, as synth's servers), then taking turns (one measures, the others idle).
+  # CPUs, as synth's servers), then taking turns (one measures, the others idle). Twice, the CPU sets
+  # swapped between the pairs (synth pins its servers to fixed CPUs: a slower set would read as a slower method).
   python3 tests/gpu/synthetic_llama.py --tokenizer $MODELS/hf --out $MODELS/llama8b-bf16
   python3 tests/gpu/synthetic_llama.py --tokenizer $MODELS/hf --out $MODELS/llama8b-w4a16 --w4a16
+  lscpu | grep -E "^(Model name|Thread|Core|Socket|NUMA node)" | tee -a "$SUMMARY"
+  lscpu -e=CPU,CORE,SOCKET,NODE,MHZ | tr -s ' ' | paste -sd';' | tee -a "$SUMMARY"
   PEERS=bf16,w4a16-vllm,w4a16-squeezeserve,w4a16-squeezeserve-old
-  rm -rf /tmp/ttft_probe.sync
   probe() {  # label cpus model [probe args]
     local label=$1 cpus=$2 model=$3; shift 3
-    timeout "$(cap 450)" taskset -c "$cpus" python3 tests/gpu/ttft_probe.py --model "$model" --label "$label" \
-      --peers $PEERS --out "$LOGS" "$@" > "$LOGS/probe-$label.log" 2>&1
-    note "$label: probe exit $?"; grep -E "in-process engine|^ttft/" "$LOGS/probe-$label.log" | tee -a "$SUMMARY"
+    timeout "$(cap 260)" taskset -c "$cpus" python3 tests/gpu/ttft_probe.py --model "$model" --label "$label" \
+      --peers $PEERS --out "$LOGS" --tag "-cpu$cpus" "$@" > "$LOGS/probe-$label-cpu$cpus.log" 2>&1
+    note "$label on CPUs $cpus: probe exit $?"
+    grep -E "in-process engine|^anatomy|^  [a-z_]+_proj" "$LOGS/probe-$label-cpu$cpus.log" | tee -a "$SUMMARY"
   }
-  probe bf16 0-3 $MODELS/llama8b-bf16 &
-  probe w4a16-vllm 4-7 $MODELS/llama8b-w4a16 &
-  probe w4a16-squeezeserve 8-11 $MODELS/llama8b-w4a16 --quantization squeezeserve &
-  SQUEEZESERVE_LAUNCH_PLANS=0 probe w4a16-squeezeserve-old 12-15 $MODELS/llama8b-w4a16 --quantization squeezeserve \
-    --old-host-path &
-  wait
-  for f in "$LOGS"/ttft-*.txt; do [ -f "$f" ] && cp "$f" "$OUT/"; done  # traces travel in the log tarball
+  for cpus in "0-3 4-7 8-11 12-15" "8-11 12-15 0-3 4-7"; do
+    read -r c1 c2 c3 c4 <<< "$cpus"
+    rm -rf /tmp/ttft_probe.sync
+    probe bf16 "$c1" $MODELS/llama8b-bf16 &
+    probe w4a16-vllm "$c2" $MODELS/llama8b-w4a16 &
+    probe w4a16-squeezeserve "$c3" $MODELS/llama8b-w4a16 --quantization squeezeserve &
+    SQUEEZESERVE_LAUNCH_PLANS=0 probe w4a16-squeezeserve-old "$c4" $MODELS/llama8b-w4a16 \
+      --quantization squeezeserve --old-host-path &
+    wait
+  done  # the ttft-*.txt reports and traces travel in the log tarball
   ;;
 disconnect)
   # Issue 15.3: vLLM (our plugin loaded) serves the baseline, our gateway in front; tests/gpu/vllm_disconnect.py

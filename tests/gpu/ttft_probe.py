@@ -12,7 +12,11 @@ turns (one at a time, the others idle):
    the wall time, the GPU's busy time (union of kernel intervals), kernel time by kernel, and the GPU's
    idle gaps, each with what the host was doing (the CPU op that launched the next kernel, and how long
    before its start). A GPU idle while the host works is host time on the critical path; a GPU busy
-   throughout is kernel time.
+   throughout is kernel time. The profiler adds host time to every torch op it records, so a path of many
+   ops (vLLM's Machete, cuBLAS through aten) slows under it more than one of few (launch plans);
+3. one more turn of ``--repeats`` generations with the host time of the model's forward and of each linear
+   layer's forward taken by wrappers (``time.perf_counter`` around the call, no sync: the time to enqueue).
+   Against the wall time and the GPU's time this tells a host-bound step from a GPU-bound one.
 
 ``--old-host-path`` serves our method as the code did before 2026-11-25's launch plans: every call through
 torch's dispatcher (``quant_matmul_opaque``) and the launches prepared each call (set
@@ -118,6 +122,49 @@ def read_trace(path: Path, gap_us: float) -> list[str]:
     return lines
 
 
+HOST: dict[str, list[float]] = defaultdict(list)  # what -> host seconds a call (the anatomy turn)
+
+
+def _timed(what: str, forward):
+    def run(*args, **kwargs):
+        t = time.perf_counter()
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            HOST[what].append(time.perf_counter() - t)
+
+    return run
+
+
+def instrument(model) -> int:
+    """Wrap the model's forward and each linear layer's (qkv_proj, o_proj, gate_up_proj, down_proj) in
+    host timers (for ``LLM.apply_model``: runs in this process, the engine being in-process)."""
+    n = 0
+    for name, module in model.named_modules():
+        if type(module).__name__.endswith("Linear") and hasattr(module, "quant_method"):
+            module.forward = _timed(name.rsplit(".", 1)[-1], module.forward)
+            n += 1
+    model.forward = _timed("model forward", model.forward)
+    return n
+
+
+def anatomy(walls: list[float]) -> list[str]:
+    """Summary lines of the anatomy turn (``walls``: its generations' wall times, ms)."""
+    calls = len(walls)
+    forward = sorted(HOST["model forward"])
+    lines = [
+        f"anatomy ({calls} generations, host timers on): wall median {statistics.median(walls):.2f} ms; "
+        f"model forward's host time median {statistics.median(forward) * 1e3:.2f} ms "
+        f"({len(forward)} forwards); linear layers' host time a generation "
+        f"{sum(sum(v) for k, v in HOST.items() if k != 'model forward') * 1e3 / calls:.2f} ms"
+    ]
+    for what, times in sorted(HOST.items()):
+        if what != "model forward":
+            median = statistics.median(times) * 1e6
+            lines.append(f"  {what}: {len(times) // calls} calls a generation, host median {median:.1f} us")
+    return lines
+
+
 class Turns:
     """Processes of one probe taking turns through files in ``folder``: ``wait_all`` until every peer has
     arrived, then ``mine()`` (a context manager) runs while the shared counter names this peer."""
@@ -165,6 +212,7 @@ def main() -> None:
     parser.add_argument("--quantization", default=None)
     parser.add_argument("--old-host-path", action="store_true")
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--tag", default="", help="appended to the output files' names")
     parser.add_argument("--sync-dir", type=Path, default=Path("/tmp/ttft_probe.sync"))
     parser.add_argument("--prompt-tokens", type=int, default=256)
     parser.add_argument("--vocab", type=int, default=49152)
@@ -226,13 +274,18 @@ def main() -> None:
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with turns.mine(), torch.profiler.profile(activities=activities) as prof:
         profiled = [one(f"ttft/{i}") for i in range(args.profile)]
-    trace = args.out / f"trace-{args.label}.json"
+    layers = llm.apply_model(instrument)[0]
+    HOST.clear()
+    with turns.mine():
+        walls = [one() for _ in range(args.repeats)]
+    trace = args.out / f"trace-{args.label}{args.tag}.json"
     prof.export_chrome_trace(str(trace))
     lines = [head, f"profiled calls (ms, with the profiler on): {', '.join(f'{t:.2f}' for t in profiled)}"]
+    lines += [f"{layers} linear layers timed"] + anatomy(walls)
     lines += read_trace(trace, args.gap_us)
     table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
     lines += ["", "host ops by self CPU time (all profiled calls):", table]
-    (args.out / f"ttft-{args.label}.txt").write_text("\n".join(lines) + "\n")
+    (args.out / f"ttft-{args.label}{args.tag}.txt").write_text("\n".join(lines) + "\n")
     with open(trace, "rb") as src, gzip.open(f"{trace}.gz", "wb") as dst:
         dst.write(src.read())
     trace.unlink()
