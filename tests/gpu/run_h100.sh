@@ -330,7 +330,7 @@ ttft)
   probe() {  # label cpus model [probe args]
     local label=$1 cpus=$2 model=$3; shift 3
     timeout "$(cap 260)" taskset -c "$cpus" python3 tests/gpu/ttft_probe.py --model "$model" --label "$label" \
-      --peers $PEERS --out "$LOGS" --tag "-cpu$cpus" "$@" > "$LOGS/probe-$label-cpu$cpus.log" 2>&1
+      --peers $PEERS --out "$LOGS" --tag="-cpu$cpus" "$@" > "$LOGS/probe-$label-cpu$cpus.log" 2>&1
     note "$label on CPUs $cpus: probe exit $?"
     grep -E "in-process engine|^anatomy|^  [a-z_]+_proj" "$LOGS/probe-$label-cpu$cpus.log" | tee -a "$SUMMARY"
   }
