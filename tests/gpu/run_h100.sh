@@ -8,6 +8,7 @@
 #   bash tests/gpu/run_h100.sh ckpt    # run 1: baseline/int8/int4/fp8 by vLLM behind our gateway + validate
 #   bash tests/gpu/run_h100.sh synth   # run 2: 8B-class synthetic Llama: bf16 / W4A16 vLLM / W4A16 ours
 #   bash tests/gpu/run_h100.sh ttft    # issue 16.3: synth's three configurations in-process, TTFT profiled
+#   bash tests/gpu/run_h100.sh ttft-compiled  # the same in vLLM's compiled configuration (piecewise CUDA graphs)
 #   bash tests/gpu/run_h100.sh disconnect  # issue 15.3: streams closed after ~1 s of reading stop vLLM within 1 s
 #   bash tests/gpu/run_h100.sh serve-pruned  # issue 19.4 in one call: vLLM speed of the recipe's shapes (below)
 #   bash tests/gpu/run_h100.sh int4-serve    # issue 16.3: bundled int4 g32 through our method vs vLLM's kernels
@@ -28,7 +29,7 @@
 # cache from memory another one is still allocating), each pinned to its own CPUs; measurements run one
 # server at a time while the others sit idle. One failing configuration leaves the others measured.
 set -uo pipefail
-STAGE=${1:?usage: run_h100.sh prep|ab|ckpt|synth|ttft|disconnect|serve-pruned|int4-serve|int8|recipes|tp|tp8b|scale}
+STAGE=${1:?usage: run_h100.sh prep|ab|ckpt|synth|ttft|ttft-compiled|disconnect|serve-pruned|int4-serve|int8|recipes|tp|tp8b|scale}
 OUT=${OUT:-/tmp/vllm-out}
 LOGS=/tmp/vllm-logs/$STAGE
 mkdir -p "$OUT" "$LOGS"
@@ -344,6 +345,24 @@ ttft)
       --quantization squeezeserve --old-host-path &
     wait
   done  # the ttft-*.txt reports and traces travel in the log tarball
+  ;;
+ttft-compiled)
+  # Issue 16.3: the ttft stage's probe in vLLM's compiled configuration (ttft_probe.py --compiled: piecewise
+  # CUDA graphs captured up to 256 tokens), synth's three configurations, each with its own compile cache.
+  python3 tests/gpu/synthetic_llama.py --tokenizer $MODELS/hf --out $MODELS/llama8b-bf16
+  python3 tests/gpu/synthetic_llama.py --tokenizer $MODELS/hf --out $MODELS/llama8b-w4a16 --w4a16
+  PEERS=bf16,w4a16-vllm,w4a16-squeezeserve
+  rm -rf /tmp/ttft_probe.sync
+  cprobe() {  # label cpus model [probe args]
+    local label=$1 cpus=$2 model=$3; shift 3
+    VLLM_CACHE_ROOT=/tmp/vllm-cache-$label timeout "$(cap 520)" taskset -c "$cpus" python3 tests/gpu/ttft_probe.py \
+      --model "$model" --label "$label" --peers $PEERS --out "$LOGS" --compiled "$@" > "$LOGS/probe-$label.log" 2>&1
+    note "$label: probe exit $?"; grep -E "in-process engine|^ttft/" "$LOGS/probe-$label.log" | tee -a "$SUMMARY"
+  }
+  cprobe bf16 0-4 $MODELS/llama8b-bf16 &
+  cprobe w4a16-vllm 5-9 $MODELS/llama8b-w4a16 &
+  cprobe w4a16-squeezeserve 10-15 $MODELS/llama8b-w4a16 --quantization squeezeserve &
+  wait
   ;;
 disconnect)
   # Issue 15.3: vLLM (our plugin loaded) serves the baseline, our gateway in front; tests/gpu/vllm_disconnect.py

@@ -18,12 +18,15 @@ turns (one at a time, the others idle):
    layer's forward taken by wrappers (``time.perf_counter`` around the call, no sync: the time to enqueue).
    Against the wall time and the GPU's time this tells a host-bound step from a GPU-bound one.
 
+``--compiled`` builds the engine in vLLM's compiled configuration instead (``COMPILED``), where a 256-token
+prompt replays CUDA graphs between its attention calls; no anatomy turn then.
+
 ``--old-host-path`` serves our method as the code did before 2026-11-25's launch plans: every call through
 torch's dispatcher (``quant_matmul_opaque``) and the launches prepared each call (set
 ``SQUEEZESERVE_LAUNCH_PLANS=0`` beside it).
 
     python3 tests/gpu/ttft_probe.py --model DIR --label NAME --peers A,B,.. --out DIR \\
-        [--quantization squeezeserve] [--old-host-path]
+        [--quantization squeezeserve] [--old-host-path] [--compiled]
 """
 
 from __future__ import annotations
@@ -122,6 +125,14 @@ def read_trace(path: Path, gap_us: float) -> list[str]:
     return lines
 
 
+# vLLM's default compiled configuration (torch.compile, piecewise CUDA graphs for mixed and prompt steps, full
+# ones for decode), with capture sizes reaching the probe's 256-token prompt: vLLM's default stops at twice
+# max_num_seqs (128 here), and its default max_num_seqs (256) would capture up to 512.
+COMPILED = {
+    "mode": 3,
+    "cudagraph_mode": "FULL_AND_PIECEWISE",
+    "cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32, 64, 128, 256],
+}
 HOST: dict[str, list[float]] = defaultdict(list)  # what -> host seconds a call (the anatomy turn)
 
 
@@ -211,6 +222,7 @@ def main() -> None:
     parser.add_argument("--peers", required=True, help="every configuration's label, in turn order")
     parser.add_argument("--quantization", default=None)
     parser.add_argument("--old-host-path", action="store_true")
+    parser.add_argument("--compiled", action="store_true", help="vLLM's compiled mode (see COMPILED)")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--tag", default="", help="appended to the output files' names")
     parser.add_argument("--sync-dir", type=Path, default=Path("/tmp/ttft_probe.sync"))
@@ -239,7 +251,7 @@ def main() -> None:
         max_num_seqs=64,
         gpu_memory_utilization=0.3,
         kv_cache_memory_bytes=4 << 30,
-        compilation_config={"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"},
+        compilation_config=COMPILED if args.compiled else {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"},
     )
     rng = random.Random(args.label)
     params = SamplingParams(max_tokens=1, ignore_eos=True, detokenize=False)
@@ -274,14 +286,16 @@ def main() -> None:
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with turns.mine(), torch.profiler.profile(activities=activities) as prof:
         profiled = [one(f"ttft/{i}") for i in range(args.profile)]
-    layers = llm.apply_model(instrument)[0]
-    HOST.clear()
-    with turns.mine():
-        walls = [one() for _ in range(args.repeats)]
+    if not args.compiled:  # (new forwards on compiled modules would break Dynamo's guards)
+        layers = llm.apply_model(instrument)[0]
+        HOST.clear()
+        with turns.mine():
+            walls = [one() for _ in range(args.repeats)]
     trace = args.out / f"trace-{args.label}{args.tag}.json"
     prof.export_chrome_trace(str(trace))
     lines = [head, f"profiled calls (ms, with the profiler on): {', '.join(f'{t:.2f}' for t in profiled)}"]
-    lines += [f"{layers} linear layers timed"] + anatomy(walls)
+    if not args.compiled:
+        lines += [f"{layers} linear layers timed"] + anatomy(walls)
     lines += read_trace(trace, args.gap_us)
     table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
     lines += ["", "host ops by self CPU time (all profiled calls):", table]
