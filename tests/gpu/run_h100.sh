@@ -361,7 +361,7 @@ ttft-compiled)
   }
   cprobe bf16 0-4 $MODELS/llama8b-bf16 &
   cprobe w4a16-vllm 5-9 $MODELS/llama8b-w4a16 &
-  cprobe w4a16-squeezeserve 10-15 $MODELS/llama8b-w4a16 --quantization squeezeserve &
+  cprobe w4a16-squeezeserve 10-14 $MODELS/llama8b-w4a16 --quantization squeezeserve &
   wait
   ;;
 disconnect)
