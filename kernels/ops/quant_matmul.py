@@ -318,9 +318,13 @@ def prefill_tuning(m: int, n_out: int, k_in: int, group_size: int, bits: int, de
 def prefill_tiles(m: int, n_out: int, k_in: int, sms: int) -> dict:
     """:func:`prefill_tuning`'s choice on a GPU with ``sms`` multiprocessors."""
     tiles_n = cdiv(n_out, 128)
-    if m <= 128:  # one 128 x 128 tile of rows; g128 1.04-1.19x bf16 where N = 14336 or K = 14336
-        return {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 128, "split": fill_split(tiles_n, sms),
-                "num_warps": 8, "num_stages": 3, "SWIZZLE": 8}  # fmt: skip
+    if m <= 128 or (m <= 256 and n_out < TRITON_PREFILL_MIN_N and k_in < TRITON_PREFILL_MIN_K):
+        # 128 x 128 tiles of rows: one (g128 1.04-1.19x bf16 where N = 14336 or K = 14336), or two where N and
+        # K are short: 256 rows of 8B's qkv_proj (N 6144, K 4096) 40.7 us against 47.6 on 256 x 128 tiles,
+        # of o_proj (4096^2) 30.8 against 34.0 (results/prefill_split_sweep_8b_h100_2026-11-25.log)
+        split = fill_split(tiles_n * cdiv(m, 128), sms)
+        return {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 128, "split": split, "num_warps": 8,
+                "num_stages": 3, "SWIZZLE": 8}  # fmt: skip
     if m <= 256 or n_out >= TRITON_PREFILL_MIN_N or k_in >= TRITON_PREFILL_MIN_K:
         # two warpgroups, each 64 weight rows x 256 activation rows
         split = fill_split(tiles_n * cdiv(m, 256), sms)

@@ -289,6 +289,17 @@ def test_prefill_tiles_keep_the_pipeline_deep(m, n, k):
     assert cfg["split"] == 1 or programs * cfg["split"] <= 132
 
 
+def test_prefill_tiles_measured_choices():
+    # The H100 sweeps' winners (tests/benchmarks/NOTES.md, 2026-11-25): 128-row tiles up to 128 rows, and up
+    # to 256 where N and K are under 8192 (8B's qkv_proj and o_proj); 256-row tiles past that.
+    assert qm.prefill_tiles(256, 6144, 4096, 132)["BLOCK_M"] == 128
+    assert qm.prefill_tiles(256, 4096, 4096, 132)["BLOCK_M"] == 128
+    assert qm.prefill_tiles(256, 4096, 4096, 132)["split"] == 2
+    assert qm.prefill_tiles(256, 28672, 4096, 132)["BLOCK_M"] == 256
+    assert qm.prefill_tiles(256, 4096, 14336, 132)["BLOCK_M"] == 256
+    assert qm.prefill_tiles(512, 4096, 4096, 132)["BLOCK_M"] == 256
+
+
 def test_auto_prefill_rule():
     # Measured on the H100 (tests/benchmarks/NOTES.md, 2026-11-25): the Triton GEMM up to 256 rows of
     # outputs 4096 wide or more; at 512 rows where outputs are 8192 wide in groups of 64 or more, or
