@@ -418,9 +418,11 @@ def quant_matmul_opaque(
     return quant_matmul_serving(x, qweight, scales, zeros, group_size, bits)
 
 
-# Serving calls' launch plans: vLLM runs a prompt's forward eagerly, and preparing one launch took the H100
-# machine's host 50-80 us (tests/gpu/launch_probe.py --quant; NOTES.md, 2026-11-25), more than the GPU
-# needs up to 512 rows. Row counts vary in serving: room for many signatures.
+# Serving calls' launch plans: vLLM runs a prompt's forward eagerly unless it captured its size, and
+# preparing one launch took the H100 machine's host 50-80 us (tests/gpu/launch_probe.py --quant), more than
+# the GPU needs up to 512 rows. Such a forward is host-bound; with plans, an 8B-shaped model's first token
+# for a 256-token prompt came 29.5 -> 24.7 ms (tests/gpu/ttft_probe.py; NOTES.md, 2026-11-25, ninth
+# session). Row counts vary in serving: room for many signatures.
 _SERVING_PLANS = LaunchPlans(persistent=workspace_buffers, max_plans=2048)
 
 
