@@ -46,7 +46,7 @@ from typing import Any
 import torch
 
 from squeezeserve.kernels import functional
-from squeezeserve.kernels.ops.quant_matmul import quant_matmul_serving
+from squeezeserve.kernels.ops.quant_matmul import quant_matmul_eager
 from squeezeserve.kernels.registry import eager
 
 QUANT_METHOD_NAME = "squeezeserve"
@@ -178,8 +178,8 @@ def quant_linear(
     args = (x, weight_packed, weight_scale, weight_zero_point, group, scheme.bits)
     if eager(*args[:4]):
         # Nothing traces (vLLM's eager prompt forwards, decode graph captures): the op's body without torch's
-        # dispatcher, with launch plans (quant_matmul_serving).
-        y = quant_matmul_serving(*args)
+        # dispatcher, with launch plans (quant_matmul_eager).
+        y = quant_matmul_eager(*args)
     else:
         # The opaque op: vLLM compiles one graph for all batch sizes, and a traced-through quant_matmul would
         # keep the kernel choice of the size it was traced at.

@@ -26,7 +26,7 @@ from squeezeserve.kernels.ops.quant_matmul_kernels import (
     _skinny_kernel,
 )
 from squeezeserve.kernels.ops.replay import LaunchPlans
-from squeezeserve.kernels.registry import eager, interpreting, use_reference
+from squeezeserve.kernels.registry import EagerOp, eager, interpreting, use_reference
 
 SKINNY_MAX_M = 64
 # Prefill: "triton" (_prefill_kernel, the weight dequantized in registers), "dequantize" (the dense weight
@@ -415,29 +415,7 @@ def quant_matmul_opaque(
     range of token counts (vLLM): traced through, the dispatch would be fixed at the trace's size (vLLM
     traces at its largest batch, which took the prefill path for every decode step). No autograd: serving.
     """
-    return quant_matmul_serving(x, qweight, scales, zeros, group_size, bits)
-
-
-# Serving calls' launch plans: vLLM runs a prompt's forward eagerly unless it captured its size, and
-# preparing one launch took the H100 machine's host 50-80 us (tests/gpu/launch_probe.py --quant), more than
-# the GPU needs up to 512 rows. Such a forward is host-bound; with plans, an 8B-shaped model's first token
-# for a 256-token prompt came 29.5 -> 24.7 ms (tests/gpu/ttft_probe.py; NOTES.md, 2026-11-25, ninth
-# session). Row counts vary in serving: room for many signatures.
-_SERVING_PLANS = LaunchPlans(persistent=workspace_buffers, max_plans=2048)
-
-
-def quant_matmul_serving(
-    x: torch.Tensor,
-    qweight: torch.Tensor,
-    scales: torch.Tensor,
-    zeros: torch.Tensor | None,
-    group_size: int,
-    bits: int,
-) -> torch.Tensor:
-    """The body of :func:`quant_matmul_opaque`, callable without torch's dispatcher (whose custom-op layers
-    cost the H100 host ~25-30 us a call) where nothing traces: kernels launched directly, and per input
-    signature a launch plan (kernels/ops/replay.py) in place of the launch preparation. No autograd."""
-    return _SERVING_PLANS(_quant_matmul, (x, qweight, scales, zeros, group_size, bits))
+    return quant_matmul_eager(x, qweight, scales, zeros, group_size, bits)
 
 
 @quant_matmul_opaque.register_fake
@@ -461,3 +439,14 @@ def _grad(ctx, grad):
 
 
 quant_matmul.register_autograd(_grad, setup_context=_setup)
+
+# The op without torch's dispatcher (whose custom-op layers cost the H100 host ~25-30 us a call), for callers
+# where nothing traces (vLLM's quant_linear, the opaque op's body), with launch plans: vLLM runs a prompt's
+# forward eagerly unless it captured its size, and preparing one launch took the H100 machine's host 50-80
+# us (tests/gpu/launch_probe.py --quant), more than the GPU needs up to 512 rows. Such a forward is
+# host-bound; with plans, an 8B-shaped model's first token for a 256-token prompt came 29.5 -> 24.7 ms
+# (tests/gpu/ttft_probe.py; NOTES.md, 2026-11-25, ninth session). Row counts vary in serving: room for many
+# signatures. The split-K workspace is long-lived: plans hold it as a constant.
+quant_matmul_eager = EagerOp(
+    _quant_matmul, _setup, _grad, plans=LaunchPlans(persistent=workspace_buffers, max_plans=2048)
+)

@@ -11,7 +11,7 @@ plan" rows replay the op's recorded launches (kernels/ops/replay.py), "plans off
 Second part: whether autograd keeps (steals) the gradients fused linear cross-entropy computes in its
 forward, or copies them into ``.grad`` (a copy doubles the gradients' memory at the peak).
 
-``--quant``: the host time of one int4 ``quant_matmul`` call as vLLM makes it (``quant_matmul_serving``,
+``--quant``: the host time of one int4 ``quant_matmul`` call as vLLM makes it (``quant_matmul_eager``,
 what our vLLM method calls where nothing traces, and ``quant_matmul_opaque``, the op it puts in compiled
 graphs) at prompt sizes, which vLLM runs eagerly (its CUDA graphs hold decode steps only):
 enqueue time of 200 calls without a sync (the GPU work, 20-130 us a call, would otherwise be timed), against
@@ -227,7 +227,7 @@ def quant_host() -> None:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             rows = {
                 "quant_matmul_opaque": lambda x=x, q=qw, s=sc: opaque(x, q, s, None, 128, 4),
-                "quant_matmul_serving": lambda x=x, q=qw, s=sc: quant_matmul.quant_matmul_serving(
+                "quant_matmul_eager": lambda x=x, q=qw, s=sc: quant_matmul.quant_matmul_eager(
                     x, q, s, None, 128, 4
                 ),
                 "K.quant_matmul": lambda x=x, q=qw, s=sc: K.quant_matmul(x, q, s, None, 128, 4),

@@ -199,7 +199,7 @@ def _packed_weight(n: int, k: int, group: int, device: str):
 
 @pytest.mark.parametrize("m", [1, 5, 70], ids=["fma", "skinny-split", "prefill-split"])
 def test_quant_serving_plans_replay_split_k_through_the_workspace(m, device, monkeypatch):
-    # The serving path of quant_matmul (quant_matmul_serving: vLLM's eager calls) records one plan per
+    # The serving path of quant_matmul (quant_matmul_eager: vLLM's eager calls) records one plan per
     # signature and replays it, split-K partials included: those meet in the long-lived workspace, which a
     # plan holds as a constant. Replays equal the body's own launches bit for bit and leave the workspace
     # zeroed for the next call.
