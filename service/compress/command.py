@@ -127,10 +127,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--recover-steps",
         type=int,
         default=DEFAULTS.recover_steps,
-        help="fine-tune steps after pruning (mask kept; default %(default)s)",
+        help="fine-tune steps after pruning (mask kept), or after --method lowrank|codebook (their factors "
+        "or codebook values train; default %(default)s)",
     )
     parser.add_argument(
-        "--recover-lr", type=float, default=DEFAULTS.recover_lr, help="recovery learning rate (AdamW)"
+        "--recover-lr",
+        type=float,
+        help=f"recovery learning rate (AdamW; default {DEFAULTS.recover_lr} after pruning, "
+        f"{DEFAULTS.format_recover_lr} for lowrank / codebook)",
     )
     parser.add_argument(
         "--recover-batch-size",
@@ -149,8 +153,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     structured.add_argument(
         "--recover-loss",
         choices=RECOVER_LOSSES,
-        help="recovery loss: kd (forward KL to the unpruned model; default after --structure and for "
-        "--method distill) or lm (next-token cross-entropy; default after --sparsity)",
+        help="recovery loss: kd (forward KL to the source model; default after --structure, for --method "
+        "distill and for lowrank / codebook) or lm (next-token cross-entropy; default after --sparsity)",
     )
     structured.add_argument(
         "--temperature",

@@ -18,6 +18,7 @@ teacher runs under ``no_grad``.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -69,7 +70,34 @@ def distill(
     """Fine-tune the Linears named in ``trained`` (name -> keep-mask or None) of ``student`` in place for
     ``options.recover_steps`` steps of ``options.recover_loss``; returns each step's loss."""
     modules = {name: student.get_submodule(name) for name in trained}
+    masked = {name: mask for name, mask in trained.items() if mask is not None}
+
+    def keep_masks() -> None:
+        for name, mask in masked.items():
+            modules[name].weight.data = enforce_mask(modules[name].weight.data, mask)
+
+    def mask_grads() -> None:
+        for name, mask in masked.items():
+            modules[name].weight.grad.mul_(mask)
+
     params = [m.weight for m in modules.values()]
+    return fine_tune(student, teacher, params, input_ids, options, mask_grads, keep_masks)
+
+
+@torch.enable_grad()  # a caller under no_grad still trains
+def fine_tune(
+    student: nn.Module,
+    teacher: nn.Module | None,
+    params: list[nn.Parameter],
+    input_ids: torch.Tensor,
+    options: CompressOptions,
+    after_backward: Callable[[], None] | None = None,
+    after_step: Callable[[], None] | None = None,
+) -> list[float]:
+    """``options.recover_steps`` AdamW steps of ``options.recover_loss`` on ``params`` (everything else in
+    ``student`` frozen), each on ``options.recover_batch_size`` random windows of ``input_ids``; the hooks
+    run after each backward (e.g. to mask gradients) and each step (e.g. to re-apply constraints). Returns
+    each step's loss; ``params`` are left frozen."""
     for p in params:
         p.requires_grad_(True)
     optimizer = torch.optim.AdamW(params, lr=options.recover_lr, weight_decay=0.0)
@@ -89,14 +117,12 @@ def distill(
             loss = next_token_loss(student, teacher, input_ids[rows].to(student.device), options)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
-            for name, module in modules.items():
-                if trained[name] is not None:
-                    module.weight.grad.mul_(trained[name])
+            if after_backward is not None:
+                after_backward()
             optimizer.step()
-            with torch.no_grad():
-                for name, module in modules.items():
-                    if trained[name] is not None:
-                        module.weight.data = enforce_mask(module.weight.data, trained[name])
+            if after_step is not None:
+                with torch.no_grad():
+                    after_step()
             losses.append(float(loss.detach()))
     finally:
         with warnings.catch_warnings():

@@ -1,4 +1,5 @@
-"""One compression run: load, (prune, recover), quantize, write atomically, record.
+"""One compression run: load, (prune, recover), quantize / factor / weight-share (then recover those
+formats' own parameters: format_recovery.py), write atomically, record.
 
 The output is built in a hidden temporary sibling of ``out`` and renamed into place only once every file
 is written, so a failed or interrupted run leaves nothing that looks like a checkpoint.
@@ -11,6 +12,7 @@ import json
 import logging
 import platform
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -241,38 +243,81 @@ def _masked_rtn(q: QuantizedWeight, weight: torch.Tensor, mask: torch.Tensor) ->
     return package(codes, q.scale.to(torch.float32), zero_groups, q.scheme)
 
 
+@dataclass
+class Compressed:
+    """What ``compress_weights`` made of the target Linears."""
+
+    tensors: dict[str, dict[str, torch.Tensor]]  # each compressed Linear's checkpoint tensors (for .weight)
+    errors: dict[str, float]  # each one's ||W - W'||_F / ||W||_F against the source
+    config: Config  # quantization_config (None: a plain checkpoint)
+    record: dict[str, Any] = field(default_factory=dict)  # what squeeze.json adds (ranks, recovery)
+
+
 def compress_weights(
     lm: nn.Module,
     options: CompressOptions,
     masks: dict[str, torch.Tensor],
     calibration: Calibration | None,
     dtype: torch.dtype,
-) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, float], Config, Config]:
-    """Quantize, factor or weight-share the target Linears as ``options.method`` says. Returns the checkpoint
-    tensors replacing each compressed Linear's weight, each one's relative error, the
-    ``quantization_config`` (None: a plain checkpoint) and, for low-rank, what squeeze.json records."""
+    teacher: nn.Module | None = None,
+) -> Compressed:
+    """Quantize, factor or weight-share the target Linears as ``options.method`` says; a factored or
+    weight-shared model then recovers (``format_recovery``) if ``options.recover_steps`` asks, with
+    ``teacher`` for kd."""
     if options.method == "lowrank":
+        from squeezeserve.service.compress.format_recovery import recover_factors
         from squeezeserve.service.compress.lowrank import lowrank
 
         assert options.rank_ratio is not None
+        sources = _source_weights(lm, teacher) if options.recover_steps else {}
         factored = lowrank(lm, target_linears(lm), options.rank_ratio, options.algorithm, calibration)
+        record: dict[str, Any] = {"lowrank": {"ranks": factored.ranks, "parameters": factored.parameters}}
+        errors = factored.errors
+        if options.recover_steps:
+            assert calibration is not None
+            record["recovery"] = recover_factors(lm, teacher, factored.factors, calibration, options)
+            errors.update(_errors_against(lm, sources, factored.factors))
         tensors = {name: lowrank_tensors_for(name, u, v, dtype) for name, (u, v) in factored.factors.items()}
         ranks = {name: rank for name, rank in factored.ranks.items() if rank is not None}
-        record = {"ranks": factored.ranks, "parameters": factored.parameters}
-        return tensors, factored.errors, lowrank_config(ranks), record
+        return Compressed(tensors, errors, lowrank_config(ranks), record)
     if options.method == "codebook":
         from squeezeserve.service.compress.codebook import share_weights
+        from squeezeserve.service.compress.format_recovery import recover_codebooks
 
         assert calibration is not None and options.bits is not None
+        sources = _source_weights(lm, teacher) if options.recover_steps else {}
         shared, errors = share_weights(lm, calibration.input_ids, options)
+        record = {}
+        if options.recover_steps:
+            record["recovery"] = recover_codebooks(lm, teacher, shared, calibration, options)
+            errors.update(_errors_against(lm, sources, shared))
         tensors = {name: codebook_tensors_for(name, q) for name, q in shared.items()}
-        return tensors, errors, codebook_config(options.bits, options.group_size), None
+        return Compressed(tensors, errors, codebook_config(options.bits, options.group_size), record)
     scheme = scheme_for(options, scale_dtype=dtype)
     if scheme is None:
-        return {}, {}, None, None
+        return Compressed({}, {}, None)
     quantized, errors = quantize(lm, scheme, options, masks, calibration)
     tensors = {name: compressed_tensors_for(name, q) for name, q in quantized.items()}
-    return tensors, errors, quantization_config(scheme, actorder=options.actorder), None
+    return Compressed(tensors, errors, quantization_config(scheme, actorder=options.actorder))
+
+
+def _source_weights(lm: nn.Module, teacher: nn.Module | None) -> dict[str, torch.Tensor]:
+    """The target Linears' weights before compression, for the errors after recovery: the kd teacher's
+    (the uncompressed source itself), else a copy on the CPU."""
+    if teacher is not None:
+        return {name: module.weight for name, module in target_linears(teacher).items()}
+    return {name: module.weight.detach().cpu().clone() for name, module in target_linears(lm).items()}
+
+
+def _errors_against(
+    lm: nn.Module, sources: dict[str, torch.Tensor], names: Iterable[str]
+) -> dict[str, float]:
+    """Relative error of each named Linear's current weight against its source weight."""
+    errors = {}
+    for name in names:
+        weight = lm.get_submodule(name).weight.data
+        errors[name] = relative_error(sources[name].to(weight.device), weight)
+    return errors
 
 
 def versions() -> dict[str, str]:
@@ -313,7 +358,13 @@ def compress(
     tokenizer = AutoTokenizer.from_pretrained(source)
     source_config = json.loads((source / "config.json").read_text())
     if source_config.get("quantization_config"):
-        raise ValueError(f"{source} is already quantized; compress a dense (float) checkpoint")
+        hint = ""
+        if options.method == "distill":
+            hint = (
+                " (a low-rank or codebook model recovers in its own run: --method lowrank|codebook "
+                "--recover-steps N trains its factors or codebook values)"
+            )
+        raise ValueError(f"{source} is already quantized; compress a dense (float) checkpoint{hint}")
     calibration = None
     if options.needs_calibration:
         calibration = calibration_batches(
@@ -328,20 +379,22 @@ def compress(
         structured = _structured(lm, options, calibration)
     masks = prune(lm, options, calibration) if options.sparsity is not None else {}
     recovery = None
-    if options.recover_steps:
+    if options.recover_steps and not options.recovers_format:
         assert calibration is not None
         recovery = _recover(lm, teacher, masks, calibration, options)
+        teacher = None  # GPTQ's memory, not the teacher's
+    compressed = compress_weights(lm, options, masks, calibration, save_dtype, teacher)
     del teacher
-    replacements, errors, config, factored = compress_weights(lm, options, masks, calibration, save_dtype)
+    config = compressed.config
 
     with atomic_directory(out) as tmp:
-        tensors = _checkpoint_tensors(lm, replacements, save_dtype)
+        tensors = _checkpoint_tensors(lm, compressed.tensors, save_dtype)
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         copy_side_files(source, tmp)
         written = write_config(source, tmp, config)
         if structured is not None:
             write_config_updates(tmp, written, structured["config"])
-        layers = _layer_reports(lm, errors)
+        layers = _layer_reports(lm, compressed.errors)
         record = {
             "method": options.method,
             "options": options.record(),
@@ -365,8 +418,7 @@ def compress(
             record["structured"] = structured
         if recovery is not None:
             record["recovery"] = recovery
-        if factored is not None:
-            record["lowrank"] = factored
+        record.update(compressed.record)
         record["size_bytes"]["after"] = checkpoint_bytes(tmp)
         record["wall_seconds"] = round(time.perf_counter() - start, 2)
         (tmp / RECORD).write_text(json.dumps(record, indent=2) + "\n")
@@ -384,7 +436,8 @@ def load_float32(path: Path, device: str) -> nn.Module:
 
 
 def _teacher(lm: nn.Module, options: CompressOptions, device: str) -> nn.Module | None:
-    """The distillation teacher: --teacher for --method distill, else the source model before pruning."""
+    """The distillation teacher: --teacher for --method distill, else the source model before pruning or
+    compression."""
     if options.method == "distill":
         assert options.teacher is not None
         return load_float32(resolve_source(options.teacher), device)

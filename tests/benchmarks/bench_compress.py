@@ -92,6 +92,33 @@ RUNS: dict[str, dict[str, Any]] = {
     "codebook4-gptq": {"method": "codebook", "bits": 4, CALIBRATED: True},
     "codebook4-kmeans": {"method": "codebook", "bits": 4, "algorithm": "kmeans", CALIBRATED: True},
     "codebook3-gptq": {"method": "codebook", "bits": 3, CALIBRATED: True},
+    # Recovery after factoring / weight sharing (format_recovery.py: the factors or the codebook values
+    # train, kd from the baseline), on 256 x 512 calibration tokens, with the same formats' and int4's runs
+    # without recovery on those tokens beside them (GPTQ's calibration set is the recovery's).
+    "codebook4-gptq+recover": {
+        "method": "codebook",
+        "bits": 4,
+        "recover": True,
+        CALIBRATED: True,
+        "calibration_samples": 256,
+    },
+    "codebook4-gptq-c256": {"method": "codebook", "bits": 4, CALIBRATED: True, "calibration_samples": 256},
+    "int4-gptq-g32-c256": {"method": "int4", "group_size": 32, CALIBRATED: True, "calibration_samples": 256},
+    "lowrank-svdllm-0.9+recover": {
+        "method": "lowrank",
+        "algorithm": "svdllm",
+        "rank_ratio": 0.9,
+        "recover": True,
+        CALIBRATED: True,
+        "calibration_samples": 256,
+    },
+    "lowrank-svdllm-0.9-c256": {
+        "method": "lowrank",
+        "algorithm": "svdllm",
+        "rank_ratio": 0.9,
+        CALIBRATED: True,
+        "calibration_samples": 256,
+    },
     # Recovery fine-tunes (before: the same run without +recover) on 256 x 512 calibration tokens (the file
     # holds ~160k tokens), so --recover-steps 128 at 4 windows a step sees each window twice, not 16 times.
     "prune-0.5-wanda+recover": {
@@ -125,7 +152,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--calibration-samples", type=int, default=32)
     parser.add_argument("--calibration-seq-len", type=int, default=512)
     parser.add_argument("--recover-steps", type=int, default=128)
-    parser.add_argument("--recover-lr", type=float, default=2e-5)
+    parser.add_argument("--recover-lr", type=float, help="default: compress's for the run's method")
     parser.add_argument("--no-eval", action="store_true", help="compress and time only")
     parser.add_argument("--reuse", action="store_true", help="evaluate checkpoints already in --work")
     parser.add_argument("--device", default="cpu", help="where to compress and evaluate (cpu, cuda)")
@@ -152,7 +179,8 @@ def options_for(name: str, args: argparse.Namespace) -> dict[str, Any]:
         options["calibration_seq_len"] = args.calibration_seq_len
     if options.pop("recover", False):
         options["recover_steps"] = args.recover_steps
-        options["recover_lr"] = args.recover_lr
+        if args.recover_lr is not None:
+            options["recover_lr"] = args.recover_lr
     return options
 
 

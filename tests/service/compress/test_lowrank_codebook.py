@@ -5,13 +5,12 @@ calibration text tokenizes as it does for the real model): checkpoint format, lo
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM
 
 from squeezeserve.kernels import codebook_layout
 from squeezeserve.kernels.checkpoint_format import CodebookFormat, LowRankFormat, read_format
@@ -154,26 +153,6 @@ def test_gptq_onto_codebooks_beats_nearest_value(bits: int, group_size: int | No
 
 
 # --- end to end on a tiny random Llama -----------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def tiny_checkpoint(baseline_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    config = LlamaConfig(
-        vocab_size=49152,  # the bundled tokenizer's
-        hidden_size=64,
-        intermediate_size=128,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        num_hidden_layers=2,
-        tie_word_embeddings=True,
-    )
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("tiny-llama")
-    LlamaForCausalLM(config).to(torch.float16).save_pretrained(path)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(baseline_dir / name, path / name)
-    return path
 
 
 def dense_with(source: Path, weights: dict[str, torch.Tensor]) -> torch.nn.Module:

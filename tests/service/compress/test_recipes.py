@@ -122,3 +122,5 @@ def test_shipped_recipes_load(baseline_dir: Path) -> None:
     issue = recipes.load_recipe("sample:prune-distill-int4", str(baseline_dir))
     assert [s.options.method for s in issue.stages] == ["prune", "distill", "int4"]
     assert issue.stages[1].options.recover_loss == "kd" and issue.stages[1].options.recover_steps == 1000
+    (shared,) = recipes.load_recipe("sample:codebook4-kd", str(baseline_dir)).stages
+    assert shared.options.recovers_format and shared.options.recover_loss == "kd"
