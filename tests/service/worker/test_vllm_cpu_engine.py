@@ -258,6 +258,59 @@ def test_quantization_method_serves_the_checkpoint_from_packed_cpu_weights(
     torch.testing.assert_close(torch.tensor(logprobs), chosen, atol=LOGPROB_TOLERANCE, rtol=0)
 
 
+@pytest.fixture(scope="module", params=["lowrank", "codebook"])
+def factored_or_shared(request: pytest.FixtureRequest, baseline_dir: Path, tmp_path_factory) -> Path:
+    """Issue 20's formats as ``squeezeserve compress`` writes them: low-rank (whitened SVD, 0.9 of the
+    decoder's parameters) and 4-bit codebooks per output channel (k-means), calibrated on a few windows of
+    the shipped sample (seconds; the checkpoints are worse models than the README's, the same formats)."""
+    out = tmp_path_factory.mktemp("ckpt") / request.param
+    command = [sys.executable, "-m", "squeezeserve.service.cli", "compress", "--model", str(baseline_dir)]
+    command += ["--method", request.param, "--out", str(out), "--threads", "1"]
+    command += ["--calibration", "sample:wikitext-2-calibration", "--calibration-samples", "8"]
+    command += ["--calibration-seq-len", "256"]
+    if request.param == "lowrank":
+        command += ["--algorithm", "svdllm", "--rank-ratio", "0.9"]
+    else:
+        command += ["--algorithm", "kmeans", "--bits", "4"]
+    subprocess.run(command, check=True, timeout=900, capture_output=True)
+    return out
+
+
+def test_lowrank_and_codebook_checkpoints_serve_through_our_linear_methods(
+    factored_or_shared: Path, in_process_engine: None
+):
+    """vLLM picks our linear methods for these checkpoints by their ``quant_method`` (no ``--quantization``
+    flag), loads every merged projection's shards (q/k/v, gate/up) through our loaders, and computes what
+    the embedded worker's model computes: teacher-forced on the engine's greedy tokens, each is the float32
+    model's argmax (within the engine's fp16 drift) and the log-probabilities agree."""
+    from vllm import SamplingParams
+
+    from squeezeserve.service.models.loader import load_model
+
+    kind = factored_or_shared.name
+    with engine(factored_or_shared) as (llm, model):
+        methods = {
+            type(m.quant_method).__name__
+            for name, m in model.named_modules()
+            if name.endswith("_proj") and hasattr(m, "quant_method")
+        }
+        out = llm.generate([PROMPT], SamplingParams(max_tokens=16, temperature=0, logprobs=0), use_tqdm=False)
+    tokens = list(out[0].outputs[0].token_ids)
+    logprobs = [step[t].logprob for step, t in zip(out[0].outputs[0].logprobs, tokens, strict=True)]
+    ours = "SqueezeserveLowRankMethod" if kind == "lowrank" else "SqueezeserveCodebookMethod"
+    # Low-rank: a merged layer whose every shard stayed dense (a rank that would not pay) is vLLM's own.
+    assert ours in methods and methods <= {ours, "UnquantizedLinearMethod"}, methods
+
+    reference = load_model(factored_or_shared, dtype="float32", use_custom_ops=False).model
+    prompt_ids = list(out[0].prompt_token_ids)
+    with torch.no_grad():
+        logits = reference(torch.tensor([prompt_ids + tokens])).logits[0, len(prompt_ids) - 1 : -1]
+    ref_logprobs = logits.log_softmax(-1)
+    chosen = ref_logprobs[torch.arange(len(tokens)), tokens]
+    assert (ref_logprobs.max(-1).values - chosen).max() <= LOGPROB_TOLERANCE, (tokens, chosen)
+    torch.testing.assert_close(torch.tensor(logprobs), chosen, atol=LOGPROB_TOLERANCE, rtol=0)
+
+
 def test_the_quantization_config_survives_pickling(compressed: Path):
     """vLLM pickles its engine config, our quantization config included, whenever it spawns the engine core:
     always on CPU. Before the config pickled, ``--quantization squeezeserve`` stopped there with "Can't
