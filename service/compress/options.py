@@ -43,7 +43,7 @@ class Defaults:
     recover_lr: float = 2e-5  # dense weights after pruning
     # Factors and codebook values: a codebook value stands for hundreds of weights, and 12 kd steps on the
     # bundled model's 4-bit codebooks cut the held-out KL most at 3e-4, then 1e-4, then 3e-5 (0.315 ->
-    # 0.274 / 0.279 / 0.287, CPU probe); the longer runs take the middle one.
+    # 0.274 / 0.279 / 0.287; 1e-3: 0.419, worse; CPU probe, NOTES.md); longer runs take the middle one.
     format_recover_lr: float = 1e-4
     recover_batch_size: int = 4
     seed: int = 0
