@@ -117,7 +117,8 @@ def _train(
     options: CompressOptions,
 ) -> dict[str, Any]:
     """Swap ``modules`` in for the Linears of the same names, fine-tune their parameters, and swap the
-    Linears back with the trained weights (what the checkpoint will hold, in the checkpoint's rounding)."""
+    Linears back with the trained weights (codebooks in the checkpoint's float16; factors' product in
+    float32, as ``lowrank.factorize`` leaves it)."""
     linears = {name: lm.get_submodule(name) for name in modules}
     for name, module in modules.items():
         lm.set_submodule(name, module)
