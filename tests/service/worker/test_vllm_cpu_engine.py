@@ -180,6 +180,20 @@ def dequantized_reference(baseline_dir: Path, compressed: Path) -> torch.nn.Modu
     return model
 
 
+def assert_teacher_forced(
+    reference: torch.nn.Module, prompt_ids: list[int], tokens: list[int], logprobs: list[float]
+) -> None:
+    """Teacher-forced on the engine's greedy ``tokens``, the float32 ``reference`` takes each as its argmax
+    (a near-tie within the tolerance may go either way) and gives it the engine's log-probability. The
+    engine computes in fp16 over 30 layers: LOGPROB_TOLERANCE is that drift."""
+    with torch.no_grad():
+        logits = reference(torch.tensor([prompt_ids + tokens])).logits[0, len(prompt_ids) - 1 : -1]
+    ref_logprobs = logits.log_softmax(-1)
+    chosen = ref_logprobs[torch.arange(len(tokens)), tokens]
+    assert (ref_logprobs.max(-1).values - chosen).max() <= LOGPROB_TOLERANCE, (tokens, chosen)
+    torch.testing.assert_close(torch.tensor(logprobs), chosen, atol=LOGPROB_TOLERANCE, rtol=0)
+
+
 def test_quantization_method_serves_the_checkpoint_from_packed_cpu_weights(
     compressed: Path, baseline_dir: Path, in_process_engine: None
 ):
@@ -246,16 +260,8 @@ def test_quantization_method_serves_the_checkpoint_from_packed_cpu_weights(
     assert packed_calls >= 16 * 30 * 4  # 16 decode steps x 30 layers x 4 projections, packed
     assert after.get("quant_matmul", 0) == before.get("quant_matmul", 0)  # the per-call reference: never
 
-    # Teacher-forced on the engine's tokens, transformers in float32 on the dequantized weights: every token
-    # is its argmax (a near-tie within the logit tolerance may go either way) and the log-probabilities agree.
-    ref = dequantized_reference(baseline_dir, compressed)
-    with torch.no_grad():
-        logits = ref(torch.tensor([prompt_ids + tokens])).logits[0, len(prompt_ids) - 1 : -1]
-    ref_logprobs = logits.log_softmax(-1)
-    chosen = ref_logprobs[torch.arange(len(tokens)), tokens]
-    # The engine computes in fp16 over 30 layers: LOGPROB_TOLERANCE is that drift.
-    assert (ref_logprobs.max(-1).values - chosen).max() <= LOGPROB_TOLERANCE, (tokens, chosen)
-    torch.testing.assert_close(torch.tensor(logprobs), chosen, atol=LOGPROB_TOLERANCE, rtol=0)
+    # transformers in float32 on the dequantized weights
+    assert_teacher_forced(dequantized_reference(baseline_dir, compressed), prompt_ids, tokens, logprobs)
 
 
 @pytest.fixture(scope="module", params=["lowrank", "codebook"])
@@ -302,13 +308,7 @@ def test_lowrank_and_codebook_checkpoints_serve_through_our_linear_methods(
     assert ours in methods and methods <= {ours, "UnquantizedLinearMethod"}, methods
 
     reference = load_model(factored_or_shared, dtype="float32", use_custom_ops=False).model
-    prompt_ids = list(out[0].prompt_token_ids)
-    with torch.no_grad():
-        logits = reference(torch.tensor([prompt_ids + tokens])).logits[0, len(prompt_ids) - 1 : -1]
-    ref_logprobs = logits.log_softmax(-1)
-    chosen = ref_logprobs[torch.arange(len(tokens)), tokens]
-    assert (ref_logprobs.max(-1).values - chosen).max() <= LOGPROB_TOLERANCE, (tokens, chosen)
-    torch.testing.assert_close(torch.tensor(logprobs), chosen, atol=LOGPROB_TOLERANCE, rtol=0)
+    assert_teacher_forced(reference, list(out[0].prompt_token_ids), tokens, logprobs)
 
 
 def test_the_quantization_config_survives_pickling(compressed: Path):
