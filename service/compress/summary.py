@@ -18,6 +18,13 @@ def format_summary(result: CompressResult) -> str:
         f"size: {_mib(size['before'])} -> {_mib(size['after'])} ({ratio:.2f}x)",
         f"sparsity of the decoder linears: {record['sparsity']:.1%}",
     ]
+    recovery = record.get("recovery")
+    if recovery:
+        trained = recovery.get("trained", "weights")
+        lines.append(
+            f"recovery ({recovery['loss']}, {trained}): {recovery['steps']} steps in "
+            f"{recovery['seconds']:.1f} s, loss {recovery['first_loss']:.4g} -> {recovery['last_loss']:.4g}"
+        )
     errors = [layer for layer in result.layers if layer.relative_error is not None]
     if errors:
         lines.append("per-layer relative quantization error ||W - Q(W)|| / ||W||:")

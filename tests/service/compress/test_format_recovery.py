@@ -16,6 +16,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from squeezeserve.kernels import reference
 from squeezeserve.kernels.checkpoint_format import CodebookFormat, read_format
 from squeezeserve.kernels.modules import CodebookLinear
+from squeezeserve.service.cli import main
 from squeezeserve.service.compress.calibration import Calibration
 from squeezeserve.service.compress.codebook import codebook_quantize
 from squeezeserve.service.compress.format_recovery import recover_codebooks, recover_factors
@@ -179,3 +180,17 @@ def test_compress_writes_the_recovered_codebooks(tiny_checkpoint: Path, tmp_path
     with pytest.raises(ValueError, match="--recover-steps N trains its factors or codebook values"):
         compress(str(tmp_path / "plain"), tmp_path / "distilled", distill)
     assert not (tmp_path / "distilled").exists()
+
+
+def test_cli_recovers_factors_and_says_so(
+    tiny_checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "lr"
+    command = ["compress", "--model", str(tiny_checkpoint), "--method", "lowrank", "--rank-ratio", "0.5"]
+    command += ["--calibration", "sample:wikitext-2-calibration", "--calibration-samples", "4"]
+    command += ["--calibration-seq-len", "32", "--recover-steps", "2", "--out", str(out), "--threads", "1"]
+    assert main(command) == 0
+    assert "recovery (kd, low-rank factors): 2 steps" in capsys.readouterr().out
+    record = json.loads((out / "squeeze.json").read_text())
+    assert record["recovery"]["trained"] == "low-rank factors"
+    assert record["options"]["recover_lr"] == 1e-4  # the formats' default, not pruning's 2e-5
