@@ -138,6 +138,17 @@ class FastLaunch:
         return None
 
 
+def unplanned(call):
+    """``call()``: a launch that does not go through :class:`FastLaunch` (a Gluon kernel's, with its TMA
+    descriptors), noted as one that ``replay.LaunchPlans`` cannot repeat while it records a body."""
+    launches = recording.launches
+    if launches is None:
+        return call()
+    launches.append(None)
+    with _disable_current_modes():  # Triton's torch calls are not the recorded body's
+        return call()
+
+
 class CompiledLaunch:
     """A compiled kernel's launch on one grid as :class:`FastLaunch` makes it, for ``replay.LaunchPlans`` to
     repeat with other arguments: ``launch(args)``."""

@@ -18,6 +18,7 @@ import torch
 from torch.library import triton_op
 
 from squeezeserve.kernels import quant_layout, reference
+from squeezeserve.kernels.ops import launch
 from squeezeserve.kernels.ops.launch import cdiv, next_power_of_2, sm_count, traceable, wgmma
 from squeezeserve.kernels.ops.quant_matmul_kernels import (
     _dequantize_kernel,
@@ -41,6 +42,11 @@ SKINNY_MAX_M = 64
 # Outputs narrower than TRITON_PREFILL_MIN_N_ANY (the bundled model's, 576-3072) leave most SMs idle in the
 # Triton GEMM while their dense weights cost cuBLAS little (int4-serve run f: c=64 0.86x Marlin's tokens/s).
 PREFILL = "auto"
+# On Hopper, "auto" runs the Gluon GEMM (quant_matmul_gluon.py: dequantization overlapped with the tensor
+# cores' products) where it takes the inputs, up to GLUON_PREFILL_MAX_M rows (GLUON_PREFILL_MAX_M_SMALL_GROUP
+# for groups under 64 values), outputs at least TRITON_PREFILL_MIN_N_ANY wide; "gluon" forces it wherever it
+# takes the inputs. Measured by tests/gpu/gluon_prefill_probe.py (H100, 2026-11-25; NOTES.md).
+GLUON_PREFILL_MAX_M, GLUON_PREFILL_MAX_M_SMALL_GROUP = 2048, 1024
 TRITON_PREFILL_MAX_M, TRITON_PREFILL_WIDE_MAX_M = 256, 512
 TRITON_PREFILL_MIN_N, TRITON_PREFILL_MIN_N_ANY, TRITON_PREFILL_MIN_K = 8192, 4096, 8192
 # Rows up to which the FMA kernel beats the tensor-core one where groups align to its GEMV_BLOCK_K tiles and
@@ -223,6 +229,8 @@ def _quant_matmul(
     qweight, scales = qweight.contiguous(), scales.contiguous()
     zero_arg = zeros.contiguous() if zeros is not None else qweight
     if m > SKINNY_MAX_M:
+        if _gluon_prefill(x2, qweight, scales, zeros, group_size, bits):
+            return _prefill_gluon(x2, qweight, scales, zeros, group_size).reshape(*x.shape[:-1], n_out)
         if not (PREFILL == "triton" or (PREFILL == "auto" and prefill_in_triton(m, n_out, k_in, group_size))):
             weight = dequantize(qweight, scales, zeros, k_in, group_size, bits, x.dtype)
             return (x2 @ weight.t()).reshape(*x.shape[:-1], n_out)
@@ -278,6 +286,48 @@ def _quant_matmul(
                      "DOT_FP32": bf16_interpreted}  # fmt: skip
         traceable(kernel)[grid](*args, **meta)
     return y.to(x.dtype).reshape(*x.shape[:-1], n_out)
+
+
+def _gluon_prefill(x2, qweight, scales, zeros, group_size, bits) -> bool:
+    """Whether this prefill runs on the Gluon GEMM (PREFILL's comment): Hopper, nothing tracing (its launch
+    is not one torch.compile can trace), inputs it takes, and under "auto" the measured sizes."""
+    if PREFILL not in ("auto", "gluon") or interpreting() or not x2.is_cuda or not wgmma(x2.device):
+        return False
+    if not eager(x2, qweight, scales, zeros):
+        return False
+    from squeezeserve.kernels.ops import quant_matmul_gluon
+
+    if not quant_matmul_gluon.supported(x2, qweight, scales, group_size, bits):
+        return False
+    if PREFILL == "gluon":
+        return True
+    m, n_out = x2.shape[0], qweight.shape[0]
+    most = GLUON_PREFILL_MAX_M if group_size >= 64 else GLUON_PREFILL_MAX_M_SMALL_GROUP
+    return m <= most and n_out >= TRITON_PREFILL_MIN_N_ANY
+
+
+def gluon_tiles(m: int, n_out: int, k_in: int, sms: int) -> dict:
+    """Rows a program and K splits of the Gluon GEMM: 128 rows (one wgmma of 128) up to 128 rows, else 256;
+    K split until the programs fill about one wave (fill_split), keeping at least 16 K tiles a split."""
+    block_m = 128 if m <= 128 else 256
+    tiles = cdiv(n_out, 128) * cdiv(m, block_m)
+    split = min(fill_split(tiles, sms), max(1, cdiv(k_in, 64) // 16))
+    return {"block_m": block_m, "split": split}
+
+
+def _prefill_gluon(x2, qweight, scales, zeros, group_size) -> torch.Tensor:
+    """Launch the Gluon GEMM; split-K partial tiles meet in the workspace (the caller checked eager())."""
+    from squeezeserve.kernels.ops import quant_matmul_gluon
+
+    m, n_out = x2.shape[0], qweight.shape[0]
+    cfg = gluon_tiles(m, n_out, x2.shape[1], sm_count(x2.device))
+    y = torch.empty((m, n_out), dtype=x2.dtype, device=x2.device)
+    tiles = cdiv(n_out, 128) * cdiv(m, cfg["block_m"])
+    ws, counts = _workspace(x2.device, m * n_out, tiles) if cfg["split"] > 1 else (y, y)
+    launch.unplanned(lambda: quant_matmul_gluon.launch(
+        x2, qweight.contiguous(), scales.contiguous(), zeros.contiguous() if zeros is not None else None,
+        group_size, y, ws, counts, block_m=cfg["block_m"], split=cfg["split"], mode=2))  # fmt: skip
+    return y
 
 
 def prefill_in_triton(m: int, n_out: int, k_in: int, group_size: int) -> bool:

@@ -1,0 +1,591 @@
+"""Prefill on Hopper in Gluon: an int4 x bf16/fp16 GEMM whose dequantization overlaps its tensor-core work.
+
+Why a second prefill kernel. ``_prefill_kernel`` (Triton) dequantizes each K tile of the weight into the
+registers of the wgmma's A operand, then waits for the tile's products before it may write the next tile's
+operand (``_after_mma``): dequantization and the tensor cores take turns. Nsight Compute on the H100 put
+its tensor pipe at 39-61% against cuBLAS bf16's 80-95% (tests/benchmarks/NOTES.md, 2026-11-25), and
+Triton 3.6 offers no way to reorder that wait. Gluon (``triton.experimental.gluon``) states the schedule
+explicitly:
+
+- activations stream in through TMA into a ring of ``STAGES`` shared-memory tiles, one mbarrier each;
+- each warpgroup issues tile t's products asynchronously (``warpgroup_mma(..., is_async=True)``), then
+  dequantizes tile t + 1 into fresh registers while they run, and only then waits for tile t - 1's
+  products (``warpgroup_mma_wait(1)``), whose operand registers it names as ``deps`` so that they stay
+  untouched until then: the race ``_after_mma`` guards against cannot arise;
+- the weight's int32 words are loaded from global memory two tiles ahead, straight into the layout of
+  the operand: each thread loads the words whose value pairs its A fragment holds.
+
+The product is computed transposed, ``acc[BLOCK_N, BLOCK_M] = W_tile @ x_tile.T``: the weight is the
+wgmma's A operand (from registers; 64 weight rows a warpgroup) and the activations its B operand (from
+shared memory), so 64..256 activation rows are one instruction's N.
+
+Each weight is ``(q - z) * s`` rounded once in the activation dtype (``sub`` then ``mul`` on bf16x2/f16x2
+pairs), as ``_dequantize_kernel`` writes it: the product equals dequantize + cuBLAS up to accumulation order.
+Scope: int4, scales in the activation dtype, groups that hold whole K tiles or whole words of one
+(``BLOCK_K % GROUP == 0`` or ``GROUP % BLOCK_K == 0``), with or without zero points; sm_90 only.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+# Value pair (2 j, 2 j + 1) of a word as one bf16x2 / f16x2 register, minus (BIAS + z), times s.
+# $1 word, $2 shift (8 x the pair's place in the word), $3 (BIAS + z) x2, $4 s x2.
+_PAIR_ASM = """{{
+.reg .b32 t, p, h;
+shr.u32 t, $1, $2;
+and.b32 p, t, 0x0000000F;
+shl.b32 h, t, 12;
+and.b32 h, h, 0x000F0000;
+or.b32 p, p, h;
+or.b32 p, p, {magic};
+sub.rn.{ty} p, p, $3;
+mul.rn.{ty} $0, p, $4;
+}}"""
+_PAIR_BF16 = gl.constexpr(_PAIR_ASM.format(magic="0x43004300", ty="bf16x2"))
+_PAIR_F16 = gl.constexpr(_PAIR_ASM.format(magic="0x64006400", ty="f16x2"))
+
+
+@gluon.constexpr_function
+def _word_layout(block_n, block_k, num_warps):
+    """The [block_n, block_k // 8, 4] layout of (row, word, value pair) that becomes the wgmma A operand's
+    fragment once each pair (one int32: two 16-bit values) splits into its halves and the last two dims
+    merge into K: lane l holds pair l % 4 of words 2 s and 2 s + 1 of every 16-deep slice s, of rows l // 4
+    and l // 4 + 8 of its warp's 16; warps stack along the rows. Its slice along the pairs is where each
+    thread loads a word: the four lanes that share a word read it together."""
+    block_n, block_k, num_warps = int(block_n), int(block_k), int(num_warps)
+    reg = [[8, 0, 0], [0, 1, 0]] + [[0, 2 << i, 0] for i in range(int(math.log2(block_k // 16)))]
+    rows = 16 * num_warps
+    while rows < block_n:
+        reg.append([rows, 0, 0])
+        rows *= 2
+    lane = [[0, 0, 1], [0, 0, 2], [1, 0, 0], [2, 0, 0], [4, 0, 0]]
+    warp = [[16 << i, 0, 0] for i in range(int(math.log2(num_warps)))]
+    return gl.DistributedLinearLayout(reg, lane, warp, [], [block_n, block_k // 8, 4])
+
+
+@gluon.jit
+def _load_params(
+    scale_ptr,
+    zero_ptr,
+    offs_n,
+    mask_n,
+    tile,
+    K,
+    scale_row_stride,
+    zero_row_stride,
+    GROUP: gl.constexpr,
+    HAS_ZERO: gl.constexpr,
+    MAGIC_F: gl.constexpr,
+    BLOCK_K: gl.constexpr,
+):
+    """(s, BIAS + z) [BLOCK_N] in the activation dtype of the first and the last group of K tile ``tile``
+    (one group when groups hold whole tiles; two when a tile holds two groups)."""
+    g0 = (tile * BLOCK_K) // GROUP
+    g1 = (tile * BLOCK_K + BLOCK_K - 1) // GROUP
+    s0, z0 = _group_params(
+        scale_ptr,
+        zero_ptr,
+        offs_n,
+        mask_n,
+        g0,
+        K,
+        scale_row_stride,
+        zero_row_stride,
+        GROUP,
+        HAS_ZERO,
+        MAGIC_F,
+    )
+    if BLOCK_K > GROUP:
+        s1, z1 = _group_params(
+            scale_ptr,
+            zero_ptr,
+            offs_n,
+            mask_n,
+            g1,
+            K,
+            scale_row_stride,
+            zero_row_stride,
+            GROUP,
+            HAS_ZERO,
+            MAGIC_F,
+        )
+    else:
+        s1, z1 = s0, z0
+    return s0, z0, s1, z1
+
+
+@gluon.jit
+def _group_params(
+    scale_ptr,
+    zero_ptr,
+    offs_n,
+    mask_n,
+    g,
+    K,
+    scale_row_stride,
+    zero_row_stride,
+    GROUP: gl.constexpr,
+    HAS_ZERO: gl.constexpr,
+    MAGIC_F: gl.constexpr,
+):
+    ok = mask_n & (g < gl.cdiv(K, GROUP))
+    s = gl.load(scale_ptr + offs_n.to(gl.int64) * scale_row_stride + g, mask=ok, other=0.0)
+    if HAS_ZERO:
+        zw = gl.load(zero_ptr + (offs_n // 8) * zero_row_stride + g, mask=ok, other=0)
+        z = (zw >> ((offs_n % 8) * 4)) & 0xF
+    else:
+        z = gl.zeros_like(offs_n) + 8
+    return s, (z.to(gl.float32) + MAGIC_F).to(s.dtype)  # exact: small integers
+
+
+@gluon.jit
+def _twice(v):
+    """A 16-bit value as both halves of an int32 (a bf16x2 / f16x2 register)."""
+    return (v.to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF) * 0x10001
+
+
+@gluon.jit
+def _operand(
+    w_smem,
+    params,
+    shift,
+    dtype: gl.constexpr,
+    w_layout: gl.constexpr,
+    a_layout: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    BLOCK_K: gl.constexpr,
+):
+    """A K tile's words in shared memory -> its [BLOCK_N, BLOCK_K] A operand in ``a_layout``, in registers:
+    each thread reads the words its fragment needs and keeps one value pair of each, which is one fragment
+    register after the (q + BIAS - (BIAS + z)) * s of :data:`_PAIR_ASM`."""
+    W: gl.constexpr = BLOCK_K // 8
+    h = w_smem.load(gl.SliceLayout(2, w_layout))  # [BLOCK_N, W]
+    s0, z0, s1, z1 = params
+    s = gl.expand_dims(_twice(s0), 1)
+    z = gl.expand_dims(_twice(z0), 1)
+    if BLOCK_K // 8 > 1:
+        words = gl.arange(0, W, layout=gl.SliceLayout(0, gl.SliceLayout(2, w_layout)))
+        later = gl.expand_dims(words >= W // 2, 0)
+        s = gl.where(later, gl.expand_dims(_twice(s1), 1), s)  # two groups a tile: the second half's
+        z = gl.where(later, gl.expand_dims(_twice(z1), 1), z)
+    h, shift = gl.broadcast(gl.expand_dims(h, 2), shift)
+    s, _ = gl.broadcast(gl.expand_dims(s, 2), shift)
+    z, _ = gl.broadcast(gl.expand_dims(z, 2), shift)
+    if dtype == gl.bfloat16:
+        asm: gl.constexpr = _PAIR_BF16
+    else:
+        asm: gl.constexpr = _PAIR_F16
+    pairs = gl.inline_asm_elementwise(
+        asm, "=r,r,r,r,r", [h, shift, z, s], dtype=gl.int32, is_pure=True, pack=1
+    )
+    pairs = gl.reshape(pairs, [BLOCK_N, BLOCK_K // 2])
+    halves = gl.join(pairs.to(gl.int16), (pairs >> 16).to(gl.int16))
+    w = gl.reshape(halves, [BLOCK_N, BLOCK_K]).to(dtype, bitcast=True)
+    return gl.convert_layout(w, a_layout, assert_trivial=True)
+
+
+@gluon.jit
+def _issue(
+    x_desc,
+    w_desc,
+    x_smem,
+    w_smem,
+    ready,
+    i,
+    first,
+    off_m,
+    off_n,
+    pred,
+    BLOCK_K: gl.constexpr,
+    STAGES: gl.constexpr,
+):
+    """Start the activation and word loads of this program's i-th K tile (tile ``first + i``) into its stage
+    (TMA; zeros past the edges)."""
+    stage = i % STAGES
+    tile = first + i
+    bar = ready.index(stage)
+    mbarrier.expect(bar, x_desc.block_type.nbytes + w_desc.block_type.nbytes, pred=pred)
+    tma.async_copy_global_to_shared(x_desc, [off_m, tile * BLOCK_K], bar, x_smem.index(stage), pred=pred)
+    tma.async_copy_global_to_shared(
+        w_desc, [off_n, tile * (BLOCK_K // 8)], bar, w_smem.index(stage), pred=pred
+    )
+
+
+@gluon.jit
+def _step(
+    i,
+    first,
+    n_local,
+    a,
+    a_prev,
+    acc,
+    params,
+    params_next,
+    x_desc,
+    w_desc,
+    x_smem,
+    w_smem,
+    ready,
+    scale_ptr,
+    zero_ptr,
+    offs_n,
+    mask_n,
+    shift,
+    off_m,
+    off_n,
+    K,
+    scale_row_stride,
+    zero_row_stride,
+    GROUP: gl.constexpr,
+    HAS_ZERO: gl.constexpr,
+    MAGIC_F: gl.constexpr,
+    w_layout: gl.constexpr,
+    a_layout: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    BLOCK_K: gl.constexpr,
+    STAGES: gl.constexpr,
+):
+    """This program's K tile i (of ``n_local``, from tile ``first``): its products start on operand ``a``;
+    once tile i - 1's (operand ``a_prev``) are done, their stage is refilled and tile i + 1's operand is
+    made, in the registers ``a_prev`` held, while tile i's products run. ``params``: tile i + 1's scales
+    and zero points; ``params_next``: tile i + 2's, in flight. Returns (acc, tile i + 1's operand, tile
+    i + 2's params, tile i + 3's)."""
+    stage = i % STAGES
+    acc = warpgroup_mma(a, x_smem.index(stage).permute((1, 0)), acc, is_async=True)
+    acc, a_prev = warpgroup_mma_wait(num_outstanding=1, deps=[acc, a_prev])
+    gl.thread_barrier()  # both warpgroups are past tile i - 1: its stage is free
+    refill = i + STAGES - 1
+    _issue(
+        x_desc, w_desc, x_smem, w_smem, ready, refill, first, off_m, off_n, refill < n_local, BLOCK_K, STAGES
+    )
+    params_after = _load_params(
+        scale_ptr,
+        zero_ptr,
+        offs_n,
+        mask_n,
+        first + i + 3,
+        K,
+        scale_row_stride,
+        zero_row_stride,
+        GROUP,
+        HAS_ZERO,
+        MAGIC_F,
+        BLOCK_K,
+    )
+    nxt = (i + 1) % STAGES
+    # (the last step makes an operand nobody uses, from whatever its stage holds: no tile i + 1 was loaded)
+    mbarrier.wait(ready.index(nxt), ((i + 1) // STAGES) & 1, pred=i + 1 < n_local)
+    a_next = _operand(w_smem.index(nxt), params, shift, x_desc.dtype, w_layout, a_layout, BLOCK_N, BLOCK_K)
+    return acc, a_next, params_next, params_after
+
+
+@gluon.jit
+def _prefill_wgmma_kernel(
+    x_desc,  # TMA descriptor of x [M, K], blocks [BLOCK_M, BLOCK_K]
+    w_desc,  # TMA descriptor of the packed weight [N, K / 8] int32, blocks [BLOCK_N, BLOCK_K / 8]
+    scale_ptr,  # [N, ceil(K / GROUP)], the activation dtype
+    zero_ptr,  # [ceil(N / 8), ceil(K / GROUP)] int32 packed zero points (only when HAS_ZERO)
+    y_ptr,  # [M, N]: the activation dtype, or fp32 partial sums (MODE 1)
+    ws_ptr,  # fp32 workspace, zero between calls (MODE 2)
+    count_ptr,  # int32 arrivals per output tile, zero between calls (MODE 2)
+    M,
+    N,
+    K,
+    scale_row_stride,
+    zero_row_stride,
+    y_row_stride,
+    tiles_per_split,  # even where K is split, so that only the last split pads its tile count
+    n_splits,
+    MODE: gl.constexpr,  # how split-K partials meet (as _write_tile): 0 no split, 1 fp32 atomics, 2 workspace
+    GROUP: gl.constexpr,
+    HAS_ZERO: gl.constexpr,
+    MAGIC_F: gl.constexpr,  # 128.0 (bf16) or 1024.0 (fp16): the value of the bits OR-ed over each q
+    BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    BLOCK_K: gl.constexpr,
+    STAGES: gl.constexpr,
+    num_warps: gl.constexpr,
+):
+    dtype: gl.constexpr = x_desc.dtype
+    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_M, 16]
+    )
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=2)
+    w_layout: gl.constexpr = _word_layout(BLOCK_N, BLOCK_K, num_warps)
+
+    pid = gl.program_id(0)
+    tiles_m = gl.cdiv(M, BLOCK_M)
+    pid_m = pid % tiles_m  # programs sharing a weight tile run together
+    pid_n = pid // tiles_m
+    off_m = pid_m * BLOCK_M
+    off_n = pid_n * BLOCK_N
+    offs_n = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, gl.SliceLayout(2, w_layout)))
+    mask_n = offs_n < N
+    p = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, w_layout)))
+    shift = gl.expand_dims(gl.expand_dims(p * 8, 0), 1)  # [1, 1, 4]: pair p of a word at bit 8 p
+    first = gl.program_id(1) * tiles_per_split
+    count = gl.minimum(tiles_per_split, gl.cdiv(K, BLOCK_K) - first)
+    n_local = count + count % 2  # even (a zero tile past K where odd)
+
+    x_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], x_desc.layout)
+    w_smem = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N, BLOCK_K // 8], w_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+    for s in gl.static_range(STAGES - 1):
+        _issue(x_desc, w_desc, x_smem, w_smem, ready, s, first, off_m, off_n, s < n_local, BLOCK_K, STAGES)
+
+    params = _load_params(
+        scale_ptr,
+        zero_ptr,
+        offs_n,
+        mask_n,
+        first + 0,
+        K,
+        scale_row_stride,
+        zero_row_stride,
+        GROUP,
+        HAS_ZERO,
+        MAGIC_F,
+        BLOCK_K,
+    )
+    params1 = _load_params(
+        scale_ptr,
+        zero_ptr,
+        offs_n,
+        mask_n,
+        first + 1,
+        K,
+        scale_row_stride,
+        zero_row_stride,
+        GROUP,
+        HAS_ZERO,
+        MAGIC_F,
+        BLOCK_K,
+    )
+    params2 = _load_params(
+        scale_ptr,
+        zero_ptr,
+        offs_n,
+        mask_n,
+        first + 2,
+        K,
+        scale_row_stride,
+        zero_row_stride,
+        GROUP,
+        HAS_ZERO,
+        MAGIC_F,
+        BLOCK_K,
+    )
+    mbarrier.wait(ready.index(0), 0)
+    a0 = _operand(w_smem.index(0), params, shift, dtype, w_layout, a_layout, BLOCK_N, BLOCK_K)
+    a1 = a0
+    acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma_layout)
+    # Two tiles an iteration, so that the operands of consecutive tiles are distinct registers (a loop-carried
+    # operand would be rewritten in place while its products may still read it, and ptxas then runs every
+    # product synchronously). The tile count is rounded up to even; the extra tile is zeros.
+    for i in range(0, n_local, 2):
+        acc, a1, params1, params2 = _step(
+            i,
+            first,
+            n_local,
+            a0,
+            a1,
+            acc,
+            params1,
+            params2,
+            x_desc,
+            w_desc,
+            x_smem,
+            w_smem,
+            ready,
+            scale_ptr,
+            zero_ptr,
+            offs_n,
+            mask_n,
+            shift,
+            off_m,
+            off_n,
+            K,
+            scale_row_stride,
+            zero_row_stride,
+            GROUP,
+            HAS_ZERO,
+            MAGIC_F,
+            w_layout,
+            a_layout,
+            BLOCK_N,
+            BLOCK_K,
+            STAGES,
+        )
+        acc, a0, params1, params2 = _step(
+            i + 1,
+            first,
+            n_local,
+            a1,
+            a0,
+            acc,
+            params1,
+            params2,
+            x_desc,
+            w_desc,
+            x_smem,
+            w_smem,
+            ready,
+            scale_ptr,
+            zero_ptr,
+            offs_n,
+            mask_n,
+            shift,
+            off_m,
+            off_n,
+            K,
+            scale_row_stride,
+            zero_row_stride,
+            GROUP,
+            HAS_ZERO,
+            MAGIC_F,
+            w_layout,
+            a_layout,
+            BLOCK_N,
+            BLOCK_K,
+            STAGES,
+        )
+    acc, a0, a1 = warpgroup_mma_wait(num_outstanding=0, deps=[acc, a0, a1])
+    for s in gl.static_range(STAGES):
+        mbarrier.invalidate(ready.index(s))
+
+    out_layout: gl.constexpr = gl.BlockedLayout([8, 1], [16, 2], [1, num_warps], [0, 1])
+    rows_n = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, out_layout))
+    rows_m = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, out_layout))
+    at = gl.expand_dims(rows_m.to(gl.int64) * y_row_stride, 0) + gl.expand_dims(rows_n, 1)
+    mask = gl.expand_dims(rows_n < N, 1) & gl.expand_dims(rows_m < M, 0)
+    if MODE == 0:
+        gl.store(y_ptr + at, gl.convert_layout(acc.to(dtype), out_layout), mask=mask)
+    elif MODE == 1:
+        gl.atomic_add(y_ptr + at, gl.convert_layout(acc, out_layout), mask=mask, sem="relaxed")
+    else:  # as _write_tile's MODE 2: the tile's last split stores the sum and leaves the workspace clean
+        gl.atomic_add(ws_ptr + at, gl.convert_layout(acc, out_layout), mask=mask, sem="relaxed")
+        gl.thread_barrier()  # every thread's partial is in before the (releasing) count below
+        tile = count_ptr + pid
+        if gl.atomic_add(tile, 1, sem="acq_rel") == n_splits - 1:
+            gl.thread_barrier()
+            zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, out_layout)
+            total = gl.atomic_add(ws_ptr + at, zero, mask=mask, sem="relaxed")  # strong reads, at L2
+            gl.store(y_ptr + at, total.to(dtype), mask=mask)
+            gl.store(ws_ptr + at, zero, mask=mask)
+            gl.store(tile, 0)
+
+
+def supported(
+    x2: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    group_size: int,
+    bits: int,
+    block_k: int = 64,
+) -> bool:
+    """Whether :func:`prefill` takes these inputs (see the module doc's scope); TMA also needs 16-byte
+    aligned rows."""
+    return (
+        bits == 4
+        and x2.dtype in (torch.bfloat16, torch.float16)
+        and scales.dtype == x2.dtype
+        and (block_k % group_size == 0 or group_size % block_k == 0)
+        and group_size % 8 == 0
+        and (block_k <= group_size or block_k == 2 * group_size)
+        and x2.shape[-1] % 32 == 0  # the words' rows, 16-byte aligned for TMA
+        and x2.shape[-1] > 0
+        and qweight.stride(-1) == 1
+        and (qweight.stride(0) * 4) % 16 == 0
+        and x2.stride(-1) == 1
+        and (x2.stride(0) * x2.element_size()) % 16 == 0
+        and x2.data_ptr() % 16 == 0
+    )
+
+
+def launch(
+    x2,
+    qweight,
+    scales,
+    zeros,
+    group_size,
+    y,
+    ws,
+    counts,
+    *,
+    block_m,
+    split=1,
+    mode=0,
+    block_n=128,
+    block_k=64,
+    stages=4,
+    num_warps=8,
+) -> None:
+    """y [M, N] = x2 [M, K] @ dequantize(W).T on the Gluon kernel, K split ``split`` ways (the partial tiles
+    meet as ``mode`` says, in ``y`` (fp32, zeroed) or in the clean workspace ``ws``/``counts``)."""
+    m, k_in = x2.shape
+    n_out = qweight.shape[0]
+    tiles = triton.cdiv(k_in, block_k)
+    tiles_per_split = triton.cdiv(tiles, split)
+    tiles_per_split += tiles_per_split % 2 if split > 1 else 0
+    split = triton.cdiv(tiles, tiles_per_split)
+    gl_dtype = gl.bfloat16 if x2.dtype == torch.bfloat16 else gl.float16
+    x_desc = TensorDescriptor.from_tensor(
+        x2, [block_m, block_k], gl.NVMMASharedLayout.get_default_for([block_m, block_k], gl_dtype)
+    )
+    w_desc = TensorDescriptor.from_tensor(
+        qweight,
+        [block_n, block_k // 8],
+        gl.NVMMASharedLayout.get_default_for([block_n, block_k // 8], gl.int32),
+    )
+    zero_arg = zeros if zeros is not None else qweight
+    grid = (triton.cdiv(m, block_m) * triton.cdiv(n_out, block_n), split)
+    _prefill_wgmma_kernel[grid](
+        x_desc,
+        w_desc,
+        scales,
+        zero_arg,
+        y,
+        ws,
+        counts,
+        m,
+        n_out,
+        k_in,
+        scales.stride(0),
+        zero_arg.stride(0),
+        y.stride(0),
+        tiles_per_split,
+        split,
+        MODE=mode if split > 1 else 0,
+        GROUP=group_size,
+        HAS_ZERO=zeros is not None,
+        MAGIC_F=128.0 if x2.dtype == torch.bfloat16 else 1024.0,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        STAGES=stages,
+        num_warps=num_warps,
+    )
+
+
+def prefill(x2, qweight, scales, zeros, group_size, *, block_m=128, split=1, stages=4) -> torch.Tensor:
+    """:func:`launch` into a new output (split-K partial sums in fp32, then cast): for probes and tests."""
+    m, n_out = x2.shape[0], qweight.shape[0]
+    if split == 1:
+        y = torch.empty((m, n_out), dtype=x2.dtype, device=x2.device)
+        launch(x2, qweight, scales, zeros, group_size, y, y, y, block_m=block_m, stages=stages)
+        return y
+    y = torch.zeros((m, n_out), dtype=torch.float32, device=x2.device)
+    launch(
+        x2, qweight, scales, zeros, group_size, y, y, y, block_m=block_m, split=split, mode=1, stages=stages
+    )
+    return y.to(x2.dtype)

@@ -1,0 +1,131 @@
+"""Issue 16 item 2: the Gluon prefill GEMM (kernels/ops/quant_matmul_gluon.py) against cuBLAS bf16, the
+prefill paths before it (the Triton GEMM or dequantize + cuBLAS) and quant_matmul's auto choice.
+Correctness first (every tiling, tails, groups, zero points, fp16), then GPU time of cold weights in CUDA
+graphs, as bench_quant_matmul.py times them.
+
+    python tests/gpu/gluon_prefill_probe.py [--check-only] [--ms 128,512] [--tiles 128:4:1,256:4:2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import math
+
+import torch
+from triton.testing import do_bench_cudagraph
+
+import squeezeserve.kernels as K
+from squeezeserve.kernels import quant_layout
+from squeezeserve.kernels.ops import quant_matmul as qm
+from squeezeserve.kernels.ops import quant_matmul_gluon as qg
+
+# The 8B model's four GEMMs (N, K): qkv_proj, o_proj, gate_up, down; and 14336^2.
+SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (14336, 14336)]
+COLD_BYTES = 256 * 2**20
+
+
+def packed(n, k, group, zeros, dtype=torch.bfloat16, seed=0):
+    torch.manual_seed(seed)
+    weight = torch.randn(n, k, device="cuda", dtype=dtype) / 64
+    t = quant_layout.pack_weight(weight, 4, group, symmetric=not zeros)
+    qw, sc = t["weight_packed"], t["weight_scale"].to(dtype)
+    zp = t.get("weight_zero_point")
+    dense = quant_layout.dequantize(qw, sc, zp, (n, k), group, 4).to(dtype)
+    return qw, sc, zp, dense
+
+
+def check():
+    cases = [  # (m, n, k, group, zeros, dtype, tiles)
+        (128, 4096, 4096, 128, False, torch.bfloat16, (128, 128, 4)),
+        (200, 4160, 4096, 128, True, torch.bfloat16, (128, 128, 4)),  # M and N tails
+        (77, 1024, 4160, 32, True, torch.bfloat16, (64, 128, 3)),  # K tail, odd tile count
+        (512, 2048, 2048, 32, False, torch.bfloat16, (256, 128, 4)),
+        (256, 2048, 2048, 64, True, torch.float16, (128, 128, 4)),
+        (300, 2048, 14336, 128, True, torch.bfloat16, (256, 128, 3)),
+        (128, 4096, 4096, 256, False, torch.bfloat16, (128, 128, 4)),
+        (130, 1024, 4128, 32, True, torch.bfloat16, (128, 128, 4)),  # K tail inside a tile
+    ]
+    worst = 0.0
+    for m, n, k, group, zeros, dtype, (bm, bn, stages) in cases:
+        qw, sc, zp, dense = packed(n, k, group, zeros, dtype)
+        x = torch.randn(m, k, device="cuda", dtype=dtype)
+        y = qg.prefill(x, qw, sc, zp, group, block_m=bm, block_n=bn, stages=stages).float()
+        torch.cuda.synchronize()
+        ref = (x @ dense.t()).float()
+        err = ((y - ref).norm() / ref.norm()).item()
+        worst = max(worst, err)
+        print(
+            f"check m={m} n={n} k={k} g={group} zeros={zeros} {dtype} tiles {bm}x{bn} s{stages}: "
+            f"rel err {err:.2e}",
+            flush=True,
+        )
+        assert err < 2e-3, err
+    print(f"check: all {len(cases)} cases within 2e-3 (worst {worst:.2e})")
+
+
+def cycle(fns):
+    it = itertools.cycle(fns)
+    return lambda: next(it)()
+
+
+def bench(ms, groups, tiles, zeros_too):
+    for group, (n, k) in itertools.product(groups, SHAPES):
+        for zeros in (False, True) if zeros_too else (False,):
+            qw, sc, zp, dense = packed(n, k, group, zeros)
+            copies = max(1, min(64, math.ceil(COLD_BYTES / (qw.numel() * 4))))
+            packs = [(qw, sc, zp)] + [(qw.clone(), sc.clone(), zp) for _ in range(copies - 1)]
+            dcopies = max(1, min(64, math.ceil(COLD_BYTES / (dense.numel() * 2))))
+            denses = [dense] + [dense.clone() for _ in range(dcopies - 1)]
+            for m in ms:
+                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                t_bf16 = do_bench_cudagraph(cycle([lambda d=d, x=x: x @ d.t() for d in denses]), rep=40)
+                ship = [lambda p=p, x=x, g=group: K.quant_matmul(x, p[0], p[1], p[2], g, 4) for p in packs]
+                saved = qm.GLUON_PREFILL_MAX_M, qm.GLUON_PREFILL_MAX_M_SMALL_GROUP
+                qm.GLUON_PREFILL_MAX_M = qm.GLUON_PREFILL_MAX_M_SMALL_GROUP = 0  # the paths before Gluon
+                t_ship = do_bench_cudagraph(cycle(ship), rep=40)
+                qm.GLUON_PREFILL_MAX_M, qm.GLUON_PREFILL_MAX_M_SMALL_GROUP = saved
+                t_auto = do_bench_cudagraph(cycle(ship), rep=40)
+                row = []
+                for bm, stages, split in tiles:
+                    fn = cycle(
+                        [
+                            lambda p=p, x=x, g=group, bm=bm, st=stages, sp=split: qg.prefill(
+                                x, p[0], p[1], p[2], g, block_m=bm, stages=st, split=sp
+                            )
+                            for p in packs
+                        ]
+                    )
+                    try:
+                        t = do_bench_cudagraph(fn, rep=40)
+                    except Exception as exc:
+                        row.append(f"m{bm}s{stages}k{split} {type(exc).__name__}")
+                        continue
+                    flops = 2 * m * n * k / t / 1e9
+                    row.append(f"m{bm}s{stages}k{split} {t * 1e3:.1f}us {t_bf16 / t:.2f}x {flops:.0f}TF")
+                print(
+                    f"m={m} n={n} k={k} g={group} zp={int(zeros)}: bf16 {t_bf16 * 1e3:.1f}us | shipped "
+                    f"{t_ship * 1e3:.1f}us {t_bf16 / t_ship:.2f}x | auto {t_auto * 1e3:.1f}us "
+                    f"{t_bf16 / t_auto:.2f}x | gluon " + "; ".join(row),
+                    flush=True,
+                )
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--check-only", action="store_true")
+    p.add_argument("--ms", default="128,256,512,2048,8192")
+    p.add_argument("--groups", default="128,32")
+    p.add_argument("--tiles", default="128:4:1,256:4:1", help="BLOCK_M:STAGES:SPLIT triples")
+    p.add_argument("--zeros", action="store_true", help="also time asymmetric weights")
+    a = p.parse_args()
+    print(torch.cuda.get_device_name(), torch.__version__, flush=True)
+    check()
+    if a.check_only:
+        return
+    tiles = [tuple(int(v) for v in t.split(":")) for t in a.tiles.split(",")] if a.tiles else []
+    bench([int(v) for v in a.ms.split(",")], [int(g) for g in a.groups.split(",")], tiles, a.zeros)
+
+
+if __name__ == "__main__":
+    main()

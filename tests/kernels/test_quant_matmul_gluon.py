@@ -1,0 +1,90 @@
+"""The Gluon prefill GEMM (kernels/ops/quant_matmul_gluon.py): which calls take it, and, on a Hopper GPU,
+that it computes dequantize + matmul. Gluon has no interpreter: the products run only where sm_90 does
+(tests/gpu/gluon_prefill_probe.py runs the same checks and the timings on the H100)."""
+
+import pytest
+import torch
+
+from squeezeserve.kernels import functional as K
+from squeezeserve.kernels import quant_layout as ql
+from squeezeserve.kernels.ops import quant_matmul as qm
+from squeezeserve.kernels.ops import quant_matmul_gluon as qg
+
+
+def _hopper() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+needs_hopper = pytest.mark.skipif(not _hopper(), reason="Gluon's wgmma kernel runs on sm_90 only")
+
+
+def _packed(n, k, group, zeros, dtype=torch.bfloat16, device="cpu"):
+    torch.manual_seed(n + k + group)
+    t = ql.pack_weight(torch.randn(n, k) / 64, 4, group, symmetric=not zeros)
+    qw, sc = t["weight_packed"].to(device), t["weight_scale"].to(device=device, dtype=dtype)
+    zp = t["weight_zero_point"].to(device) if zeros else None
+    return qw, sc, zp
+
+
+def test_supported_inputs():
+    qw, sc, _ = _packed(256, 4096, 128, False)
+    x = torch.zeros(128, 4096, dtype=torch.bfloat16)
+    assert qg.supported(x, qw, sc, 128, 4)
+    assert qg.supported(x, qw, sc, 32, 4)  # two groups a 64-deep K tile
+    assert not qg.supported(x, qw, sc, 16, 4)  # four groups a tile: not built
+    assert not qg.supported(x, qw, sc.float(), 128, 4)  # scales in another dtype than the activations
+    assert not qg.supported(x, qw, sc, 128, 8)  # int8
+    assert not qg.supported(x.float(), qw, sc.float(), 128, 4)
+    x_odd = torch.zeros(
+        128, 4112, dtype=torch.bfloat16
+    )  # K % 32 != 0: the words' rows are not 16-byte aligned
+    assert not qg.supported(x_odd, torch.zeros(256, 514, dtype=torch.int32), sc, 128, 4)
+    assert not qg.supported(torch.zeros(128, 8192, dtype=torch.bfloat16)[:, ::2], qw, sc, 128, 4)
+
+
+def test_cpu_calls_never_take_it(monkeypatch):
+    monkeypatch.setattr(qm, "PREFILL", "gluon")
+    qw, sc, _ = _packed(256, 4096, 128, False)
+    assert not qm._gluon_prefill(torch.zeros(128, 4096, dtype=torch.bfloat16), qw, sc, None, 128, 4)
+
+
+def test_gluon_tiles_measured_choices():
+    # 128 rows: one 128-row wgmma a program; more: 256. K splits fill the 132 SMs where the tiles do not,
+    # keeping 16 K tiles a split at least.
+    assert qm.gluon_tiles(128, 14336, 14336, 132) == {"block_m": 128, "split": 1}
+    assert qm.gluon_tiles(128, 4096, 14336, 132) == {"block_m": 128, "split": 4}
+    assert qm.gluon_tiles(512, 4096, 4096, 132) == {"block_m": 256, "split": 2}
+    assert qm.gluon_tiles(512, 28672, 4096, 132) == {"block_m": 256, "split": 1}
+    assert qm.gluon_tiles(256, 4096, 1024, 132) == {"block_m": 256, "split": 1}  # 16 K tiles: no split
+
+
+@needs_hopper
+@pytest.mark.parametrize(
+    ("m", "n", "k", "group", "zeros", "dtype"),
+    [
+        (128, 4096, 4096, 128, False, torch.bfloat16),
+        (200, 4160, 4096, 128, True, torch.bfloat16),  # M and N tails
+        (77, 4096, 4160, 32, True, torch.bfloat16),  # odd K tile count: a zero tile pads it
+        (130, 4096, 4128, 32, True, torch.bfloat16),  # K ends inside a tile
+        (512, 6144, 4096, 32, False, torch.bfloat16),
+        (256, 4096, 2048, 64, True, torch.float16),
+        (300, 4096, 14336, 128, True, torch.bfloat16),
+        (2048, 8192, 4096, 256, False, torch.bfloat16),
+    ],
+)
+def test_gluon_prefill_is_dequantize_then_matmul(m, n, k, group, zeros, dtype, monkeypatch):
+    monkeypatch.setattr(qm, "PREFILL", "gluon")
+    qw, sc, zp = _packed(n, k, group, zeros, dtype, "cuda")
+    x = torch.randn(m, k, device="cuda", dtype=dtype)
+    assert qm._gluon_prefill(x, qw, sc, zp, group, 4)
+    ref = (x @ ql.dequantize(qw, sc, zp, (n, k), group, 4).to(dtype).t()).float()
+    for _ in range(2):  # the second call replays nothing: a launch plan cannot hold this launch
+        y = K.quant_matmul(x, qw, sc, zp, group, 4).float()
+        assert ((y - ref).norm() / ref.norm()).item() < 2e-3
+    for split, mode in ((1, 0), (3, 1), (4, 2)):  # every way the K splits meet, directly
+        ws, counts = qm._workspace(x.device, m * n, 4096)
+        out = torch.zeros((m, n), device="cuda", dtype=torch.float32 if mode == 1 else dtype)
+        qg.launch(x, qw, sc, zp, group, out, ws, counts, block_m=128, split=split, mode=mode)
+        err = ((out.float() - ref).norm() / ref.norm()).item()
+        assert err < 2e-3, (split, mode, err)
+    assert all(not t.any() for t in qm.workspace_buffers())  # the last split of each tile cleaned up
