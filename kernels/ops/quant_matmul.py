@@ -43,10 +43,13 @@ SKINNY_MAX_M = 64
 # Triton GEMM while their dense weights cost cuBLAS little (int4-serve run f: c=64 0.86x Marlin's tokens/s).
 PREFILL = "auto"
 # On Hopper, "auto" runs the Gluon GEMM (quant_matmul_gluon.py: dequantization overlapped with the tensor
-# cores' products) where it takes the inputs, up to GLUON_PREFILL_MAX_M rows (GLUON_PREFILL_MAX_M_SMALL_GROUP
-# for groups under 64 values), outputs at least TRITON_PREFILL_MIN_N_ANY wide; "gluon" forces it wherever it
-# takes the inputs. Measured by tests/gpu/gluon_prefill_probe.py (H100, 2026-11-25; NOTES.md).
-GLUON_PREFILL_MAX_M, GLUON_PREFILL_MAX_M_SMALL_GROUP = 2048, 1024
+# cores' products) where it takes the inputs and was measured faster than the paths above
+# (tests/gpu/gluon_prefill_probe.py, H100, 2026-11-25; NOTES.md): outputs at least TRITON_PREFILL_MIN_N wide
+# up to GLUON_PREFILL_MAX_M rows (GLUON_PREFILL_MAX_M_SMALL_GROUP for groups under 64 values; 128 rows
+# of 14336^2 g128 1.18x bf16 against the Triton GEMM's 1.05x, 512 rows 0.95x against 0.77x), and narrower
+# ones (down to TRITON_PREFILL_MIN_N_ANY) from 257 rows with groups of 64 or more (512 rows of 4096^2 0.73x
+# against 0.70x, of 4096 x 14336 0.76x against 0.69x). "gluon" forces it wherever it takes the inputs.
+GLUON_PREFILL_MAX_M, GLUON_PREFILL_MAX_M_SMALL_GROUP = 2048, 512
 TRITON_PREFILL_MAX_M, TRITON_PREFILL_WIDE_MAX_M = 256, 512
 TRITON_PREFILL_MIN_N, TRITON_PREFILL_MIN_N_ANY, TRITON_PREFILL_MIN_K = 8192, 4096, 8192
 # Rows up to which the FMA kernel beats the tensor-core one where groups align to its GEMV_BLOCK_K tiles and
@@ -301,17 +304,27 @@ def _gluon_prefill(x2, qweight, scales, zeros, group_size, bits) -> bool:
         return False
     if PREFILL == "gluon":
         return True
-    m, n_out = x2.shape[0], qweight.shape[0]
-    most = GLUON_PREFILL_MAX_M if group_size >= 64 else GLUON_PREFILL_MAX_M_SMALL_GROUP
-    return m <= most and n_out >= TRITON_PREFILL_MIN_N_ANY
+    return gluon_in_auto(x2.shape[0], qweight.shape[0], group_size)
+
+
+def gluon_in_auto(m: int, n_out: int, group_size: int) -> bool:
+    """Whether ``PREFILL="auto"`` runs ``m`` rows of this weight on the Gluon GEMM (PREFILL's comment)."""
+    if n_out >= TRITON_PREFILL_MIN_N:
+        return m <= (GLUON_PREFILL_MAX_M if group_size >= 64 else GLUON_PREFILL_MAX_M_SMALL_GROUP)
+    return n_out >= TRITON_PREFILL_MIN_N_ANY and group_size >= 64 and 256 < m <= GLUON_PREFILL_MAX_M
 
 
 def gluon_tiles(m: int, n_out: int, k_in: int, sms: int) -> dict:
-    """Rows a program and K splits of the Gluon GEMM: 128 rows (one wgmma of 128) up to 128 rows, else 256;
-    K split until the programs fill about one wave (fill_split), keeping at least 16 K tiles a split."""
-    block_m = 128 if m <= 128 else 256
-    tiles = cdiv(n_out, 128) * cdiv(m, block_m)
-    split = min(fill_split(tiles, sms), max(1, cdiv(k_in, 64) // 16))
+    """Rows a program and K splits of the Gluon GEMM (gluon_prefill_probe.py, H100). 128 rows (one wgmma of
+    128) up to 128 rows; more: 256, unless that leaves over half the SMs idle where K is short (512 rows of
+    4096^2: 0.73x bf16 on 128-row tiles, 0.58x on 256). K splits fill the SMs (fill_split) only where each
+    split keeps 64 K tiles: at K = 4096 two splits cost more than the idle SMs (4096^2, 512 rows: 0.53x
+    against 0.73x unsplit), at K = 14336 they pay (4096 x 14336, 512 rows: 0.76x against 0.57x)."""
+    k_tiles = cdiv(k_in, 64)
+    block_m = 128
+    if m > 128 and (cdiv(n_out, 128) * cdiv(m, 256) >= sms // 2 or k_tiles >= 128):
+        block_m = 256
+    split = min(fill_split(cdiv(n_out, 128) * cdiv(m, block_m), sms), max(1, k_tiles // 64))
     return {"block_m": block_m, "split": split}
 
 

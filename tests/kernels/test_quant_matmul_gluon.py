@@ -49,13 +49,27 @@ def test_cpu_calls_never_take_it(monkeypatch):
 
 
 def test_gluon_tiles_measured_choices():
-    # 128 rows: one 128-row wgmma a program; more: 256. K splits fill the 132 SMs where the tiles do not,
-    # keeping 16 K tiles a split at least.
+    # (gluon_prefill_probe.py on the H100: NOTES.md, 2026-11-25)
     assert qm.gluon_tiles(128, 14336, 14336, 132) == {"block_m": 128, "split": 1}
-    assert qm.gluon_tiles(128, 4096, 14336, 132) == {"block_m": 128, "split": 4}
-    assert qm.gluon_tiles(512, 4096, 4096, 132) == {"block_m": 256, "split": 2}
-    assert qm.gluon_tiles(512, 28672, 4096, 132) == {"block_m": 256, "split": 1}
-    assert qm.gluon_tiles(256, 4096, 1024, 132) == {"block_m": 256, "split": 1}  # 16 K tiles: no split
+    assert qm.gluon_tiles(128, 28672, 4096, 132) == {"block_m": 128, "split": 1}
+    assert qm.gluon_tiles(256, 14336, 14336, 132) == {"block_m": 256, "split": 1}
+    assert qm.gluon_tiles(512, 4096, 4096, 132) == {"block_m": 128, "split": 1}  # 256-row tiles: 64 programs
+    assert qm.gluon_tiles(512, 6144, 4096, 132) == {"block_m": 256, "split": 1}
+    assert qm.gluon_tiles(512, 4096, 14336, 132) == {"block_m": 256, "split": 2}  # K long: splits pay
+    assert qm.gluon_tiles(128, 4096, 14336, 132) == {
+        "block_m": 128,
+        "split": 3,
+    }  # 64 K tiles a split at least
+    assert qm.gluon_tiles(2048, 4096, 4096, 132) == {"block_m": 256, "split": 1}
+
+
+def test_gluon_in_auto_measured_choices():
+    assert qm.gluon_in_auto(128, 14336, 128) and qm.gluon_in_auto(2048, 28672, 128)
+    assert not qm.gluon_in_auto(4096, 14336, 128)  # dequantize + cuBLAS from 4096 rows
+    assert qm.gluon_in_auto(512, 14336, 32) and not qm.gluon_in_auto(1024, 14336, 32)
+    assert not qm.gluon_in_auto(256, 4096, 128) and qm.gluon_in_auto(512, 4096, 128)
+    assert not qm.gluon_in_auto(512, 4096, 32)  # narrow with small groups: the paths before
+    assert not qm.gluon_in_auto(512, 2048, 128)  # the bundled model's widths: dequantize + cuBLAS
 
 
 @needs_hopper
