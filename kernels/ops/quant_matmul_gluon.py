@@ -36,15 +36,15 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-# Value pair (2 j, 2 j + 1) of a word as one bf16x2 / f16x2 register, minus (BIAS + z), times s.
-# $1 word, $2 shift (8 x the pair's place in the word), $3 (BIAS + z) x2, $4 s x2.
+# Value pair (2 j, 2 j + 1) of a word as one bf16x2 / f16x2 register, minus (BIAS + z), times s: the pair's
+# byte alone (prmt; selector 0x4440 + j), copied 12 bits up (x 4097: bits 0-7 and 12-19), so that its low
+# nibble lands at bit 0 and its high one at bit 16, masked and OR-ed with BIAS's bits (one lop3).
+# $1 word, $2 prmt selector, $3 (BIAS + z) x2, $4 s x2.
 _PAIR_ASM = """{{
-.reg .b32 t, p, h;
-shr.u32 t, $1, $2;
-and.b32 p, t, 0x0000000F;
-shl.b32 h, t, 12;
-and.b32 h, h, 0x000F0000;
-or.b32 p, p, h;
+.reg .b32 b, p;
+prmt.b32 b, $1, 0, $2;
+mul.lo.u32 p, b, 4097;
+and.b32 p, p, 0x000F000F;
 or.b32 p, p, {magic};
 sub.rn.{ty} p, p, $3;
 mul.rn.{ty} $0, p, $4;
@@ -156,7 +156,7 @@ def _twice(v):
 def _operand(
     w_smem,
     params,
-    shift,
+    select,
     dtype: gl.constexpr,
     w_layout: gl.constexpr,
     a_layout: gl.constexpr,
@@ -176,15 +176,15 @@ def _operand(
         later = gl.expand_dims(words >= W // 2, 0)
         s = gl.where(later, gl.expand_dims(_twice(s1), 1), s)  # two groups a tile: the second half's
         z = gl.where(later, gl.expand_dims(_twice(z1), 1), z)
-    h, shift = gl.broadcast(gl.expand_dims(h, 2), shift)
-    s, _ = gl.broadcast(gl.expand_dims(s, 2), shift)
-    z, _ = gl.broadcast(gl.expand_dims(z, 2), shift)
+    h, select = gl.broadcast(gl.expand_dims(h, 2), select)
+    s, _ = gl.broadcast(gl.expand_dims(s, 2), select)
+    z, _ = gl.broadcast(gl.expand_dims(z, 2), select)
     if dtype == gl.bfloat16:
         asm: gl.constexpr = _PAIR_BF16
     else:
         asm: gl.constexpr = _PAIR_F16
     pairs = gl.inline_asm_elementwise(
-        asm, "=r,r,r,r,r", [h, shift, z, s], dtype=gl.int32, is_pure=True, pack=1
+        asm, "=r,r,r,r,r", [h, select, z, s], dtype=gl.int32, is_pure=True, pack=1
     )
     pairs = gl.reshape(pairs, [BLOCK_N, BLOCK_K // 2])
     halves = gl.join(pairs.to(gl.int16), (pairs >> 16).to(gl.int16))
@@ -238,7 +238,7 @@ def _step(
     zero_ptr,
     offs_n,
     mask_n,
-    shift,
+    select,
     off_m,
     off_n,
     K,
@@ -283,7 +283,7 @@ def _step(
     nxt = (i + 1) % STAGES
     # (the last step makes an operand nobody uses, from whatever its stage holds: no tile i + 1 was loaded)
     mbarrier.wait(ready.index(nxt), ((i + 1) // STAGES) & 1, pred=i + 1 < n_local)
-    a_next = _operand(w_smem.index(nxt), params, shift, x_desc.dtype, w_layout, a_layout, BLOCK_N, BLOCK_K)
+    a_next = _operand(w_smem.index(nxt), params, select, x_desc.dtype, w_layout, a_layout, BLOCK_N, BLOCK_K)
     return acc, a_next, params_next, params_after
 
 
@@ -330,7 +330,7 @@ def _prefill_wgmma_kernel(
     offs_n = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, gl.SliceLayout(2, w_layout)))
     mask_n = offs_n < N
     p = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, w_layout)))
-    shift = gl.expand_dims(gl.expand_dims(p * 8, 0), 1)  # [1, 1, 4]: pair p of a word at bit 8 p
+    select = gl.expand_dims(gl.expand_dims(p + 0x4440, 0), 1)  # [1, 1, 4]: byte p of a word, as prmt takes it
     first = gl.program_id(1) * tiles_per_split
     count = gl.minimum(tiles_per_split, gl.cdiv(K, BLOCK_K) - first)
     n_local = count + count % 2  # even (a zero tile past K where odd)
@@ -386,7 +386,7 @@ def _prefill_wgmma_kernel(
         BLOCK_K,
     )
     mbarrier.wait(ready.index(0), 0)
-    a0 = _operand(w_smem.index(0), params, shift, dtype, w_layout, a_layout, BLOCK_N, BLOCK_K)
+    a0 = _operand(w_smem.index(0), params, select, dtype, w_layout, a_layout, BLOCK_N, BLOCK_K)
     a1 = a0
     acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma_layout)
     # Two tiles an iteration, so that the operands of consecutive tiles are distinct registers (a loop-carried
@@ -411,7 +411,7 @@ def _prefill_wgmma_kernel(
             zero_ptr,
             offs_n,
             mask_n,
-            shift,
+            select,
             off_m,
             off_n,
             K,
@@ -444,7 +444,7 @@ def _prefill_wgmma_kernel(
             zero_ptr,
             offs_n,
             mask_n,
-            shift,
+            select,
             off_m,
             off_n,
             K,
@@ -577,12 +577,16 @@ def launch(
     )
 
 
-def prefill(x2, qweight, scales, zeros, group_size, *, block_m=128, split=1, stages=4) -> torch.Tensor:
+def prefill(
+    x2, qweight, scales, zeros, group_size, *, block_m=128, split=1, stages=4, block_n=128
+) -> torch.Tensor:
     """:func:`launch` into a new output (split-K partial sums in fp32, then cast): for probes and tests."""
     m, n_out = x2.shape[0], qweight.shape[0]
     if split == 1:
         y = torch.empty((m, n_out), dtype=x2.dtype, device=x2.device)
-        launch(x2, qweight, scales, zeros, group_size, y, y, y, block_m=block_m, stages=stages)
+        launch(
+            x2, qweight, scales, zeros, group_size, y, y, y, block_m=block_m, stages=stages, block_n=block_n
+        )
         return y
     y = torch.zeros((m, n_out), dtype=torch.float32, device=x2.device)
     launch(

@@ -41,6 +41,7 @@ def check():
         (200, 4160, 4096, 128, True, torch.bfloat16, (128, 128, 4)),  # M and N tails
         (77, 1024, 4160, 32, True, torch.bfloat16, (64, 128, 3)),  # K tail, odd tile count
         (512, 2048, 2048, 32, False, torch.bfloat16, (256, 128, 4)),
+        (384, 4096, 4096, 32, True, torch.bfloat16, (128, 256, 3)),  # 256 weight rows a program
         (256, 2048, 2048, 64, True, torch.float16, (128, 128, 4)),
         (300, 2048, 14336, 128, True, torch.bfloat16, (256, 128, 3)),
         (128, 4096, 4096, 256, False, torch.bfloat16, (128, 128, 4)),
@@ -50,7 +51,7 @@ def check():
     for m, n, k, group, zeros, dtype, (bm, bn, stages) in cases:
         qw, sc, zp, dense = packed(n, k, group, zeros, dtype)
         x = torch.randn(m, k, device="cuda", dtype=dtype)
-        y = qg.prefill(x, qw, sc, zp, group, block_m=bm, stages=stages).float()
+        y = qg.prefill(x, qw, sc, zp, group, block_m=bm, stages=stages, block_n=bn).float()
         torch.cuda.synchronize()
         ref = (x @ dense.t()).float()
         err = ((y - ref).norm() / ref.norm()).item()
@@ -87,10 +88,10 @@ def bench(ms, groups, tiles, zeros_too):
                 qm.GLUON_PREFILL_MAX_M, qm.GLUON_PREFILL_MAX_M_SMALL_GROUP = saved
                 t_auto = do_bench_cudagraph(cycle(ship), rep=40)
                 row = []
-                for bm, stages, split in tiles:
+                for bm, stages, split, bn in tiles:
                     fn = cycle(
                         [
-                            lambda p=p, x=x, g=group, bm=bm, st=stages, sp=split: qg.prefill(
+                            lambda p=p, x=x, g=group, bm=bm, st=stages, sp=split, bn=bn: qg.prefill(
                                 x, p[0], p[1], p[2], g, block_m=bm, stages=st, split=sp
                             )
                             for p in packs
@@ -99,10 +100,10 @@ def bench(ms, groups, tiles, zeros_too):
                     try:
                         t = do_bench_cudagraph(fn, rep=40)
                     except Exception as exc:
-                        row.append(f"m{bm}s{stages}k{split} {type(exc).__name__}")
+                        row.append(f"m{bm}n{bn}s{stages}k{split} {type(exc).__name__}")
                         continue
                     flops = 2 * m * n * k / t / 1e9
-                    row.append(f"m{bm}s{stages}k{split} {t * 1e3:.1f}us {t_bf16 / t:.2f}x {flops:.0f}TF")
+                    row.append(f"m{bm}n{bn}s{stages}k{split} {t * 1e3:.1f}us {t_bf16 / t:.2f}x {flops:.0f}TF")
                 print(
                     f"m={m} n={n} k={k} g={group} zp={int(zeros)}: bf16 {t_bf16 * 1e3:.1f}us | shipped "
                     f"{t_ship * 1e3:.1f}us {t_bf16 / t_ship:.2f}x | auto {t_auto * 1e3:.1f}us "
@@ -116,14 +117,14 @@ def main():
     p.add_argument("--check-only", action="store_true")
     p.add_argument("--ms", default="128,256,512,2048,8192")
     p.add_argument("--groups", default="128,32")
-    p.add_argument("--tiles", default="128:4:1,256:4:1", help="BLOCK_M:STAGES:SPLIT triples")
+    p.add_argument("--tiles", default="128:4:1,256:4:1", help="BLOCK_M:STAGES:SPLIT[:BLOCK_N] settings")
     p.add_argument("--zeros", action="store_true", help="also time asymmetric weights")
     a = p.parse_args()
     print(torch.cuda.get_device_name(), torch.__version__, flush=True)
     check()
     if a.check_only:
         return
-    tiles = [tuple(int(v) for v in t.split(":")) for t in a.tiles.split(",")] if a.tiles else []
+    tiles = [(*(int(v) for v in t.split(":")), 128)[:4] for t in a.tiles.split(",")] if a.tiles else []
     bench([int(v) for v in a.ms.split(",")], [int(g) for g in a.groups.split(",")], tiles, a.zeros)
 
 
