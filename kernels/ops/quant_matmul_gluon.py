@@ -393,72 +393,14 @@ def _prefill_wgmma_kernel(
     # operand would be rewritten in place while its products may still read it, and ptxas then runs every
     # product synchronously). The tile count is rounded up to even; the extra tile is zeros.
     for i in range(0, n_local, 2):
-        acc, a1, params1, params2 = _step(
-            i,
-            first,
-            n_local,
-            a0,
-            a1,
-            acc,
-            params1,
-            params2,
-            x_desc,
-            w_desc,
-            x_smem,
-            w_smem,
-            ready,
-            scale_ptr,
-            zero_ptr,
-            offs_n,
-            mask_n,
-            select,
-            off_m,
-            off_n,
-            K,
-            scale_row_stride,
-            zero_row_stride,
-            GROUP,
-            HAS_ZERO,
-            MAGIC_F,
-            w_layout,
-            a_layout,
-            BLOCK_N,
-            BLOCK_K,
-            STAGES,
-        )
-        acc, a0, params1, params2 = _step(
-            i + 1,
-            first,
-            n_local,
-            a1,
-            a0,
-            acc,
-            params1,
-            params2,
-            x_desc,
-            w_desc,
-            x_smem,
-            w_smem,
-            ready,
-            scale_ptr,
-            zero_ptr,
-            offs_n,
-            mask_n,
-            select,
-            off_m,
-            off_n,
-            K,
-            scale_row_stride,
-            zero_row_stride,
-            GROUP,
-            HAS_ZERO,
-            MAGIC_F,
-            w_layout,
-            a_layout,
-            BLOCK_N,
-            BLOCK_K,
-            STAGES,
-        )
+        for j in gl.static_range(2):
+            acc, a_next, params1, params2 = _step(
+                i + j, first, n_local, a0, a1, acc, params1, params2, x_desc, w_desc, x_smem, w_smem, ready,
+                scale_ptr, zero_ptr, offs_n, mask_n, select, off_m, off_n, K, scale_row_stride,
+                zero_row_stride, GROUP, HAS_ZERO, MAGIC_F, w_layout, a_layout, BLOCK_N, BLOCK_K, STAGES,
+            )  # fmt: skip
+            a1 = a0  # tile i + j's operand: in flight until the next step's wait
+            a0 = a_next
     acc, a0, a1 = warpgroup_mma_wait(num_outstanding=0, deps=[acc, a0, a1])
     for s in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(s))
