@@ -7,13 +7,18 @@ its tensor pipe at 39-61% against cuBLAS bf16's 80-95% (tests/benchmarks/NOTES.m
 Triton 3.6 offers no way to reorder that wait. Gluon (``triton.experimental.gluon``) states the schedule
 explicitly:
 
-- activations stream in through TMA into a ring of ``STAGES`` shared-memory tiles, one mbarrier each;
+- activations and the weight's packed int32 words stream in through TMA into a ring of ``STAGES``
+  shared-memory stages, one mbarrier each (the scales and zero points, too small for TMA, by plain loads
+  three tiles ahead);
 - each warpgroup issues tile t's products asynchronously (``warpgroup_mma(..., is_async=True)``), then
   dequantizes tile t + 1 into fresh registers while they run, and only then waits for tile t - 1's
   products (``warpgroup_mma_wait(1)``), whose operand registers it names as ``deps`` so that they stay
-  untouched until then: the race ``_after_mma`` guards against cannot arise;
-- the weight's int32 words are loaded from global memory two tiles ahead, straight into the layout of
-  the operand: each thread loads the words whose value pairs its A fragment holds.
+  untouched until then: the race ``_after_mma`` guards against cannot arise. Two tiles an iteration keep
+  consecutive operands in distinct registers (a loop-carried operand rewritten in place made ptxas run
+  every product synchronously);
+- each thread reads from shared memory the words whose value pairs its A fragment holds (``_word_layout``),
+  and each pair becomes one fragment register (``_PAIR_ASM``): no data movement between the words and the
+  operand (``convert_layout(..., assert_trivial=True)`` proves it when the kernel compiles).
 
 The product is computed transposed, ``acc[BLOCK_N, BLOCK_M] = W_tile @ x_tile.T``: the weight is the
 wgmma's A operand (from registers; 64 weight rows a warpgroup) and the activations its B operand (from
@@ -21,8 +26,9 @@ shared memory), so 64..256 activation rows are one instruction's N.
 
 Each weight is ``(q - z) * s`` rounded once in the activation dtype (``sub`` then ``mul`` on bf16x2/f16x2
 pairs), as ``_dequantize_kernel`` writes it: the product equals dequantize + cuBLAS up to accumulation order.
-Scope: int4, scales in the activation dtype, groups that hold whole K tiles or whole words of one
-(``BLOCK_K % GROUP == 0`` or ``GROUP % BLOCK_K == 0``), with or without zero points; sm_90 only.
+Scope (:func:`supported`): int4, scales in the activation dtype, groups that hold whole 64-deep K tiles or
+half of one, K a multiple of 32 (TMA's 16-byte rows), with or without zero points; sm_90 only. Speeds and
+the history of this design: tests/benchmarks/NOTES.md, "tenth session".
 """
 
 from __future__ import annotations
@@ -266,20 +272,8 @@ def _step(
     _issue(
         x_desc, w_desc, x_smem, w_smem, ready, refill, first, off_m, off_n, refill < n_local, BLOCK_K, STAGES
     )
-    params_after = _load_params(
-        scale_ptr,
-        zero_ptr,
-        offs_n,
-        mask_n,
-        first + i + 3,
-        K,
-        scale_row_stride,
-        zero_row_stride,
-        GROUP,
-        HAS_ZERO,
-        MAGIC_F,
-        BLOCK_K,
-    )
+    params_after = _load_params(scale_ptr, zero_ptr, offs_n, mask_n, first + i + 3, K, scale_row_stride,
+                                zero_row_stride, GROUP, HAS_ZERO, MAGIC_F, BLOCK_K)  # fmt: skip
     nxt = (i + 1) % STAGES
     # (the last step makes an operand nobody uses, from whatever its stage holds: no tile i + 1 was loaded)
     mbarrier.wait(ready.index(nxt), ((i + 1) // STAGES) & 1, pred=i + 1 < n_local)
@@ -343,48 +337,13 @@ def _prefill_wgmma_kernel(
     for s in gl.static_range(STAGES - 1):
         _issue(x_desc, w_desc, x_smem, w_smem, ready, s, first, off_m, off_n, s < n_local, BLOCK_K, STAGES)
 
-    params = _load_params(
-        scale_ptr,
-        zero_ptr,
-        offs_n,
-        mask_n,
-        first + 0,
-        K,
-        scale_row_stride,
-        zero_row_stride,
-        GROUP,
-        HAS_ZERO,
-        MAGIC_F,
-        BLOCK_K,
-    )
-    params1 = _load_params(
-        scale_ptr,
-        zero_ptr,
-        offs_n,
-        mask_n,
-        first + 1,
-        K,
-        scale_row_stride,
-        zero_row_stride,
-        GROUP,
-        HAS_ZERO,
-        MAGIC_F,
-        BLOCK_K,
-    )
-    params2 = _load_params(
-        scale_ptr,
-        zero_ptr,
-        offs_n,
-        mask_n,
-        first + 2,
-        K,
-        scale_row_stride,
-        zero_row_stride,
-        GROUP,
-        HAS_ZERO,
-        MAGIC_F,
-        BLOCK_K,
-    )
+    # Scales and zero points run three tiles ahead of the products (plain loads: their latency is hidden).
+    params = _load_params(scale_ptr, zero_ptr, offs_n, mask_n, first, K, scale_row_stride, zero_row_stride,
+                          GROUP, HAS_ZERO, MAGIC_F, BLOCK_K)  # fmt: skip
+    params1 = _load_params(scale_ptr, zero_ptr, offs_n, mask_n, first + 1, K, scale_row_stride,
+                           zero_row_stride, GROUP, HAS_ZERO, MAGIC_F, BLOCK_K)  # fmt: skip
+    params2 = _load_params(scale_ptr, zero_ptr, offs_n, mask_n, first + 2, K, scale_row_stride,
+                           zero_row_stride, GROUP, HAS_ZERO, MAGIC_F, BLOCK_K)  # fmt: skip
     mbarrier.wait(ready.index(0), 0)
     a0 = _operand(w_smem.index(0), params, select, dtype, w_layout, a_layout, BLOCK_N, BLOCK_K)
     a1 = a0
