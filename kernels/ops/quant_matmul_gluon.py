@@ -406,6 +406,7 @@ def supported(
         and x2.shape[-1] % 32 == 0  # the words' rows, 16-byte aligned for TMA
         and x2.shape[-1] > 0
         and qweight.stride(-1) == 1
+        and qweight.data_ptr() % 16 == 0
         and (qweight.stride(0) * 4) % 16 == 0
         and x2.stride(-1) == 1
         and (x2.stride(0) * x2.element_size()) % 16 == 0

@@ -40,6 +40,9 @@ def test_supported_inputs():
     )  # K % 32 != 0: the words' rows are not 16-byte aligned
     assert not qg.supported(x_odd, torch.zeros(256, 514, dtype=torch.int32), sc, 128, 4)
     assert not qg.supported(torch.zeros(128, 8192, dtype=torch.bfloat16)[:, ::2], qw, sc, 128, 4)
+    assert not qg.supported(
+        x, torch.zeros(256 * 512 + 1, dtype=torch.int32)[1:].view(256, 512), sc, 128, 4
+    )  # TMA base
 
 
 def test_cpu_calls_never_take_it(monkeypatch):
