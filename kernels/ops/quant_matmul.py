@@ -334,12 +334,15 @@ def _prefill_gluon(x2, qweight, scales, zeros, group_size) -> torch.Tensor:
 
     m, n_out = x2.shape[0], qweight.shape[0]
     cfg = gluon_tiles(m, n_out, x2.shape[1], sm_count(x2.device))
+    block_m, split = cfg["block_m"], cfg["split"]
     y = torch.empty((m, n_out), dtype=x2.dtype, device=x2.device)
-    tiles = cdiv(n_out, 128) * cdiv(m, cfg["block_m"])
-    ws, counts = _workspace(x2.device, m * n_out, tiles) if cfg["split"] > 1 else (y, y)
+    ws, counts = (
+        _workspace(x2.device, m * n_out, cdiv(n_out, 128) * cdiv(m, block_m)) if split > 1 else (y, y)
+    )
+    zeros = zeros.contiguous() if zeros is not None else None  # (qweight and scales are, from the caller)
     launch.unplanned(lambda: quant_matmul_gluon.launch(
-        x2, qweight.contiguous(), scales.contiguous(), zeros.contiguous() if zeros is not None else None,
-        group_size, y, ws, counts, block_m=cfg["block_m"], split=cfg["split"], mode=2))  # fmt: skip
+        x2, qweight, scales, zeros, group_size, y, ws, counts, block_m=block_m, split=split, mode=2
+    ))  # fmt: skip
     return y
 
 
