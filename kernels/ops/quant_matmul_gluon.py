@@ -97,33 +97,11 @@ def _load_params(
     (one group when groups hold whole tiles; two when a tile holds two groups)."""
     g0 = (tile * BLOCK_K) // GROUP
     g1 = (tile * BLOCK_K + BLOCK_K - 1) // GROUP
-    s0, z0 = _group_params(
-        scale_ptr,
-        zero_ptr,
-        offs_n,
-        mask_n,
-        g0,
-        K,
-        scale_row_stride,
-        zero_row_stride,
-        GROUP,
-        HAS_ZERO,
-        MAGIC_F,
-    )
+    s0, z0 = _group_params(scale_ptr, zero_ptr, offs_n, mask_n, g0, K, scale_row_stride, zero_row_stride,
+                           GROUP, HAS_ZERO, MAGIC_F)  # fmt: skip
     if BLOCK_K > GROUP:
-        s1, z1 = _group_params(
-            scale_ptr,
-            zero_ptr,
-            offs_n,
-            mask_n,
-            g1,
-            K,
-            scale_row_stride,
-            zero_row_stride,
-            GROUP,
-            HAS_ZERO,
-            MAGIC_F,
-        )
+        s1, z1 = _group_params(scale_ptr, zero_ptr, offs_n, mask_n, g1, K, scale_row_stride, zero_row_stride,
+                               GROUP, HAS_ZERO, MAGIC_F)  # fmt: skip
     else:
         s1, z1 = s0, z0
     return s0, z0, s1, z1
@@ -167,6 +145,7 @@ def _operand(
     dtype: gl.constexpr,
     w_layout: gl.constexpr,
     a_layout: gl.constexpr,
+    GROUP: gl.constexpr,
     BLOCK_N: gl.constexpr,
     BLOCK_K: gl.constexpr,
 ):
@@ -178,10 +157,10 @@ def _operand(
     s0, z0, s1, z1 = params
     s = gl.expand_dims(_twice(s0), 1)
     z = gl.expand_dims(_twice(z0), 1)
-    if BLOCK_K // 8 > 1:
+    if BLOCK_K > GROUP:  # two groups a tile: the second half of the words takes the second's
         words = gl.arange(0, W, layout=gl.SliceLayout(0, gl.SliceLayout(2, w_layout)))
         later = gl.expand_dims(words >= W // 2, 0)
-        s = gl.where(later, gl.expand_dims(_twice(s1), 1), s)  # two groups a tile: the second half's
+        s = gl.where(later, gl.expand_dims(_twice(s1), 1), s)
         z = gl.where(later, gl.expand_dims(_twice(z1), 1), z)
     h, select = gl.broadcast(gl.expand_dims(h, 2), select)
     s, _ = gl.broadcast(gl.expand_dims(s, 2), select)
@@ -278,7 +257,9 @@ def _step(
     nxt = (i + 1) % STAGES
     # (the last step makes an operand nobody uses, from whatever its stage holds: no tile i + 1 was loaded)
     mbarrier.wait(ready.index(nxt), ((i + 1) // STAGES) & 1, pred=i + 1 < n_local)
-    a_next = _operand(w_smem.index(nxt), params, select, x_desc.dtype, w_layout, a_layout, BLOCK_N, BLOCK_K)
+    a_next = _operand(
+        w_smem.index(nxt), params, select, x_desc.dtype, w_layout, a_layout, GROUP, BLOCK_N, BLOCK_K
+    )
     return acc, a_next, params_next, params_after
 
 
@@ -346,7 +327,7 @@ def _prefill_wgmma_kernel(
     params2 = _load_params(scale_ptr, zero_ptr, offs_n, mask_n, first + 2, K, scale_row_stride,
                            zero_row_stride, GROUP, HAS_ZERO, MAGIC_F, BLOCK_K)  # fmt: skip
     mbarrier.wait(ready.index(0), 0)
-    a0 = _operand(w_smem.index(0), params, select, dtype, w_layout, a_layout, BLOCK_N, BLOCK_K)
+    a0 = _operand(w_smem.index(0), params, select, dtype, w_layout, a_layout, GROUP, BLOCK_N, BLOCK_K)
     a1 = a0
     acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma_layout)
     # Two tiles an iteration, so that the operands of consecutive tiles are distinct registers (a loop-carried
