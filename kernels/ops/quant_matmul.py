@@ -46,9 +46,10 @@ PREFILL = "auto"
 # cores' products) where it takes the inputs and was measured faster than the paths above
 # (tests/gpu/gluon_prefill_probe.py, H100, 2026-11-25; NOTES.md): outputs at least TRITON_PREFILL_MIN_N wide
 # up to GLUON_PREFILL_MAX_M rows (GLUON_PREFILL_MAX_M_SMALL_GROUP for groups under 64 values; 128 rows
-# of 14336^2 g128 1.18x bf16 against the Triton GEMM's 1.05x, 512 rows 0.95x against 0.77x), and narrower
-# ones (down to TRITON_PREFILL_MIN_N_ANY) from 257 rows with groups of 64 or more (512 rows of 4096^2 0.73x
-# against 0.70x, of 4096 x 14336 0.76x against 0.69x). "gluon" forces it wherever it takes the inputs.
+# of 14336^2 g128 1.20x bf16 against the Triton GEMM's 1.05x, 512 rows 0.96x against 0.78x), and narrower
+# ones (down to TRITON_PREFILL_MIN_N_ANY) from 257 rows with groups of 64 or more (512 rows of 4096^2 0.78x
+# against 0.68x, of 4096 x 14336 0.78x against 0.69x; results/gluon_prefill_probe_h100_2026-11-25_prmt.log).
+# "gluon" forces it wherever it takes the inputs.
 GLUON_PREFILL_MAX_M, GLUON_PREFILL_MAX_M_SMALL_GROUP = 2048, 512
 TRITON_PREFILL_MAX_M, TRITON_PREFILL_WIDE_MAX_M = 256, 512
 TRITON_PREFILL_MIN_N, TRITON_PREFILL_MIN_N_ANY, TRITON_PREFILL_MIN_K = 8192, 4096, 8192
@@ -318,8 +319,9 @@ def gluon_tiles(m: int, n_out: int, k_in: int, sms: int) -> dict:
     """Rows a program and K splits of the Gluon GEMM (gluon_prefill_probe.py, H100). 128 rows (one wgmma of
     128) up to 128 rows; more: 256, unless that leaves over half the SMs idle where K is short (512 rows of
     4096^2: 0.73x bf16 on 128-row tiles, 0.58x on 256). K splits fill the SMs (fill_split) only where each
-    split keeps 64 K tiles: at K = 4096 two splits cost more than the idle SMs (4096^2, 512 rows: 0.53x
-    against 0.73x unsplit), at K = 14336 they pay (4096 x 14336, 512 rows: 0.76x against 0.57x)."""
+    split keeps 64 K tiles: at K = 4096 two splits cost more than the idle SMs (4096^2, 512 rows on 256-row
+    tiles: 0.53x with two splits, 0.58x without), at K = 14336 they pay (4096 x 14336, 512 rows: 0.76x
+    against 0.57x)."""
     k_tiles = cdiv(k_in, 64)
     block_m = 128
     if m > 128 and (cdiv(n_out, 128) * cdiv(m, 256) >= sms // 2 or k_tiles >= 128):

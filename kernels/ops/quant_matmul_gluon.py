@@ -382,9 +382,7 @@ def supported(
         bits == 4
         and x2.dtype in (torch.bfloat16, torch.float16)
         and scales.dtype == x2.dtype
-        and (block_k % group_size == 0 or group_size % block_k == 0)
-        and group_size % 8 == 0
-        and (block_k <= group_size or block_k == 2 * group_size)
+        and (group_size % block_k == 0 or block_k == 2 * group_size)  # one or two groups a K tile
         and x2.shape[-1] % 32 == 0  # the words' rows, 16-byte aligned for TMA
         and x2.shape[-1] > 0
         and qweight.stride(-1) == 1
