@@ -51,6 +51,17 @@ PREFILL = "auto"
 # against 0.68x, of 4096 x 14336 0.78x against 0.69x; results/gluon_prefill_probe_h100_2026-11-25_prmt.log).
 # "gluon" forces it wherever it takes the inputs.
 GLUON_PREFILL_MAX_M, GLUON_PREFILL_MAX_M_SMALL_GROUP = 2048, 512
+# Decode (up to SKINNY_MAX_M rows) on Hopper: "auto" runs the Gluon kernel as a stream-K GEMM (every SM
+# streams an equal share of the weight through TMA; quant_matmul_gluon.py) for int4 in groups of 128 (a
+# 256-deep K tile holds two) where it was measured faster than the tensor-core kernel (H100, 2026-11-25,
+# tests/gpu/gluon_prefill_probe.py; NOTES.md, "eleventh session"): weights of at least
+# GLUON_DECODE_MIN_WEIGHT values from 2 rows (14336^2: 53.8-55.5 us at 4-16 rows against 60.3-62.2, 81.9
+# against 113.1 at 64), and of at least GLUON_DECODE_MIN_WEIGHT_WIDE from GLUON_DECODE_WIDE_MIN_M rows
+# (4096 x 14336 at 32 rows: 23.6 against 27.8 us; at 16 rows 22.4 against 18.7). "gluon" forces it
+# wherever it takes the inputs, "triton" never.
+DECODE = "auto"
+GLUON_DECODE_BLOCK_K = 256
+GLUON_DECODE_MIN_WEIGHT, GLUON_DECODE_MIN_WEIGHT_WIDE, GLUON_DECODE_WIDE_MIN_M = 1 << 27, 1 << 25, 17
 TRITON_PREFILL_MAX_M, TRITON_PREFILL_WIDE_MAX_M = 256, 512
 TRITON_PREFILL_MIN_N, TRITON_PREFILL_MIN_N_ANY, TRITON_PREFILL_MIN_K = 8192, 4096, 8192
 # Rows up to which the FMA kernel beats the tensor-core one where groups align to its GEMV_BLOCK_K tiles and
@@ -239,6 +250,8 @@ def _quant_matmul(
             weight = dequantize(qweight, scales, zeros, k_in, group_size, bits, x.dtype)
             return (x2 @ weight.t()).reshape(*x.shape[:-1], n_out)
         return _prefill(x2, qweight, scales, zeros, zero_arg, group_size, bits).reshape(*x.shape[:-1], n_out)
+    if _gluon_decode(x2, qweight, scales, zeros, group_size, bits):
+        return _decode_gluon(x2, qweight, scales, zeros, group_size).reshape(*x.shape[:-1], n_out)
     per16 = 16 // bits
     deep = GEMV_BLOCK_K % group_size == 0 or group_size % GEMV_BLOCK_K == 0  # whole groups a tile, or in one
     # The FMA kernel reads whole int32 words (groups of 8 values or more).
@@ -292,20 +305,65 @@ def _quant_matmul(
     return y.to(x.dtype).reshape(*x.shape[:-1], n_out)
 
 
-def _gluon_prefill(x2, qweight, scales, zeros, group_size, bits) -> bool:
-    """Whether this prefill runs on the Gluon GEMM (PREFILL's comment): Hopper, nothing tracing (its launch
-    is not one torch.compile can trace), inputs it takes, and under "auto" the measured sizes."""
-    if PREFILL not in ("auto", "gluon") or interpreting() or not x2.is_cuda or not wgmma(x2.device):
-        return False
-    if not eager(x2, qweight, scales, zeros):
+def _gluon_runs(x2, qweight, scales, zeros, group_size, bits, block_k) -> bool:
+    """Whether the Gluon kernel may run this call: Hopper, nothing tracing (its launch is not one
+    torch.compile can trace) and inputs it takes at this K tile."""
+    if interpreting() or not x2.is_cuda or not wgmma(x2.device) or not eager(x2, qweight, scales, zeros):
         return False
     from squeezeserve.kernels.ops import quant_matmul_gluon
 
-    if not quant_matmul_gluon.supported(x2, qweight, scales, group_size, bits):
+    return quant_matmul_gluon.supported(x2, qweight, scales, group_size, bits, block_k)
+
+
+def _gluon_prefill(x2, qweight, scales, zeros, group_size, bits) -> bool:
+    """Whether this prefill runs on the Gluon GEMM (PREFILL's comment)."""
+    if PREFILL not in ("auto", "gluon") or not _gluon_runs(x2, qweight, scales, zeros, group_size, bits, 64):
         return False
-    if PREFILL == "gluon":
-        return True
-    return gluon_in_auto(x2.shape[0], qweight.shape[0], group_size)
+    return PREFILL == "gluon" or gluon_in_auto(x2.shape[0], qweight.shape[0], group_size)
+
+
+def _gluon_decode(x2, qweight, scales, zeros, group_size, bits) -> bool:
+    """Whether these rows run on the Gluon kernel's stream-K decode (DECODE's comment)."""
+    if DECODE not in ("auto", "gluon") or not _gluon_runs(
+        x2, qweight, scales, zeros, group_size, bits, GLUON_DECODE_BLOCK_K
+    ):
+        return False
+    return DECODE == "gluon" or gluon_decode_in_auto(x2.shape[0], qweight.shape[0], x2.shape[1])
+
+
+def gluon_decode_in_auto(m: int, n_out: int, k_in: int) -> bool:
+    """Whether ``DECODE="auto"`` runs ``m`` rows of this weight on the Gluon kernel (DECODE's comment)."""
+    if m < 2:
+        return False
+    return n_out * k_in >= (
+        GLUON_DECODE_MIN_WEIGHT_WIDE if m >= GLUON_DECODE_WIDE_MIN_M else GLUON_DECODE_MIN_WEIGHT
+    )
+
+
+def gluon_decode_tiles(m: int, sms: int) -> dict:
+    """The stream-K decode's tiling (gluon_prefill_probe.py, H100; NOTES.md, "eleventh session"): the
+    smallest wgmma N that holds the rows (8, 16, 32), 64 weight rows a program of one warpgroup, two
+    programs an SM (213-219 registers a thread); 64 rows: 128 weight rows a program of two warpgroups, one an
+    SM (14336^2: 81.9 us against 121.5 on 32-row tiles twice)."""
+    if m > 32:
+        return {"block_m": 64, "block_n": 128, "num_warps": 8, "programs": sms}
+    return {"block_m": max(8, next_power_of_2(m)), "block_n": 64, "num_warps": 4, "programs": 2 * sms}
+
+
+def _decode_gluon(x2, qweight, scales, zeros, group_size) -> torch.Tensor:
+    """Launch the stream-K decode; parts of tiles meet in the workspace (the caller checked eager())."""
+    from squeezeserve.kernels.ops import quant_matmul_gluon
+
+    m, n_out = x2.shape[0], qweight.shape[0]
+    cfg = gluon_decode_tiles(m, sm_count(x2.device))
+    y = torch.empty((m, n_out), dtype=x2.dtype, device=x2.device)
+    ws, counts = _workspace(x2.device, m * n_out, cdiv(m, cfg["block_m"]) * cdiv(n_out, cfg["block_n"]))
+    zeros = zeros.contiguous() if zeros is not None else None  # (qweight and scales are, from the caller)
+    launch.unplanned(lambda: quant_matmul_gluon.launch(
+        x2, qweight, scales, zeros, group_size, y, ws, counts, mode=2, block_k=GLUON_DECODE_BLOCK_K, stages=4,
+        **cfg,
+    ))  # fmt: skip
+    return y
 
 
 def gluon_in_auto(m: int, n_out: int, group_size: int) -> bool:

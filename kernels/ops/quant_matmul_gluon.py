@@ -1,4 +1,5 @@
-"""Prefill on Hopper in Gluon: an int4 x bf16/fp16 GEMM whose dequantization overlaps its tensor-core work.
+"""An int4 x bf16/fp16 GEMM on Hopper in Gluon whose dequantization overlaps its tensor-core work: the
+prefill GEMM from 129 rows, and a stream-K decode GEMM up to 64.
 
 Why a second prefill kernel. ``_prefill_kernel`` (Triton) dequantizes each K tile of the weight into the
 registers of the wgmma's A operand, then waits for the tile's products before it may write the next tile's
@@ -20,15 +21,22 @@ explicitly:
   and each pair becomes one fragment register (``_PAIR_ASM``): no data movement between the words and the
   operand (``convert_layout(..., assert_trivial=True)`` proves it when the kernel compiles).
 
+Work is counted in (output tile, K unit) pairs, a unit two K tiles. Each program takes one tile's share of
+K (``split`` ways), or, stream-K, an equal run of all the pairs, in order, which may hold the end of one
+tile and the start of the next: then parts of a tile meet in fp32 (atomics into y, or the self-cleaning
+workspace, where the part that completes the tile's count of units stores it). Decode is stream-K: every
+SM streams the same share of the weight whatever the tile count (a 14336-wide output in tiles of 64 weight
+rows: 224 tiles over 132 SMs).
+
 The product is computed transposed, ``acc[BLOCK_N, BLOCK_M] = W_tile @ x_tile.T``: the weight is the
 wgmma's A operand (from registers; 64 weight rows a warpgroup) and the activations its B operand (from
-shared memory), so 64..256 activation rows are one instruction's N.
+shared memory), so 8..256 activation rows are one instruction's N.
 
 Each weight is ``(q - z) * s`` rounded once in the activation dtype (``sub`` then ``mul`` on bf16x2/f16x2
 pairs), as ``_dequantize_kernel`` writes it: the product equals dequantize + cuBLAS up to accumulation order.
 Scope (:func:`supported`): int4, scales in the activation dtype, groups that hold whole 64-deep K tiles or
 half of one, K a multiple of 32 (TMA's 16-byte rows), with or without zero points; sm_90 only. Speeds and
-the history of this design: tests/benchmarks/NOTES.md, "tenth session".
+the history of this design: tests/benchmarks/NOTES.md, "tenth session" and "eleventh session".
 """
 
 from __future__ import annotations
@@ -51,8 +59,7 @@ _PAIR_ASM = """{{
 .reg .b32 b, p;
 prmt.b32 b, $1, 0, $2;
 mul.lo.u32 p, b, 4097;
-and.b32 p, p, 0x000F000F;
-or.b32 p, p, {magic};
+lop3.b32 p, p, 0x000F000F, {magic}, 0xEA;
 sub.rn.{ty} p, p, $3;
 mul.rn.{ty} $0, p, $4;
 }}"""
@@ -264,56 +271,38 @@ def _step(
 
 
 @gluon.jit
-def _prefill_wgmma_kernel(
-    x_desc,  # TMA descriptor of x [M, K], blocks [BLOCK_M, BLOCK_K]
-    w_desc,  # TMA descriptor of the packed weight [N, K / 8] int32, blocks [BLOCK_N, BLOCK_K / 8]
-    scale_ptr,  # [N, ceil(K / GROUP)], the activation dtype
-    zero_ptr,  # [ceil(N / 8), ceil(K / GROUP)] int32 packed zero points (only when HAS_ZERO)
-    y_ptr,  # [M, N]: the activation dtype, or fp32 partial sums (MODE 1)
-    ws_ptr,  # fp32 workspace, zero between calls (MODE 2)
-    count_ptr,  # int32 arrivals per output tile, zero between calls (MODE 2)
-    M,
-    N,
+def _tile_products(
+    x_desc,
+    w_desc,
+    x_smem,
+    w_smem,
+    ready,
+    scale_ptr,
+    zero_ptr,
+    offs_n,
+    mask_n,
+    select,
+    off_m,
+    off_n,
+    first,
+    n_local,
     K,
     scale_row_stride,
     zero_row_stride,
-    y_row_stride,
-    tiles_per_split,  # even where K is split, so that only the last split pads its tile count
-    n_splits,
-    MODE: gl.constexpr,  # how split-K partials meet (as _write_tile): 0 no split, 1 fp32 atomics, 2 workspace
     GROUP: gl.constexpr,
     HAS_ZERO: gl.constexpr,
-    MAGIC_F: gl.constexpr,  # 128.0 (bf16) or 1024.0 (fp16): the value of the bits OR-ed over each q
+    MAGIC_F: gl.constexpr,
+    mma_layout: gl.constexpr,
+    w_layout: gl.constexpr,
+    a_layout: gl.constexpr,
     BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr,
     BLOCK_K: gl.constexpr,
     STAGES: gl.constexpr,
-    num_warps: gl.constexpr,
 ):
+    """acc [BLOCK_N, BLOCK_M]: one output tile's products over K tiles ``first`` .. ``first + n_local``
+    (``n_local`` even), the ring's barriers fresh at the start and again at the end."""
     dtype: gl.constexpr = x_desc.dtype
-    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_M, 16]
-    )
-    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=2)
-    w_layout: gl.constexpr = _word_layout(BLOCK_N, BLOCK_K, num_warps)
-
-    pid = gl.program_id(0)
-    tiles_m = gl.cdiv(M, BLOCK_M)
-    pid_m = pid % tiles_m  # programs sharing a weight tile run together
-    pid_n = pid // tiles_m
-    off_m = pid_m * BLOCK_M
-    off_n = pid_n * BLOCK_N
-    offs_n = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, gl.SliceLayout(2, w_layout)))
-    mask_n = offs_n < N
-    p = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, w_layout)))
-    select = gl.expand_dims(gl.expand_dims(p + 0x4440, 0), 1)  # [1, 1, 4]: byte p of a word, as prmt takes it
-    first = gl.program_id(1) * tiles_per_split
-    count = gl.minimum(tiles_per_split, gl.cdiv(K, BLOCK_K) - first)
-    n_local = count + count % 2  # even (a zero tile past K where odd)
-
-    x_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], x_desc.layout)
-    w_smem = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N, BLOCK_K // 8], w_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(STAGES):
         mbarrier.init(ready.index(s), count=1)
     for s in gl.static_range(STAGES - 1):
@@ -332,7 +321,7 @@ def _prefill_wgmma_kernel(
     acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma_layout)
     # Two tiles an iteration, so that the operands of consecutive tiles are distinct registers (a loop-carried
     # operand would be rewritten in place while its products may still read it, and ptxas then runs every
-    # product synchronously). The tile count is rounded up to even; the extra tile is zeros.
+    # product synchronously).
     for i in range(0, n_local, 2):
         for j in gl.static_range(2):
             acc, a_next, params1, params2 = _step(
@@ -343,29 +332,127 @@ def _prefill_wgmma_kernel(
             a1 = a0  # tile i + j's operand: in flight until the next step's wait
             a0 = a_next
     acc, a0, a1 = warpgroup_mma_wait(num_outstanding=0, deps=[acc, a0, a1])
+    gl.thread_barrier()  # every warp is past its last wait and its products: the ring may start over
     for s in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(s))
+    return acc
 
+
+@gluon.jit
+def _write(
+    acc,
+    y_ptr,
+    ws_ptr,
+    count_ptr,
+    tile,
+    whole,
+    units,
+    k_units,
+    off_m,
+    off_n,
+    M,
+    N,
+    y_row_stride,
+    MODE: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    num_warps: gl.constexpr,
+):
+    """Store a tile's products (``whole``: all of K), or add a part of them (``units`` of the tile's
+    ``k_units``) to the tile's sum as MODE says: 1, fp32 atomics into y (zero beforehand); 2, into the
+    workspace, where the part that completes the count stores the sum in y and leaves the workspace and the
+    count zero (as ``_write_tile``'s MODE 2)."""
     out_layout: gl.constexpr = gl.BlockedLayout([8, 1], [16, 2], [1, num_warps], [0, 1])
     rows_n = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, out_layout))
     rows_m = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, out_layout))
     at = gl.expand_dims(rows_m.to(gl.int64) * y_row_stride, 0) + gl.expand_dims(rows_n, 1)
     mask = gl.expand_dims(rows_n < N, 1) & gl.expand_dims(rows_m < M, 0)
-    if MODE == 0:
-        gl.store(y_ptr + at, gl.convert_layout(acc.to(dtype), out_layout), mask=mask)
+    out = gl.convert_layout(acc, out_layout)
+    if whole:
+        gl.store(y_ptr + at, out.to(y_ptr.dtype.element_ty), mask=mask)
     elif MODE == 1:
-        gl.atomic_add(y_ptr + at, gl.convert_layout(acc, out_layout), mask=mask, sem="relaxed")
-    else:  # as _write_tile's MODE 2: the tile's last split stores the sum and leaves the workspace clean
-        gl.atomic_add(ws_ptr + at, gl.convert_layout(acc, out_layout), mask=mask, sem="relaxed")
+        gl.atomic_add(y_ptr + at, out, mask=mask, sem="relaxed")
+    elif MODE == 2:
+        gl.atomic_add(ws_ptr + at, out, mask=mask, sem="relaxed")
         gl.thread_barrier()  # every thread's partial is in before the (releasing) count below
-        tile = count_ptr + pid
-        if gl.atomic_add(tile, 1, sem="acq_rel") == n_splits - 1:
+        if gl.atomic_add(count_ptr + tile, units, sem="acq_rel") + units == k_units:
             gl.thread_barrier()
             zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, out_layout)
             total = gl.atomic_add(ws_ptr + at, zero, mask=mask, sem="relaxed")  # strong reads, at L2
-            gl.store(y_ptr + at, total.to(dtype), mask=mask)
+            gl.store(y_ptr + at, total.to(y_ptr.dtype.element_ty), mask=mask)
             gl.store(ws_ptr + at, zero, mask=mask)
-            gl.store(tile, 0)
+            gl.store(count_ptr + tile, 0)
+
+
+@gluon.jit
+def _wgmma_kernel(
+    x_desc,  # TMA descriptor of x [M, K], blocks [BLOCK_M, BLOCK_K]
+    w_desc,  # TMA descriptor of the packed weight [N, K / 8] int32, blocks [BLOCK_N, BLOCK_K / 8]
+    scale_ptr,  # [N, ceil(K / GROUP)], the activation dtype
+    zero_ptr,  # [ceil(N / 8), ceil(K / GROUP)] int32 packed zero points (only when HAS_ZERO)
+    y_ptr,  # [M, N]: the activation dtype, or fp32 partial sums (MODE 1)
+    ws_ptr,  # fp32 workspace, zero between calls (MODE 2)
+    count_ptr,  # int32 K units done per output tile, zero between calls (MODE 2)
+    M,
+    N,
+    K,
+    scale_row_stride,
+    zero_row_stride,
+    y_row_stride,
+    units_per_split,  # grid mode: K units (two K tiles each) a program_id(1)
+    MODE: gl.constexpr,  # how parts of a tile meet: 0 never split, 1 fp32 atomics into y, 2 workspace
+    STREAM_K: gl.constexpr,  # the programs share the (tile, K unit) pairs evenly, in order
+    GROUP: gl.constexpr,
+    HAS_ZERO: gl.constexpr,
+    MAGIC_F: gl.constexpr,  # 128.0 (bf16) or 1024.0 (fp16): the value of the bits OR-ed over each q
+    BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    BLOCK_K: gl.constexpr,
+    STAGES: gl.constexpr,
+    num_warps: gl.constexpr,
+):
+    dtype: gl.constexpr = x_desc.dtype
+    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_M, 16]
+    )
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=2)
+    w_layout: gl.constexpr = _word_layout(BLOCK_N, BLOCK_K, num_warps)
+
+    # Work is counted in (output tile, K unit) pairs, a unit two K tiles (the loop's step; a unit past K's
+    # last tile is zeros), tiles ordered so that programs sharing a weight tile run together.
+    tiles_m = gl.cdiv(M, BLOCK_M)
+    k_tiles = gl.cdiv(K, BLOCK_K)
+    k_units = gl.cdiv(k_tiles, 2)
+    if STREAM_K:  # program p takes units [p U / P, (p + 1) U / P) of all U: parts of one or more tiles
+        total = (tiles_m * gl.cdiv(N, BLOCK_N)).to(gl.int64) * k_units
+        pid = gl.program_id(0).to(gl.int64)
+        start = (pid * total // gl.num_programs(0)).to(gl.int32)
+        end = ((pid + 1) * total // gl.num_programs(0)).to(gl.int32)
+    else:  # program (t, s) takes split s of tile t
+        start = gl.program_id(0) * k_units + gl.program_id(1) * units_per_split
+        end = gl.minimum(start + units_per_split, (gl.program_id(0) + 1) * k_units)
+
+    p = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, w_layout)))
+    select = gl.expand_dims(gl.expand_dims(p + 0x4440, 0), 1)  # [1, 1, 4]: byte p of a word, as prmt takes it
+    x_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], x_desc.layout)
+    w_smem = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N, BLOCK_K // 8], w_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    unit = start
+    while unit < end:
+        tile = unit // k_units
+        u0 = unit - tile * k_units
+        units = gl.minimum(k_units - u0, end - unit)
+        off_m = (tile % tiles_m) * BLOCK_M
+        off_n = (tile // tiles_m) * BLOCK_N
+        offs_n = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, gl.SliceLayout(2, w_layout)))
+        acc = _tile_products(
+            x_desc, w_desc, x_smem, w_smem, ready, scale_ptr, zero_ptr, offs_n, offs_n < N, select, off_m,
+            off_n, 2 * u0, 2 * units, K, scale_row_stride, zero_row_stride, GROUP, HAS_ZERO, MAGIC_F,
+            mma_layout, w_layout, a_layout, BLOCK_M, BLOCK_N, BLOCK_K, STAGES,
+        )  # fmt: skip
+        _write(acc, y_ptr, ws_ptr, count_ptr, tile, units == k_units, units, k_units, off_m, off_n, M, N,
+               y_row_stride, MODE, BLOCK_M, BLOCK_N, num_warps)  # fmt: skip
+        unit += units
 
 
 def supported(
@@ -413,27 +500,37 @@ def launch(
     *,
     block_m,
     split=1,
+    programs=0,
     mode=0,
     block_n=128,
     block_k=64,
     stages=4,
     num_warps=8,
 ) -> None:
-    """y [M, N] = x2 [M, K] @ dequantize(W).T on the Gluon kernel, K split ``split`` ways (the partial tiles
-    meet as ``mode`` says, in ``y`` (fp32, zeroed) or in the clean workspace ``ws``/``counts``)."""
+    """y [M, N] = x2 [M, K] @ dequantize(W).T on the Gluon kernel: each output tile's K split ``split``
+    ways, or, with ``programs``, all (tile, K unit) pairs shared evenly by that many programs (stream-K).
+    Parts of a tile meet as ``mode`` says, in ``y`` (fp32, zeroed) or in the clean workspace
+    ``ws``/``counts`` (a counter per output tile)."""
     m, k_in = x2.shape
     n_out = qweight.shape[0]
-    tiles = triton.cdiv(k_in, block_k)
-    tiles_per_split = triton.cdiv(tiles, split)
-    tiles_per_split += tiles_per_split % 2 if split > 1 else 0
-    split = triton.cdiv(tiles, tiles_per_split)
+    k_units = triton.cdiv(triton.cdiv(k_in, block_k), 2)
+    tiles = triton.cdiv(m, block_m) * triton.cdiv(n_out, block_n)
+    if programs:
+        grid = (min(programs, tiles * k_units),)
+        units_per_split = k_units
+        parts = tiles % grid[0] != 0  # a program's share ends inside a tile
+    else:
+        units_per_split = triton.cdiv(k_units, split)
+        grid = (tiles, triton.cdiv(k_units, units_per_split))
+        parts = grid[1] > 1
+    if parts and mode == 0:
+        raise ValueError("quant_matmul_gluon.launch: split tiles need mode 1 or 2")
     x_desc = TensorDescriptor.from_tensor(x2, [block_m, block_k], _smem_layout(block_m, block_k, x2.dtype))
     w_desc = TensorDescriptor.from_tensor(
         qweight, [block_n, block_k // 8], _smem_layout(block_n, block_k // 8)
     )
     zero_arg = zeros if zeros is not None else qweight
-    grid = (triton.cdiv(m, block_m) * triton.cdiv(n_out, block_n), split)
-    _prefill_wgmma_kernel[grid](
+    _wgmma_kernel[grid](
         x_desc,
         w_desc,
         scales,
@@ -447,9 +544,9 @@ def launch(
         scales.stride(0),
         zero_arg.stride(0),
         y.stride(0),
-        tiles_per_split,
-        split,
-        MODE=mode if split > 1 else 0,
+        units_per_split,
+        MODE=mode if parts else 0,
+        STREAM_K=bool(programs),
         GROUP=group_size,
         HAS_ZERO=zeros is not None,
         MAGIC_F=128.0 if x2.dtype == torch.bfloat16 else 1024.0,
@@ -461,19 +558,9 @@ def launch(
     )
 
 
-def prefill(
-    x2, qweight, scales, zeros, group_size, *, block_m=128, split=1, stages=4, block_n=128
-) -> torch.Tensor:
-    """:func:`launch` into a new output (split-K partial sums in fp32, then cast): for probes and tests."""
-    m, n_out = x2.shape[0], qweight.shape[0]
-    if split == 1:
-        y = torch.empty((m, n_out), dtype=x2.dtype, device=x2.device)
-        launch(
-            x2, qweight, scales, zeros, group_size, y, y, y, block_m=block_m, stages=stages, block_n=block_n
-        )
-        return y
-    y = torch.zeros((m, n_out), dtype=torch.float32, device=x2.device)
-    launch(
-        x2, qweight, scales, zeros, group_size, y, y, y, block_m=block_m, split=split, mode=1, stages=stages
-    )
+def prefill(x2, qweight, scales, zeros, group_size, **tiling) -> torch.Tensor:
+    """:func:`launch` into a new output (parts of tiles summed in fp32, then cast), ``tiling`` its keywords
+    (``block_m`` 128 unless given): for probes and tests."""
+    y = torch.zeros((x2.shape[0], qweight.shape[0]), dtype=torch.float32, device=x2.device)
+    launch(x2, qweight, scales, zeros, group_size, y, y, y, mode=1, **({"block_m": 128} | tiling))
     return y.to(x2.dtype)

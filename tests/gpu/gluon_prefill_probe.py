@@ -3,7 +3,10 @@ prefill paths before it (the Triton GEMM or dequantize + cuBLAS) and quant_matmu
 Correctness first (every tiling, tails, groups, zero points, fp16), then GPU time of cold weights in CUDA
 graphs, as bench_quant_matmul.py times them.
 
-    python tests/gpu/gluon_prefill_probe.py [--check-only] [--ms 128,512] [--tiles 128:4:1,256:4:2]
+    python tests/gpu/gluon_prefill_probe.py [--check-only] [--ms 128,512] [--tiles 128:4:1,256:4:p132]
+
+A tiling is BLOCK_M:STAGES:SPLIT[:BLOCK_N[:BLOCK_K[:WARPS]]]; SPLIT ``pN`` shares the work among N programs
+(stream-K) instead of splitting each tile's K.
 """
 
 from __future__ import annotations
@@ -36,33 +39,72 @@ def packed(n, k, group, zeros, dtype=torch.bfloat16, seed=0):
 
 
 def check():
-    cases = [  # (m, n, k, group, zeros, dtype, tiles)
-        (128, 4096, 4096, 128, False, torch.bfloat16, (128, 128, 4)),
-        (200, 4160, 4096, 128, True, torch.bfloat16, (128, 128, 4)),  # M and N tails
-        (77, 1024, 4160, 32, True, torch.bfloat16, (64, 128, 3)),  # K tail, odd tile count
-        (512, 2048, 2048, 32, False, torch.bfloat16, (256, 128, 4)),
-        (384, 4096, 4096, 32, True, torch.bfloat16, (128, 256, 3)),  # 256 weight rows a program
-        (256, 2048, 2048, 64, True, torch.float16, (128, 128, 4)),
-        (300, 2048, 14336, 128, True, torch.bfloat16, (256, 128, 3)),
-        (128, 4096, 4096, 256, False, torch.bfloat16, (128, 128, 4)),
-        (130, 1024, 4128, 32, True, torch.bfloat16, (128, 128, 4)),  # K tail inside a tile
+    cases = [  # (m, n, k, group, zeros, dtype, tiling)
+        (128, 4096, 4096, 128, False, torch.bfloat16, {}),
+        (200, 4160, 4096, 128, True, torch.bfloat16, {}),  # M and N tails
+        (77, 1024, 4160, 32, True, torch.bfloat16, {"block_m": 64, "stages": 3}),  # K tail, odd tile count
+        (512, 2048, 2048, 32, False, torch.bfloat16, {"block_m": 256}),
+        (
+            384,
+            4096,
+            4096,
+            32,
+            True,
+            torch.bfloat16,
+            {"block_n": 256, "stages": 3},
+        ),  # 256 weight rows a program
+        (256, 2048, 2048, 64, True, torch.float16, {}),
+        (300, 2048, 14336, 128, True, torch.bfloat16, {"block_m": 256, "stages": 3}),
+        (128, 4096, 4096, 256, False, torch.bfloat16, {}),
+        (130, 1024, 4128, 32, True, torch.bfloat16, {}),  # K tail inside a tile
+        (300, 2048, 4160, 128, True, torch.bfloat16, {"block_m": 256, "split": 3}),  # K split, odd tail
+        (512, 2304, 4160, 128, False, torch.bfloat16, {"block_m": 256, "programs": 132}),  # stream-K
+        (16, 14336, 4096, 128, False, torch.bfloat16, {"block_m": 16, "block_k": 256, "programs": 132}),
+        (5, 4160, 4160, 128, True, torch.bfloat16, {"block_m": 8, "block_k": 256, "programs": 100}),
+        (64, 4096, 14336, 32, True, torch.bfloat16, {"block_m": 64, "stages": 8, "programs": 132}),
+        (
+            33,
+            4096,
+            4096,
+            64,
+            True,
+            torch.float16,
+            {"block_m": 64, "block_n": 64, "num_warps": 4, "programs": 264},
+        ),
+        (
+            1,
+            2048,
+            2048,
+            128,
+            False,
+            torch.bfloat16,
+            {"block_m": 8, "block_k": 256, "programs": 7},
+        ),  # whole tiles
     ]
     worst = 0.0
-    for m, n, k, group, zeros, dtype, (bm, bn, stages) in cases:
+    for m, n, k, group, zeros, dtype, tiling in cases:
         qw, sc, zp, dense = packed(n, k, group, zeros, dtype)
         x = torch.randn(m, k, device="cuda", dtype=dtype)
-        y = qg.prefill(x, qw, sc, zp, group, block_m=bm, stages=stages, block_n=bn).float()
+        y = qg.prefill(x, qw, sc, zp, group, **tiling).float()
         torch.cuda.synchronize()
         ref = (x @ dense.t()).float()
         err = ((y - ref).norm() / ref.norm()).item()
         worst = max(worst, err)
         print(
-            f"check m={m} n={n} k={k} g={group} zeros={zeros} {dtype} tiles {bm}x{bn} s{stages}: "
-            f"rel err {err:.2e}",
-            flush=True,
+            f"check m={m} n={n} k={k} g={group} zeros={zeros} {dtype} {tiling}: rel err {err:.2e}", flush=True
         )
         assert err < 2e-3, err
     print(f"check: all {len(cases)} cases within 2e-3 (worst {worst:.2e})")
+
+
+def tiling(spec: str) -> dict:
+    """BLOCK_M:STAGES:SPLIT[:BLOCK_N[:BLOCK_K[:WARPS]]] as prefill()'s keywords (SPLIT pN: stream-K)."""
+    bm, stages, split, *rest = spec.split(":")
+    bn, bk, warps = [int(v) for v in rest] + [128, 64, 8][len(rest) :]
+    out = {"block_m": int(bm), "stages": int(stages), "block_n": bn, "block_k": bk, "num_warps": warps}
+    if split.startswith("p"):
+        return out | {"programs": int(split[1:])}
+    return out | {"split": int(split)}
 
 
 def cycle(fns):
@@ -88,22 +130,20 @@ def bench(ms, groups, tiles, zeros_too):
                 qm.GLUON_PREFILL_MAX_M, qm.GLUON_PREFILL_MAX_M_SMALL_GROUP = saved
                 t_auto = do_bench_cudagraph(cycle(ship), rep=40)
                 row = []
-                for bm, stages, split, bn in tiles:
-                    fn = cycle(
-                        [
-                            lambda p=p, x=x, g=group, bm=bm, st=stages, sp=split, bn=bn: qg.prefill(
-                                x, p[0], p[1], p[2], g, block_m=bm, stages=st, split=sp
-                            )
-                            for p in packs
-                        ]
-                    )
+                for spec, kw in tiles:
+                    bm = kw["block_m"]
+                    if bm > 2 * max(m, 8) or 4 * bm < min(m, 256):
+                        continue  # (tiles far taller or shorter than m)
+                    if not qg.supported(x, qw, sc, group, 4, kw["block_k"]):
+                        continue
+                    fn = cycle([lambda p=p, x=x, g=group, kw=kw: qg.prefill(x, *p, g, **kw) for p in packs])
                     try:
                         t = do_bench_cudagraph(fn, rep=40)
                     except Exception as exc:
-                        row.append(f"m{bm}n{bn}s{stages}k{split} {type(exc).__name__}")
+                        row.append(f"{spec} {type(exc).__name__}")
                         continue
                     flops = 2 * m * n * k / t / 1e9
-                    row.append(f"m{bm}n{bn}s{stages}k{split} {t * 1e3:.1f}us {t_bf16 / t:.2f}x {flops:.0f}TF")
+                    row.append(f"{spec} {t * 1e3:.1f}us {t_bf16 / t:.2f}x {flops:.0f}TF")
                 print(
                     f"m={m} n={n} k={k} g={group} zp={int(zeros)}: bf16 {t_bf16 * 1e3:.1f}us | shipped "
                     f"{t_ship * 1e3:.1f}us {t_bf16 / t_ship:.2f}x | auto {t_auto * 1e3:.1f}us "
@@ -117,14 +157,17 @@ def main():
     p.add_argument("--check-only", action="store_true")
     p.add_argument("--ms", default="128,256,512,2048,8192")
     p.add_argument("--groups", default="128,32")
-    p.add_argument("--tiles", default="128:4:1,256:4:1", help="BLOCK_M:STAGES:SPLIT[:BLOCK_N] settings")
+    p.add_argument("--tiles", default="128:4:1,256:4:1", help="tilings (the module doc)")
+    p.add_argument("--shapes", default="", help="N:K,... (default: the 8B model's and 14336^2)")
     p.add_argument("--zeros", action="store_true", help="also time asymmetric weights")
     a = p.parse_args()
     print(torch.cuda.get_device_name(), torch.__version__, flush=True)
     check()
     if a.check_only:
         return
-    tiles = [(*(int(v) for v in t.split(":")), 128)[:4] for t in a.tiles.split(",")] if a.tiles else []
+    tiles = [(t, tiling(t)) for t in a.tiles.split(",")] if a.tiles else []
+    if a.shapes:
+        SHAPES[:] = [tuple(int(v) for v in s.split(":")) for s in a.shapes.split(",")]
     bench([int(v) for v in a.ms.split(",")], [int(g) for g in a.groups.split(",")], tiles, a.zeros)
 
 

@@ -75,6 +75,19 @@ def test_gluon_in_auto_measured_choices():
     assert not qm.gluon_in_auto(512, 2048, 128)  # the bundled model's widths: dequantize + cuBLAS
 
 
+def _through_quant_matmul(takes, m, n, k, group, zeros, dtype):
+    """Random inputs that ``takes`` sends to the Gluon kernel, through quant_matmul twice (the second call
+    replays nothing: a launch plan cannot hold this launch), against dequantize + matmul."""
+    qw, sc, zp = _packed(n, k, group, zeros, dtype, "cuda")
+    x = torch.randn(m, k, device="cuda", dtype=dtype)
+    assert takes(x, qw, sc, zp, group, 4)
+    ref = (x @ ql.dequantize(qw, sc, zp, (n, k), group, 4).to(dtype).t()).float()
+    for _ in range(2):
+        y = K.quant_matmul(x, qw, sc, zp, group, 4).float()
+        assert ((y - ref).norm() / ref.norm()).item() < 2e-3
+    return x, qw, sc, zp, ref
+
+
 @needs_hopper
 @pytest.mark.parametrize(
     ("m", "n", "k", "group", "zeros", "dtype"),
@@ -91,13 +104,7 @@ def test_gluon_in_auto_measured_choices():
 )
 def test_gluon_prefill_is_dequantize_then_matmul(m, n, k, group, zeros, dtype, monkeypatch):
     monkeypatch.setattr(qm, "PREFILL", "gluon")
-    qw, sc, zp = _packed(n, k, group, zeros, dtype, "cuda")
-    x = torch.randn(m, k, device="cuda", dtype=dtype)
-    assert qm._gluon_prefill(x, qw, sc, zp, group, 4)
-    ref = (x @ ql.dequantize(qw, sc, zp, (n, k), group, 4).to(dtype).t()).float()
-    for _ in range(2):  # the second call replays nothing: a launch plan cannot hold this launch
-        y = K.quant_matmul(x, qw, sc, zp, group, 4).float()
-        assert ((y - ref).norm() / ref.norm()).item() < 2e-3
+    x, qw, sc, zp, ref = _through_quant_matmul(qm._gluon_prefill, m, n, k, group, zeros, dtype)
     for split, mode in ((1, 0), (3, 1), (4, 2)):  # every way the K splits meet, directly
         ws, counts = qm._workspace(x.device, m * n, 4096)
         out = torch.zeros((m, n), device="cuda", dtype=torch.float32 if mode == 1 else dtype)
@@ -105,3 +112,74 @@ def test_gluon_prefill_is_dequantize_then_matmul(m, n, k, group, zeros, dtype, m
         err = ((out.float() - ref).norm() / ref.norm()).item()
         assert err < 2e-3, (split, mode, err)
     assert all(not t.any() for t in qm.workspace_buffers())  # the last split of each tile cleaned up
+
+
+def test_split_tiles_need_a_way_to_meet():
+    qw, sc, _ = _packed(256, 4096, 128, False)
+    x = torch.zeros(16, 4096, dtype=torch.bfloat16)
+    y = torch.empty(16, 256, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="mode 1 or 2"):  # 2 tiles over 3 programs: parts of tiles
+        qg.launch(x, qw, sc, None, 128, y, y, y, block_m=16, programs=3)
+    with pytest.raises(ValueError, match="mode 1 or 2"):
+        qg.launch(x, qw, sc, None, 128, y, y, y, block_m=16, split=2)
+
+
+@needs_hopper
+@pytest.mark.parametrize(
+    ("m", "n", "k", "group", "zeros", "tiling"),
+    [
+        (512, 2304, 4160, 128, False, {"block_m": 256, "programs": 132}),  # parts of up to three tiles
+        (16, 14336, 4096, 128, False, {"block_m": 16, "block_k": 256, "programs": 132}),
+        (5, 4160, 4160, 128, True, {"block_m": 8, "block_k": 256, "programs": 100}),  # odd K tiles, tails
+        (64, 4096, 14336, 32, True, {"block_m": 64, "stages": 8, "programs": 132}),
+        (33, 4096, 4096, 64, True, {"block_m": 64, "block_n": 64, "num_warps": 4, "programs": 99}),
+        (1, 2048, 2048, 128, False, {"block_m": 8, "block_k": 256, "programs": 8}),  # whole tiles each
+        (300, 2048, 4160, 128, True, {"block_m": 256, "split": 3}),
+    ],
+)
+def test_gluon_stream_k_is_dequantize_then_matmul(m, n, k, group, zeros, tiling):
+    qw, sc, zp = _packed(n, k, group, zeros, torch.bfloat16, "cuda")
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    ref = (x @ ql.dequantize(qw, sc, zp, (n, k), group, 4).to(x.dtype).t()).float()
+    y = qg.prefill(x, qw, sc, zp, group, **tiling).float()  # parts meet in fp32 atomics (MODE 1)
+    assert ((y - ref).norm() / ref.norm()).item() < 2e-3
+    ws, counts = qm._workspace(x.device, m * n, 4096)
+    out = torch.empty((m, n), device="cuda", dtype=x.dtype)
+    qg.launch(x, qw, sc, zp, group, out, ws, counts, mode=2, **tiling)  # in the workspace
+    assert ((out.float() - ref).norm() / ref.norm()).item() < 2e-3
+    assert all(not t.any() for t in qm.workspace_buffers())  # each tile's last part cleaned up
+
+
+def test_gluon_decode_measured_choices():
+    # (gluon_prefill_probe.py on the H100: NOTES.md, "eleventh session")
+    assert qm.gluon_decode_in_auto(2, 14336, 14336) and qm.gluon_decode_in_auto(64, 14336, 14336)
+    assert not qm.gluon_decode_in_auto(1, 14336, 14336)  # one row: the FMA kernel
+    assert not qm.gluon_decode_in_auto(16, 14336, 4096) and qm.gluon_decode_in_auto(17, 14336, 4096)
+    assert not qm.gluon_decode_in_auto(32, 4096, 4096) and not qm.gluon_decode_in_auto(64, 4096, 4096)
+    assert qm.gluon_decode_tiles(1, 132) == {"block_m": 8, "block_n": 64, "num_warps": 4, "programs": 264}
+    assert qm.gluon_decode_tiles(9, 132)["block_m"] == 16 and qm.gluon_decode_tiles(32, 132)["block_m"] == 32
+    assert qm.gluon_decode_tiles(33, 132) == {"block_m": 64, "block_n": 128, "num_warps": 8, "programs": 132}
+
+
+def test_cpu_decode_never_takes_it(monkeypatch):
+    monkeypatch.setattr(qm, "DECODE", "gluon")
+    qw, sc, _ = _packed(256, 4096, 128, False)
+    assert not qm._gluon_decode(torch.randn(16, 4096, dtype=torch.bfloat16), qw, sc, None, 128, 4)
+
+
+@needs_hopper
+@pytest.mark.parametrize(
+    ("m", "n", "k", "group", "zeros", "dtype"),
+    [
+        (1, 4160, 4096, 128, False, torch.bfloat16),  # N tail
+        (2, 4096, 4352, 128, True, torch.bfloat16),  # odd K tile count: a zero tile pads it
+        (5, 2048, 14336, 128, True, torch.bfloat16),
+        (16, 4096, 4096, 256, False, torch.bfloat16),
+        (33, 4096, 4096, 128, True, torch.float16),
+        (64, 6144, 4096, 128, False, torch.bfloat16),
+    ],
+)
+def test_gluon_decode_is_dequantize_then_matmul(m, n, k, group, zeros, dtype, monkeypatch):
+    monkeypatch.setattr(qm, "DECODE", "gluon")
+    _through_quant_matmul(qm._gluon_decode, m, n, k, group, zeros, dtype)
+    assert all(not t.any() for t in qm.workspace_buffers())
