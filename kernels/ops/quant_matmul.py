@@ -43,14 +43,15 @@ SKINNY_MAX_M = 64
 # Triton GEMM while their dense weights cost cuBLAS little (int4-serve run f: c=64 0.86x Marlin's tokens/s).
 PREFILL = "auto"
 # On Hopper, "auto" runs the Gluon GEMM (quant_matmul_gluon.py: dequantization overlapped with the tensor
-# cores' products) where it takes the inputs and was measured faster than the paths above
-# (tests/gpu/gluon_prefill_probe.py, H100, 2026-11-25; NOTES.md): outputs at least TRITON_PREFILL_MIN_N wide
-# up to GLUON_PREFILL_MAX_M rows (GLUON_PREFILL_MAX_M_SMALL_GROUP for groups under 64 values; 128 rows
-# of 14336^2 g128 1.20x bf16 against the Triton GEMM's 1.05x, 512 rows 0.96x against 0.78x), and narrower
-# ones (down to TRITON_PREFILL_MIN_N_ANY) from 257 rows with groups of 64 or more (512 rows of 4096^2 0.78x
-# against 0.68x, of 4096 x 14336 0.78x against 0.69x; results/gluon_prefill_probe_h100_2026-11-25_prmt.log).
-# "gluon" forces it wherever it takes the inputs.
-GLUON_PREFILL_MAX_M, GLUON_PREFILL_MAX_M_SMALL_GROUP = 2048, 512
+# cores' products, a loading warp of its own) where it takes the inputs and was measured faster than the paths
+# above (tests/gpu/gluon_prefill_probe.py, H100; NOTES.md, "eleventh session";
+# results/gluon_prefill_probe_h100_2026-11-25_ws_auto.log): outputs at least TRITON_PREFILL_MIN_N wide up to
+# GLUON_PREFILL_MAX_M rows (GLUON_PREFILL_MAX_M_SMALL_GROUP for groups under 64 values; g128 at 128 rows of
+# 14336^2 1.35x bf16 against the Triton GEMM's 1.05x, 512 rows 1.00x against 0.75x, 2048 rows 0.95x against
+# dequantize + cuBLAS's 0.89x), and narrower ones (down to TRITON_PREFILL_MIN_N_ANY) in groups of 64 or more
+# from 257 rows (512 rows of 4096^2 0.81x against 0.69x) or, K at least TRITON_PREFILL_MIN_K deep, up to 128
+# (4096 x 14336: 1.30x against 1.19x). "gluon" forces it wherever it takes the inputs.
+GLUON_PREFILL_MAX_M, GLUON_PREFILL_MAX_M_SMALL_GROUP = 2048, 1024
 # Decode (up to SKINNY_MAX_M rows) on Hopper: "auto" runs the Gluon kernel as a stream-K GEMM (every SM
 # streams an equal share of the weight through TMA; quant_matmul_gluon.py) for int4 in groups of 128 (a
 # 256-deep K tile holds two) where it was measured faster than the tensor-core kernel (H100, 2026-11-25,
@@ -245,13 +246,15 @@ def _quant_matmul(
     zero_arg = zeros.contiguous() if zeros is not None else qweight
     if m > SKINNY_MAX_M:
         if _gluon_prefill(x2, qweight, scales, zeros, group_size, bits):
-            return _prefill_gluon(x2, qweight, scales, zeros, group_size).reshape(*x.shape[:-1], n_out)
+            cfg = gluon_tiles(m, n_out, k_in, sm_count(x.device))
+            return _gluon(x2, qweight, scales, zeros, group_size, cfg).reshape(*x.shape[:-1], n_out)
         if not (PREFILL == "triton" or (PREFILL == "auto" and prefill_in_triton(m, n_out, k_in, group_size))):
             weight = dequantize(qweight, scales, zeros, k_in, group_size, bits, x.dtype)
             return (x2 @ weight.t()).reshape(*x.shape[:-1], n_out)
         return _prefill(x2, qweight, scales, zeros, zero_arg, group_size, bits).reshape(*x.shape[:-1], n_out)
     if _gluon_decode(x2, qweight, scales, zeros, group_size, bits):
-        return _decode_gluon(x2, qweight, scales, zeros, group_size).reshape(*x.shape[:-1], n_out)
+        cfg = gluon_decode_tiles(m, sm_count(x.device))
+        return _gluon(x2, qweight, scales, zeros, group_size, cfg).reshape(*x.shape[:-1], n_out)
     per16 = 16 // bits
     deep = GEMV_BLOCK_K % group_size == 0 or group_size % GEMV_BLOCK_K == 0  # whole groups a tile, or in one
     # The FMA kernel reads whole int32 words (groups of 8 values or more).
@@ -319,7 +322,7 @@ def _gluon_prefill(x2, qweight, scales, zeros, group_size, bits) -> bool:
     """Whether this prefill runs on the Gluon GEMM (PREFILL's comment)."""
     if PREFILL not in ("auto", "gluon") or not _gluon_runs(x2, qweight, scales, zeros, group_size, bits, 64):
         return False
-    return PREFILL == "gluon" or gluon_in_auto(x2.shape[0], qweight.shape[0], group_size)
+    return PREFILL == "gluon" or gluon_in_auto(x2.shape[0], qweight.shape[0], x2.shape[1], group_size)
 
 
 def _gluon_decode(x2, qweight, scales, zeros, group_size, bits) -> bool:
@@ -343,65 +346,51 @@ def gluon_decode_in_auto(m: int, n_out: int, k_in: int) -> bool:
 def gluon_decode_tiles(m: int, sms: int) -> dict:
     """The stream-K decode's tiling (gluon_prefill_probe.py, H100; NOTES.md, "eleventh session"): the
     smallest wgmma N that holds the rows (8, 16, 32), 64 weight rows a program of one warpgroup, two
-    programs an SM (213-219 registers a thread); 64 rows: 128 weight rows a program of two warpgroups, one an
-    SM (14336^2: 81.9 us against 121.5 on 32-row tiles twice)."""
+    programs an SM; 64 rows: 128 weight rows a program of two warpgroups, one an SM (14336^2: 77.8 us against
+    118.1 on 32-row tiles twice)."""
+    deep = {"block_k": GLUON_DECODE_BLOCK_K, "stages": 4}
     if m > 32:
-        return {"block_m": 64, "block_n": 128, "num_warps": 8, "programs": sms}
-    return {"block_m": max(8, next_power_of_2(m)), "block_n": 64, "num_warps": 4, "programs": 2 * sms}
+        return {"block_m": 64, "block_n": 128, "num_warps": 8, "programs": sms} | deep
+    return {"block_m": max(8, next_power_of_2(m)), "block_n": 64, "num_warps": 4, "programs": 2 * sms,
+            "occupancy": 2} | deep  # fmt: skip
 
 
-def _decode_gluon(x2, qweight, scales, zeros, group_size) -> torch.Tensor:
-    """Launch the stream-K decode; parts of tiles meet in the workspace (the caller checked eager())."""
-    from squeezeserve.kernels.ops import quant_matmul_gluon
-
-    m, n_out = x2.shape[0], qweight.shape[0]
-    cfg = gluon_decode_tiles(m, sm_count(x2.device))
-    y = torch.empty((m, n_out), dtype=x2.dtype, device=x2.device)
-    ws, counts = _workspace(x2.device, m * n_out, cdiv(m, cfg["block_m"]) * cdiv(n_out, cfg["block_n"]))
-    zeros = zeros.contiguous() if zeros is not None else None  # (qweight and scales are, from the caller)
-    launch.unplanned(lambda: quant_matmul_gluon.launch(
-        x2, qweight, scales, zeros, group_size, y, ws, counts, mode=2, block_k=GLUON_DECODE_BLOCK_K, stages=4,
-        **cfg,
-    ))  # fmt: skip
-    return y
-
-
-def gluon_in_auto(m: int, n_out: int, group_size: int) -> bool:
+def gluon_in_auto(m: int, n_out: int, k_in: int, group_size: int) -> bool:
     """Whether ``PREFILL="auto"`` runs ``m`` rows of this weight on the Gluon GEMM (PREFILL's comment)."""
     if n_out >= TRITON_PREFILL_MIN_N:
         return m <= (GLUON_PREFILL_MAX_M if group_size >= 64 else GLUON_PREFILL_MAX_M_SMALL_GROUP)
-    return n_out >= TRITON_PREFILL_MIN_N_ANY and group_size >= 64 and 256 < m <= GLUON_PREFILL_MAX_M
+    if n_out < TRITON_PREFILL_MIN_N_ANY or group_size < 64:
+        return False
+    return 256 < m <= GLUON_PREFILL_MAX_M or (m <= 128 and k_in >= TRITON_PREFILL_MIN_K)
 
 
 def gluon_tiles(m: int, n_out: int, k_in: int, sms: int) -> dict:
-    """Rows a program and K splits of the Gluon GEMM (gluon_prefill_probe.py, H100). 128 rows (one wgmma of
-    128) up to 128 rows; more: 256, unless that leaves over half the SMs idle where K is short (512 rows of
-    4096^2: 0.73x bf16 on 128-row tiles, 0.58x on 256). K splits fill the SMs (fill_split) only where each
-    split keeps 64 K tiles: at K = 4096 two splits cost more than the idle SMs (4096^2, 512 rows on 256-row
-    tiles: 0.53x with two splits, 0.58x without), at K = 14336 they pay (4096 x 14336, 512 rows: 0.76x
-    against 0.57x)."""
-    k_tiles = cdiv(k_in, 64)
+    """The Gluon prefill GEMM's tiling (gluon_prefill_probe.py, H100; NOTES.md, "tenth session" and
+    "eleventh session"). 128 rows a tile (one wgmma of 128) and 6 stages up to 128 rows; past that 256 rows
+    and 4 stages (the most that fit), unless that leaves over half the SMs idle where K is short (512 rows of
+    4096^2: 0.73x bf16 on 128-row tiles, 0.58x on 256). One program a tile while the tiles fill at least half
+    the SMs (their parts' meeting in the workspace cost more than the idle SMs: 512 rows of 14336^2 stream-K
+    365 us against 347 a tile a program); fewer share all (tile, K unit) pairs among one program an SM
+    (stream-K: 128 rows of 4096 x 14336 40.8 us against the Triton GEMM's 44.8)."""
     block_m = 128
-    if m > 128 and (cdiv(n_out, 128) * cdiv(m, 256) >= sms // 2 or k_tiles >= 128):
+    if m > 128 and (cdiv(n_out, 128) * cdiv(m, 256) >= sms // 2 or cdiv(k_in, 64) >= 128):
         block_m = 256
-    split = min(fill_split(cdiv(n_out, 128) * cdiv(m, block_m), sms), max(1, k_tiles // 64))
-    return {"block_m": block_m, "split": split}
+    cfg = {"block_m": block_m, "stages": 6 if block_m == 128 else 4}
+    return cfg | ({"programs": sms} if cdiv(n_out, 128) * cdiv(m, block_m) < sms // 2 else {})
 
 
-def _prefill_gluon(x2, qweight, scales, zeros, group_size) -> torch.Tensor:
-    """Launch the Gluon GEMM; split-K partial tiles meet in the workspace (the caller checked eager())."""
+def _gluon(x2, qweight, scales, zeros, group_size, cfg: dict) -> torch.Tensor:
+    """Launch the Gluon kernel at tiling ``cfg``; parts of tiles meet in the workspace (the caller checked
+    eager())."""
     from squeezeserve.kernels.ops import quant_matmul_gluon
 
     m, n_out = x2.shape[0], qweight.shape[0]
-    cfg = gluon_tiles(m, n_out, x2.shape[1], sm_count(x2.device))
-    block_m, split = cfg["block_m"], cfg["split"]
     y = torch.empty((m, n_out), dtype=x2.dtype, device=x2.device)
-    ws, counts = (
-        _workspace(x2.device, m * n_out, cdiv(n_out, 128) * cdiv(m, block_m)) if split > 1 else (y, y)
-    )
+    tiles = cdiv(m, cfg["block_m"]) * cdiv(n_out, cfg.get("block_n", 128))
+    ws, counts = _workspace(x2.device, m * n_out, tiles)
     zeros = zeros.contiguous() if zeros is not None else None  # (qweight and scales are, from the caller)
     launch.unplanned(lambda: quant_matmul_gluon.launch(
-        x2, qweight, scales, zeros, group_size, y, ws, counts, block_m=block_m, split=split, mode=2
+        x2, qweight, scales, zeros, group_size, y, ws, counts, mode=2, **cfg
     ))  # fmt: skip
     return y
 

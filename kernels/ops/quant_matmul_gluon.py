@@ -9,8 +9,11 @@ Triton 3.6 offers no way to reorder that wait. Gluon (``triton.experimental.gluo
 explicitly:
 
 - activations and the weight's packed int32 words stream in through TMA into a ring of ``STAGES``
-  shared-memory stages, one mbarrier each (the scales and zero points, too small for TMA, by plain loads
-  three tiles ahead);
+  shared-memory stages, issued by one loading warp of its own (``gl.warp_specialize``): it waits on each
+  stage's ``empty`` barrier, the compute warps wait on its ``ready`` barrier, and neither stops for the
+  other's bookkeeping (issuing the loads from the compute warps took four CTA barriers a K tile; warp
+  specialisation made decode 3-6% and prefill 2-6% faster on the H100). The scales and zero points, too
+  small for TMA, come by plain loads three tiles ahead;
 - each warpgroup issues tile t's products asynchronously (``warpgroup_mma(..., is_async=True)``), then
   dequantizes tile t + 1 into fresh registers while they run, and only then waits for tile t - 1's
   products (``warpgroup_mma_wait(1)``), whose operand registers it names as ``deps`` so that they stay
@@ -24,9 +27,9 @@ explicitly:
 Work is counted in (output tile, K unit) pairs, a unit two K tiles. Each program takes one tile's share of
 K (``split`` ways), or, stream-K, an equal run of all the pairs, in order, which may hold the end of one
 tile and the start of the next: then parts of a tile meet in fp32 (atomics into y, or the self-cleaning
-workspace, where the part that completes the tile's count of units stores it). Decode is stream-K: every
-SM streams the same share of the weight whatever the tile count (a 14336-wide output in tiles of 64 weight
-rows: 224 tiles over 132 SMs).
+workspace, where the part that completes the tile's count of units stores it). quant_matmul runs it
+stream-K, one or two programs an SM: every SM streams the same share of the weight whatever the tile count
+(a 14336-wide output in tiles of 64 weight rows: 224 tiles over 132 SMs).
 
 The product is computed transposed, ``acc[BLOCK_N, BLOCK_M] = W_tile @ x_tile.T``: the weight is the
 wgmma's A operand (from registers; 64 weight rows a warpgroup) and the activations its B operand (from
@@ -34,9 +37,10 @@ shared memory), so 8..256 activation rows are one instruction's N.
 
 Each weight is ``(q - z) * s`` rounded once in the activation dtype (``sub`` then ``mul`` on bf16x2/f16x2
 pairs), as ``_dequantize_kernel`` writes it: the product equals dequantize + cuBLAS up to accumulation order.
-Scope (:func:`supported`): int4, scales in the activation dtype, groups that hold whole 64-deep K tiles or
-half of one, K a multiple of 32 (TMA's 16-byte rows), with or without zero points; sm_90 only. Speeds and
-the history of this design: tests/benchmarks/NOTES.md, "tenth session" and "eleventh session".
+Scope (:func:`supported`): int4, scales in the activation dtype, groups that hold whole K tiles (64 deep;
+256 in decode) or half of one, K a multiple of 32 (TMA's 16-byte rows), with or without zero points; sm_90
+only. Speeds and the history of this design: tests/benchmarks/NOTES.md, "tenth session" and "eleventh
+session".
 """
 
 from __future__ import annotations
@@ -186,159 +190,6 @@ def _operand(
 
 
 @gluon.jit
-def _issue(
-    x_desc,
-    w_desc,
-    x_smem,
-    w_smem,
-    ready,
-    i,
-    first,
-    off_m,
-    off_n,
-    pred,
-    BLOCK_K: gl.constexpr,
-    STAGES: gl.constexpr,
-):
-    """Start the activation and word loads of this program's i-th K tile (tile ``first + i``) into its stage
-    (TMA; zeros past the edges)."""
-    stage = i % STAGES
-    tile = first + i
-    bar = ready.index(stage)
-    mbarrier.expect(bar, x_desc.block_type.nbytes + w_desc.block_type.nbytes, pred=pred)
-    tma.async_copy_global_to_shared(x_desc, [off_m, tile * BLOCK_K], bar, x_smem.index(stage), pred=pred)
-    tma.async_copy_global_to_shared(
-        w_desc, [off_n, tile * (BLOCK_K // 8)], bar, w_smem.index(stage), pred=pred
-    )
-
-
-@gluon.jit
-def _step(
-    i,
-    first,
-    n_local,
-    a,
-    a_prev,
-    acc,
-    params,
-    params_next,
-    x_desc,
-    w_desc,
-    x_smem,
-    w_smem,
-    ready,
-    scale_ptr,
-    zero_ptr,
-    offs_n,
-    mask_n,
-    select,
-    off_m,
-    off_n,
-    K,
-    scale_row_stride,
-    zero_row_stride,
-    GROUP: gl.constexpr,
-    HAS_ZERO: gl.constexpr,
-    MAGIC_F: gl.constexpr,
-    w_layout: gl.constexpr,
-    a_layout: gl.constexpr,
-    BLOCK_N: gl.constexpr,
-    BLOCK_K: gl.constexpr,
-    STAGES: gl.constexpr,
-):
-    """This program's K tile i (of ``n_local``, from tile ``first``): its products start on operand ``a``;
-    once tile i - 1's (operand ``a_prev``) are done, their stage is refilled and tile i + 1's operand is
-    made, in the registers ``a_prev`` held, while tile i's products run. ``params``: tile i + 1's scales
-    and zero points; ``params_next``: tile i + 2's, in flight. Returns (acc, tile i + 1's operand, tile
-    i + 2's params, tile i + 3's)."""
-    stage = i % STAGES
-    acc = warpgroup_mma(a, x_smem.index(stage).permute((1, 0)), acc, is_async=True)
-    acc, a_prev = warpgroup_mma_wait(num_outstanding=1, deps=[acc, a_prev])
-    gl.thread_barrier()  # both warpgroups are past tile i - 1: its stage is free
-    refill = i + STAGES - 1
-    _issue(
-        x_desc, w_desc, x_smem, w_smem, ready, refill, first, off_m, off_n, refill < n_local, BLOCK_K, STAGES
-    )
-    params_after = _load_params(scale_ptr, zero_ptr, offs_n, mask_n, first + i + 3, K, scale_row_stride,
-                                zero_row_stride, GROUP, HAS_ZERO, MAGIC_F, BLOCK_K)  # fmt: skip
-    nxt = (i + 1) % STAGES
-    # (the last step makes an operand nobody uses, from whatever its stage holds: no tile i + 1 was loaded)
-    mbarrier.wait(ready.index(nxt), ((i + 1) // STAGES) & 1, pred=i + 1 < n_local)
-    a_next = _operand(
-        w_smem.index(nxt), params, select, x_desc.dtype, w_layout, a_layout, GROUP, BLOCK_N, BLOCK_K
-    )
-    return acc, a_next, params_next, params_after
-
-
-@gluon.jit
-def _tile_products(
-    x_desc,
-    w_desc,
-    x_smem,
-    w_smem,
-    ready,
-    scale_ptr,
-    zero_ptr,
-    offs_n,
-    mask_n,
-    select,
-    off_m,
-    off_n,
-    first,
-    n_local,
-    K,
-    scale_row_stride,
-    zero_row_stride,
-    GROUP: gl.constexpr,
-    HAS_ZERO: gl.constexpr,
-    MAGIC_F: gl.constexpr,
-    mma_layout: gl.constexpr,
-    w_layout: gl.constexpr,
-    a_layout: gl.constexpr,
-    BLOCK_M: gl.constexpr,
-    BLOCK_N: gl.constexpr,
-    BLOCK_K: gl.constexpr,
-    STAGES: gl.constexpr,
-):
-    """acc [BLOCK_N, BLOCK_M]: one output tile's products over K tiles ``first`` .. ``first + n_local``
-    (``n_local`` even), the ring's barriers fresh at the start and again at the end."""
-    dtype: gl.constexpr = x_desc.dtype
-    for s in gl.static_range(STAGES):
-        mbarrier.init(ready.index(s), count=1)
-    for s in gl.static_range(STAGES - 1):
-        _issue(x_desc, w_desc, x_smem, w_smem, ready, s, first, off_m, off_n, s < n_local, BLOCK_K, STAGES)
-
-    # Scales and zero points run three tiles ahead of the products (plain loads: their latency is hidden).
-    params = _load_params(scale_ptr, zero_ptr, offs_n, mask_n, first, K, scale_row_stride, zero_row_stride,
-                          GROUP, HAS_ZERO, MAGIC_F, BLOCK_K)  # fmt: skip
-    params1 = _load_params(scale_ptr, zero_ptr, offs_n, mask_n, first + 1, K, scale_row_stride,
-                           zero_row_stride, GROUP, HAS_ZERO, MAGIC_F, BLOCK_K)  # fmt: skip
-    params2 = _load_params(scale_ptr, zero_ptr, offs_n, mask_n, first + 2, K, scale_row_stride,
-                           zero_row_stride, GROUP, HAS_ZERO, MAGIC_F, BLOCK_K)  # fmt: skip
-    mbarrier.wait(ready.index(0), 0)
-    a0 = _operand(w_smem.index(0), params, select, dtype, w_layout, a_layout, GROUP, BLOCK_N, BLOCK_K)
-    a1 = a0
-    acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma_layout)
-    # Two tiles an iteration, so that the operands of consecutive tiles are distinct registers (a loop-carried
-    # operand would be rewritten in place while its products may still read it, and ptxas then runs every
-    # product synchronously).
-    for i in range(0, n_local, 2):
-        for j in gl.static_range(2):
-            acc, a_next, params1, params2 = _step(
-                i + j, first, n_local, a0, a1, acc, params1, params2, x_desc, w_desc, x_smem, w_smem, ready,
-                scale_ptr, zero_ptr, offs_n, mask_n, select, off_m, off_n, K, scale_row_stride,
-                zero_row_stride, GROUP, HAS_ZERO, MAGIC_F, w_layout, a_layout, BLOCK_N, BLOCK_K, STAGES,
-            )  # fmt: skip
-            a1 = a0  # tile i + j's operand: in flight until the next step's wait
-            a0 = a_next
-    acc, a0, a1 = warpgroup_mma_wait(num_outstanding=0, deps=[acc, a0, a1])
-    gl.thread_barrier()  # every warp is past its last wait and its products: the ring may start over
-    for s in gl.static_range(STAGES):
-        mbarrier.invalidate(ready.index(s))
-    return acc
-
-
-@gluon.jit
 def _write(
     acc,
     y_ptr,
@@ -385,6 +236,176 @@ def _write(
 
 
 @gluon.jit
+def _share(
+    M,
+    N,
+    K,
+    units_per_split,
+    STREAM_K: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    BLOCK_K: gl.constexpr,
+):
+    """This program's run [start, end) of the (output tile, K unit) pairs, a unit two K tiles (a unit past
+    K's last tile is zeros), tiles ordered so that programs sharing a weight tile run together: stream-K,
+    program p of P takes [p U / P, (p + 1) U / P) of all U, parts of one or more tiles; else program (t, s)
+    takes split s of tile t."""
+    k_units = gl.cdiv(gl.cdiv(K, BLOCK_K), 2)
+    if STREAM_K:
+        total = (gl.cdiv(M, BLOCK_M) * gl.cdiv(N, BLOCK_N)).to(gl.int64) * k_units
+        pid = gl.program_id(0).to(gl.int64)
+        start = (pid * total // gl.num_programs(0)).to(gl.int32)
+        end = ((pid + 1) * total // gl.num_programs(0)).to(gl.int32)
+    else:
+        start = gl.program_id(0) * k_units + gl.program_id(1) * units_per_split
+        end = gl.minimum(start + units_per_split, (gl.program_id(0) + 1) * k_units)
+    return start, end, k_units
+
+
+@gluon.jit
+def _segment(unit, end, k_units, tiles_m, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """The output tile that K unit ``unit`` of a run ending at ``end`` belongs to: (tile, its first unit
+    here, how many of its units the run holds from there, the tile's row and weight-row offsets)."""
+    tile = unit // k_units
+    u0 = unit - tile * k_units
+    return (
+        tile,
+        u0,
+        gl.minimum(k_units - u0, end - unit),
+        (tile % tiles_m) * BLOCK_M,
+        (tile // tiles_m) * BLOCK_N,
+    )
+
+
+@gluon.jit
+def _load_partition(
+    x_desc,
+    w_desc,
+    x_smem,
+    w_smem,
+    ready,
+    empty,
+    M,
+    N,
+    K,
+    units_per_split,
+    STREAM_K: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    BLOCK_K: gl.constexpr,
+    STAGES: gl.constexpr,
+):
+    """The loading warp: every K tile of the program's run, in order, into the ring's next stage once the
+    products of the tile it held are done (``empty``); TMA signals ``ready`` when the bytes are in."""
+    start, end, k_units = _share(M, N, K, units_per_split, STREAM_K, BLOCK_M, BLOCK_N, BLOCK_K)
+    tiles_m = gl.cdiv(M, BLOCK_M)
+    g = 0  # K tiles loaded so far: the ring's position and phase
+    unit = start
+    while unit < end:
+        tile, u0, units, off_m, off_n = _segment(unit, end, k_units, tiles_m, BLOCK_M, BLOCK_N)
+        for t in range(2 * u0, 2 * (u0 + units)):
+            stage = g % STAGES
+            mbarrier.wait(empty.index(stage), ((g // STAGES) & 1) ^ 1)  # (a fresh barrier: phase 1 is done)
+            bar = ready.index(stage)
+            mbarrier.expect(bar, x_desc.block_type.nbytes + w_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(x_desc, [off_m, t * BLOCK_K], bar, x_smem.index(stage))
+            tma.async_copy_global_to_shared(w_desc, [off_n, t * (BLOCK_K // 8)], bar, w_smem.index(stage))
+            g += 1
+        unit += units
+
+
+@gluon.jit
+def _compute_partition(
+    x_smem,
+    w_smem,
+    ready,
+    empty,
+    scale_ptr,
+    zero_ptr,
+    y_ptr,
+    ws_ptr,
+    count_ptr,
+    M,
+    N,
+    K,
+    scale_row_stride,
+    zero_row_stride,
+    y_row_stride,
+    units_per_split,
+    MODE: gl.constexpr,
+    STREAM_K: gl.constexpr,
+    GROUP: gl.constexpr,
+    HAS_ZERO: gl.constexpr,
+    MAGIC_F: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    BLOCK_K: gl.constexpr,
+    STAGES: gl.constexpr,
+    num_warps: gl.constexpr,
+):
+    """The products, tile by tile: tile t's run on the tensor cores while tile t + 1's operand is made from
+    its stage; once tile t - 1's are done its stage goes back to the loader. Then each output tile's sum,
+    or part of it, goes out (``_write``)."""
+    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_M, 16]
+    )
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=2)
+    w_layout: gl.constexpr = _word_layout(BLOCK_N, BLOCK_K, num_warps)
+    dtype: gl.constexpr = x_smem.dtype
+    p = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, w_layout)))
+    select = gl.expand_dims(gl.expand_dims(p + 0x4440, 0), 1)  # [1, 1, 4]: byte p of a word, as prmt takes it
+    start, end, k_units = _share(M, N, K, units_per_split, STREAM_K, BLOCK_M, BLOCK_N, BLOCK_K)
+    tiles_m = gl.cdiv(M, BLOCK_M)
+    g = 0  # K tiles consumed so far, as the loader counts them
+    unit = start
+    while unit < end:
+        tile, u0, units, off_m, off_n = _segment(unit, end, k_units, tiles_m, BLOCK_M, BLOCK_N)
+        offs_n = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, gl.SliceLayout(2, w_layout)))
+        mask_n = offs_n < N
+        first = 2 * u0
+        n_local = 2 * units
+        # Scales and zero points run three tiles ahead of the products (plain loads: their latency is hidden).
+        params0 = _load_params(scale_ptr, zero_ptr, offs_n, mask_n, first, K, scale_row_stride,
+                               zero_row_stride, GROUP, HAS_ZERO, MAGIC_F, BLOCK_K)  # fmt: skip
+        params1 = _load_params(scale_ptr, zero_ptr, offs_n, mask_n, first + 1, K, scale_row_stride,
+                               zero_row_stride, GROUP, HAS_ZERO, MAGIC_F, BLOCK_K)  # fmt: skip
+        params2 = _load_params(scale_ptr, zero_ptr, offs_n, mask_n, first + 2, K, scale_row_stride,
+                               zero_row_stride, GROUP, HAS_ZERO, MAGIC_F, BLOCK_K)  # fmt: skip
+        mbarrier.wait(ready.index(g % STAGES), (g // STAGES) & 1)
+        a0 = _operand(w_smem.index(g % STAGES), params0, select, dtype, w_layout, a_layout, GROUP, BLOCK_N,
+                      BLOCK_K)  # fmt: skip
+        a1 = a0
+        acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma_layout)
+        # Two tiles an iteration, so that the operands of consecutive tiles are distinct registers (a
+        # loop-carried operand would be rewritten in place while its products may still read it, and ptxas
+        # then runs every product synchronously).
+        for i in range(0, n_local, 2):
+            for j in gl.static_range(2):
+                t = g + i + j
+                acc = warpgroup_mma(a0, x_smem.index(t % STAGES).permute((1, 0)), acc, is_async=True)
+                acc, a1 = warpgroup_mma_wait(num_outstanding=1, deps=[acc, a1])
+                # tile t - 1's products are done (its words were read into a1 before they started)
+                mbarrier.arrive(empty.index((t + STAGES - 1) % STAGES), pred=i + j > 0)
+                params3 = _load_params(scale_ptr, zero_ptr, offs_n, mask_n, first + i + j + 3, K,
+                                       scale_row_stride, zero_row_stride, GROUP, HAS_ZERO, MAGIC_F,
+                                       BLOCK_K)  # fmt: skip
+                # (the last tile makes an operand nobody uses, from whatever its stage holds)
+                nxt = (t + 1) % STAGES
+                mbarrier.wait(ready.index(nxt), ((t + 1) // STAGES) & 1, pred=i + j + 1 < n_local)
+                a_next = _operand(w_smem.index(nxt), params1, select, dtype, w_layout, a_layout,
+                                  GROUP, BLOCK_N, BLOCK_K)  # fmt: skip
+                params1, params2 = params2, params3
+                a1 = a0  # tile t's operand: in flight until the next wait
+                a0 = a_next
+        acc, a0, a1 = warpgroup_mma_wait(num_outstanding=0, deps=[acc, a0, a1])
+        g += n_local
+        mbarrier.arrive(empty.index((g + STAGES - 1) % STAGES))
+        _write(acc, y_ptr, ws_ptr, count_ptr, tile, units == k_units, units, k_units, off_m, off_n, M, N,
+               y_row_stride, MODE, BLOCK_M, BLOCK_N, num_warps)  # fmt: skip
+        unit += units
+
+
+@gluon.jit
 def _wgmma_kernel(
     x_desc,  # TMA descriptor of x [M, K], blocks [BLOCK_M, BLOCK_K]
     w_desc,  # TMA descriptor of the packed weight [N, K / 8] int32, blocks [BLOCK_N, BLOCK_K / 8]
@@ -399,7 +420,7 @@ def _wgmma_kernel(
     scale_row_stride,
     zero_row_stride,
     y_row_stride,
-    units_per_split,  # grid mode: K units (two K tiles each) a program_id(1)
+    units_per_split,  # split mode: K units (two K tiles each) a program_id(1)
     MODE: gl.constexpr,  # how parts of a tile meet: 0 never split, 1 fp32 atomics into y, 2 workspace
     STREAM_K: gl.constexpr,  # the programs share the (tile, K unit) pairs evenly, in order
     GROUP: gl.constexpr,
@@ -411,48 +432,27 @@ def _wgmma_kernel(
     STAGES: gl.constexpr,
     num_warps: gl.constexpr,
 ):
-    dtype: gl.constexpr = x_desc.dtype
-    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_M, 16]
-    )
-    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=2)
-    w_layout: gl.constexpr = _word_layout(BLOCK_N, BLOCK_K, num_warps)
-
-    # Work is counted in (output tile, K unit) pairs, a unit two K tiles (the loop's step; a unit past K's
-    # last tile is zeros), tiles ordered so that programs sharing a weight tile run together.
-    tiles_m = gl.cdiv(M, BLOCK_M)
-    k_tiles = gl.cdiv(K, BLOCK_K)
-    k_units = gl.cdiv(k_tiles, 2)
-    if STREAM_K:  # program p takes units [p U / P, (p + 1) U / P) of all U: parts of one or more tiles
-        total = (tiles_m * gl.cdiv(N, BLOCK_N)).to(gl.int64) * k_units
-        pid = gl.program_id(0).to(gl.int64)
-        start = (pid * total // gl.num_programs(0)).to(gl.int32)
-        end = ((pid + 1) * total // gl.num_programs(0)).to(gl.int32)
-    else:  # program (t, s) takes split s of tile t
-        start = gl.program_id(0) * k_units + gl.program_id(1) * units_per_split
-        end = gl.minimum(start + units_per_split, (gl.program_id(0) + 1) * k_units)
-
-    p = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, w_layout)))
-    select = gl.expand_dims(gl.expand_dims(p + 0x4440, 0), 1)  # [1, 1, 4]: byte p of a word, as prmt takes it
-    x_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], x_desc.layout)
+    x_smem = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], x_desc.layout)
     w_smem = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N, BLOCK_K // 8], w_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    unit = start
-    while unit < end:
-        tile = unit // k_units
-        u0 = unit - tile * k_units
-        units = gl.minimum(k_units - u0, end - unit)
-        off_m = (tile % tiles_m) * BLOCK_M
-        off_n = (tile // tiles_m) * BLOCK_N
-        offs_n = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, gl.SliceLayout(2, w_layout)))
-        acc = _tile_products(
-            x_desc, w_desc, x_smem, w_smem, ready, scale_ptr, zero_ptr, offs_n, offs_n < N, select, off_m,
-            off_n, 2 * u0, 2 * units, K, scale_row_stride, zero_row_stride, GROUP, HAS_ZERO, MAGIC_F,
-            mma_layout, w_layout, a_layout, BLOCK_M, BLOCK_N, BLOCK_K, STAGES,
-        )  # fmt: skip
-        _write(acc, y_ptr, ws_ptr, count_ptr, tile, units == k_units, units, k_units, off_m, off_n, M, N,
-               y_row_stride, MODE, BLOCK_M, BLOCK_N, num_warps)  # fmt: skip
-        unit += units
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=1)  # (one arrival: the partition syncs, then one thread arrives)
+    # One loading warp of 24 registers (scalars only; the least a warp may have). (The partitions' arguments
+    # are written out in the call: a tuple bound to a name first turns the constexprs in it into tensors.)
+    gl.warp_specialize(
+        [
+            (_compute_partition, (x_smem, w_smem, ready, empty, scale_ptr, zero_ptr, y_ptr, ws_ptr, count_ptr,
+                                  M, N, K, scale_row_stride, zero_row_stride, y_row_stride, units_per_split,
+                                  MODE, STREAM_K, GROUP, HAS_ZERO, MAGIC_F, BLOCK_M, BLOCK_N, BLOCK_K, STAGES,
+                                  num_warps)),
+            (_load_partition, (x_desc, w_desc, x_smem, w_smem, ready, empty, M, N, K, units_per_split,
+                               STREAM_K, BLOCK_M, BLOCK_N, BLOCK_K, STAGES)),
+        ],
+        [1],
+        [24],
+    )  # fmt: skip
 
 
 def supported(
@@ -506,11 +506,12 @@ def launch(
     block_k=64,
     stages=4,
     num_warps=8,
+    occupancy=1,
 ) -> None:
     """y [M, N] = x2 [M, K] @ dequantize(W).T on the Gluon kernel: each output tile's K split ``split``
     ways, or, with ``programs``, all (tile, K unit) pairs shared evenly by that many programs (stream-K).
     Parts of a tile meet as ``mode`` says, in ``y`` (fp32, zeroed) or in the clean workspace
-    ``ws``/``counts`` (a counter per output tile)."""
+    ``ws``/``counts`` (a counter per output tile). Registers are capped for ``occupancy`` programs an SM."""
     m, k_in = x2.shape
     n_out = qweight.shape[0]
     k_units = triton.cdiv(triton.cdiv(k_in, block_k), 2)
@@ -530,6 +531,9 @@ def launch(
         qweight, [block_n, block_k // 8], _smem_layout(block_n, block_k // 8)
     )
     zero_arg = zeros if zeros is not None else qweight
+    # The loading warp takes a whole warpgroup's registers: (num_warps + 4) warps of maxnreg registers, of
+    # which the compute partition takes what the loader leaves.
+    maxnreg = min(255, 65536 // occupancy // (32 * (num_warps + 4))) // 8 * 8
     _wgmma_kernel[grid](
         x_desc,
         w_desc,
@@ -555,6 +559,7 @@ def launch(
         BLOCK_K=block_k,
         STAGES=stages,
         num_warps=num_warps,
+        maxnreg=maxnreg,
     )
 
 

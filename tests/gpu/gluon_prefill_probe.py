@@ -1,12 +1,14 @@
-"""Issue 16 item 2: the Gluon prefill GEMM (kernels/ops/quant_matmul_gluon.py) against cuBLAS bf16, the
-prefill paths before it (the Triton GEMM or dequantize + cuBLAS) and quant_matmul's auto choice.
-Correctness first (every tiling, tails, groups, zero points, fp16), then GPU time of cold weights in CUDA
-graphs, as bench_quant_matmul.py times them.
+"""Issue 16 items 1 and 2: the Gluon GEMM (kernels/ops/quant_matmul_gluon.py: the stream-K decode up to 64
+rows, the prefill GEMM past that) against cuBLAS bf16, the paths before it (the tensor-core decode kernel,
+the Triton GEMM or dequantize + cuBLAS), the Gluon kernel forced at quant_matmul's tiling, and
+quant_matmul's auto choice. Correctness first (every tiling, tails, groups, zero points, fp16), then GPU
+time of cold weights in CUDA graphs, as bench_quant_matmul.py times them.
 
     python tests/gpu/gluon_prefill_probe.py [--check-only] [--ms 128,512] [--tiles 128:4:1,256:4:p132]
 
 A tiling is BLOCK_M:STAGES:SPLIT[:BLOCK_N[:BLOCK_K[:WARPS]]]; SPLIT ``pN`` shares the work among N programs
-(stream-K) instead of splitting each tile's K.
+(stream-K, N // 132 an SM) instead of splitting each tile's K. Tilings run through ``prefill()`` (parts of
+tiles meet in a zeroed fp32 output, then a cast: slower than quant_matmul's workspace at many rows).
 """
 
 from __future__ import annotations
@@ -39,47 +41,34 @@ def packed(n, k, group, zeros, dtype=torch.bfloat16, seed=0):
 
 
 def check():
+    bf, fp = torch.bfloat16, torch.float16
     cases = [  # (m, n, k, group, zeros, dtype, tiling)
-        (128, 4096, 4096, 128, False, torch.bfloat16, {}),
-        (200, 4160, 4096, 128, True, torch.bfloat16, {}),  # M and N tails
-        (77, 1024, 4160, 32, True, torch.bfloat16, {"block_m": 64, "stages": 3}),  # K tail, odd tile count
-        (512, 2048, 2048, 32, False, torch.bfloat16, {"block_m": 256}),
+        (128, 4096, 4096, 128, False, bf, {}),
+        (200, 4160, 4096, 128, True, bf, {}),  # M and N tails
+        (77, 1024, 4160, 32, True, bf, {"block_m": 64, "stages": 3}),  # K tail, odd tile count
+        (512, 2048, 2048, 32, False, bf, {"block_m": 256}),
+        (384, 4096, 4096, 32, True, bf, {"block_n": 256, "stages": 3}),  # 256 weight rows a program
+        (256, 2048, 2048, 64, True, fp, {}),
+        (300, 2048, 14336, 128, True, bf, {"block_m": 256, "stages": 3}),
+        (128, 4096, 4096, 256, False, bf, {}),
+        (130, 1024, 4128, 32, True, bf, {}),  # K tail inside a tile
+        (300, 2048, 4160, 128, True, bf, {"block_m": 256, "split": 3}),  # K split, odd tail
+        (512, 2304, 4160, 128, False, bf, {"block_m": 256, "programs": 132}),  # stream-K
+        (16, 14336, 4096, 128, False, bf, {"block_m": 16, "block_k": 256, "programs": 132}),
+        (5, 4160, 4160, 128, True, bf, {"block_m": 8, "block_k": 256, "programs": 100}),
+        (64, 4096, 14336, 32, True, bf, {"block_m": 64, "stages": 8, "programs": 132}),
+        (33, 4096, 4096, 64, True, fp, {"block_m": 64, "block_n": 64, "num_warps": 4, "programs": 99}),
+        (1, 2048, 2048, 128, False, bf, {"block_m": 8, "block_k": 256, "programs": 8}),  # whole tiles
         (
-            384,
+            16,
             4096,
             4096,
-            32,
-            True,
-            torch.bfloat16,
-            {"block_n": 256, "stages": 3},
-        ),  # 256 weight rows a program
-        (256, 2048, 2048, 64, True, torch.float16, {}),
-        (300, 2048, 14336, 128, True, torch.bfloat16, {"block_m": 256, "stages": 3}),
-        (128, 4096, 4096, 256, False, torch.bfloat16, {}),
-        (130, 1024, 4128, 32, True, torch.bfloat16, {}),  # K tail inside a tile
-        (300, 2048, 4160, 128, True, torch.bfloat16, {"block_m": 256, "split": 3}),  # K split, odd tail
-        (512, 2304, 4160, 128, False, torch.bfloat16, {"block_m": 256, "programs": 132}),  # stream-K
-        (16, 14336, 4096, 128, False, torch.bfloat16, {"block_m": 16, "block_k": 256, "programs": 132}),
-        (5, 4160, 4160, 128, True, torch.bfloat16, {"block_m": 8, "block_k": 256, "programs": 100}),
-        (64, 4096, 14336, 32, True, torch.bfloat16, {"block_m": 64, "stages": 8, "programs": 132}),
-        (
-            33,
-            4096,
-            4096,
-            64,
-            True,
-            torch.float16,
-            {"block_m": 64, "block_n": 64, "num_warps": 4, "programs": 264},
-        ),
-        (
-            1,
-            2048,
-            2048,
             128,
-            False,
-            torch.bfloat16,
-            {"block_m": 8, "block_k": 256, "programs": 7},
-        ),  # whole tiles
+            True,
+            bf,
+            {"block_m": 16, "block_n": 64, "num_warps": 4, "programs": 264, "occupancy": 2, "block_k": 256},
+        ),  # fmt: skip
+        (77, 1024, 4160, 32, True, fp, {"block_m": 64, "stages": 6, "programs": 50}),
     ]
     worst = 0.0
     for m, n, k, group, zeros, dtype, tiling in cases:
@@ -98,12 +87,12 @@ def check():
 
 
 def tiling(spec: str) -> dict:
-    """BLOCK_M:STAGES:SPLIT[:BLOCK_N[:BLOCK_K[:WARPS]]] as prefill()'s keywords (SPLIT pN: stream-K)."""
+    """A tiling (the module doc) as prefill()'s keywords."""
     bm, stages, split, *rest = spec.split(":")
     bn, bk, warps = [int(v) for v in rest] + [128, 64, 8][len(rest) :]
     out = {"block_m": int(bm), "stages": int(stages), "block_n": bn, "block_k": bk, "num_warps": warps}
     if split.startswith("p"):
-        return out | {"programs": int(split[1:])}
+        return out | {"programs": int(split[1:]), "occupancy": max(1, int(split[1:]) // 132)}
     return out | {"split": int(split)}
 
 
@@ -124,10 +113,14 @@ def bench(ms, groups, tiles, zeros_too):
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
                 t_bf16 = do_bench_cudagraph(cycle([lambda d=d, x=x: x @ d.t() for d in denses]), rep=40)
                 ship = [lambda p=p, x=x, g=group: K.quant_matmul(x, p[0], p[1], p[2], g, 4) for p in packs]
-                saved = qm.GLUON_PREFILL_MAX_M, qm.GLUON_PREFILL_MAX_M_SMALL_GROUP
+                saved = qm.GLUON_PREFILL_MAX_M, qm.GLUON_PREFILL_MAX_M_SMALL_GROUP, qm.DECODE
                 qm.GLUON_PREFILL_MAX_M = qm.GLUON_PREFILL_MAX_M_SMALL_GROUP = 0  # the paths before Gluon
+                qm.DECODE = "triton"
                 t_ship = do_bench_cudagraph(cycle(ship), rep=40)
-                qm.GLUON_PREFILL_MAX_M, qm.GLUON_PREFILL_MAX_M_SMALL_GROUP = saved
+                qm.PREFILL = qm.DECODE = "gluon"
+                t_forced = do_bench_cudagraph(cycle(ship), rep=40)
+                qm.GLUON_PREFILL_MAX_M, qm.GLUON_PREFILL_MAX_M_SMALL_GROUP, qm.DECODE = saved
+                qm.PREFILL = "auto"
                 t_auto = do_bench_cudagraph(cycle(ship), rep=40)
                 row = []
                 for spec, kw in tiles:
@@ -146,7 +139,8 @@ def bench(ms, groups, tiles, zeros_too):
                     row.append(f"{spec} {t * 1e3:.1f}us {t_bf16 / t:.2f}x {flops:.0f}TF")
                 print(
                     f"m={m} n={n} k={k} g={group} zp={int(zeros)}: bf16 {t_bf16 * 1e3:.1f}us | shipped "
-                    f"{t_ship * 1e3:.1f}us {t_bf16 / t_ship:.2f}x | auto {t_auto * 1e3:.1f}us "
+                    f"{t_ship * 1e3:.1f}us {t_bf16 / t_ship:.2f}x | forced {t_forced * 1e3:.1f}us "
+                    f"{t_bf16 / t_forced:.2f}x | auto {t_auto * 1e3:.1f}us "
                     f"{t_bf16 / t_auto:.2f}x | gluon " + "; ".join(row),
                     flush=True,
                 )

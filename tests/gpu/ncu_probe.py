@@ -12,7 +12,8 @@ them). ``run_ncu`` runs every case under ncu and writes one text report per case
 
 Cases: ``prefill-M-N-K`` (``_prefill_kernel`` forced, int4 g128), ``bf16-M-N-K`` (cuBLAS, ``x @ w.t()``),
 ``decode-M-N-K[-g32z]`` (the skinny / FMA kernel as ``quant_matmul`` picks it; ``g32z``: int4 g32 with zero
-points). Any M, N, K parse; ``--list`` gives the ones the 2026-11-25 reports hold.
+points), ``gluon-M-N-K[-g32z]`` (the Gluon kernel forced: stream-K decode up to 64 rows, the prefill GEMM past
+that). Any M, N, K parse; ``--list`` gives the ones the 2026-11-25 reports hold.
 """
 
 from __future__ import annotations
@@ -54,6 +55,10 @@ CASES = (
     "decode-16-14336-4096",
     "decode-16-14336-14336-g32z",
     "bf16-16-14336-14336",
+    "gluon-16-14336-14336",
+    "gluon-64-14336-14336",
+    "gluon-128-14336-14336",
+    "gluon-512-14336-14336",
 )
 
 
@@ -100,8 +105,9 @@ def _case(name: str):
         return lambda: x @ weight.t()
     t = quant_layout.pack_weight(weight, 4, group, symmetric=not zeros)
     qw, sc, zp = t["weight_packed"], t["weight_scale"], t.get("weight_zero_point")
-    if kind == "prefill":
-        qm.PREFILL = "triton"
+    qm.PREFILL, qm.DECODE = {"prefill": ("triton", "triton"), "gluon": ("gluon", "gluon")}.get(
+        kind, ("auto", "triton")
+    )
     return lambda: K.quant_matmul(x, qw, sc, zp, group, 4)
 
 

@@ -52,27 +52,27 @@ def test_cpu_calls_never_take_it(monkeypatch):
 
 
 def test_gluon_tiles_measured_choices():
-    # (gluon_prefill_probe.py on the H100: NOTES.md, 2026-11-25)
-    assert qm.gluon_tiles(128, 14336, 14336, 132) == {"block_m": 128, "split": 1}
-    assert qm.gluon_tiles(128, 28672, 4096, 132) == {"block_m": 128, "split": 1}
-    assert qm.gluon_tiles(256, 14336, 14336, 132) == {"block_m": 256, "split": 1}
-    assert qm.gluon_tiles(512, 4096, 4096, 132) == {"block_m": 128, "split": 1}  # 256-row tiles: 64 programs
-    assert qm.gluon_tiles(512, 6144, 4096, 132) == {"block_m": 256, "split": 1}
-    assert qm.gluon_tiles(512, 4096, 14336, 132) == {"block_m": 256, "split": 2}  # K long: splits pay
-    assert qm.gluon_tiles(128, 4096, 14336, 132) == {
-        "block_m": 128,
-        "split": 3,
-    }  # 64 K tiles a split at least
-    assert qm.gluon_tiles(2048, 4096, 4096, 132) == {"block_m": 256, "split": 1}
+    # (gluon_prefill_probe.py on the H100: NOTES.md, "tenth session" and "eleventh session")
+    assert qm.gluon_tiles(128, 14336, 14336, 132) == {"block_m": 128, "stages": 6}  # 112 tiles: one each
+    assert qm.gluon_tiles(256, 14336, 14336, 132) == {"block_m": 256, "stages": 4}
+    assert qm.gluon_tiles(512, 4096, 4096, 132) == {"block_m": 128, "stages": 6}  # 256-row tiles: 64 programs
+    assert qm.gluon_tiles(512, 6144, 4096, 132) == {"block_m": 256, "stages": 4}
+    # under half the SMs' worth of tiles: stream-K over one program an SM
+    assert qm.gluon_tiles(512, 4096, 14336, 132) == {"block_m": 256, "stages": 4, "programs": 132}
+    assert qm.gluon_tiles(128, 4096, 14336, 114) == {"block_m": 128, "stages": 6, "programs": 114}
+    assert qm.gluon_tiles(2048, 4096, 4096, 132) == {"block_m": 256, "stages": 4}
 
 
 def test_gluon_in_auto_measured_choices():
-    assert qm.gluon_in_auto(128, 14336, 128) and qm.gluon_in_auto(2048, 28672, 128)
-    assert not qm.gluon_in_auto(4096, 14336, 128)  # dequantize + cuBLAS from 4096 rows
-    assert qm.gluon_in_auto(512, 14336, 32) and not qm.gluon_in_auto(1024, 14336, 32)
-    assert not qm.gluon_in_auto(256, 4096, 128) and qm.gluon_in_auto(512, 4096, 128)
-    assert not qm.gluon_in_auto(512, 4096, 32)  # narrow with small groups: the paths before
-    assert not qm.gluon_in_auto(512, 2048, 128)  # the bundled model's widths: dequantize + cuBLAS
+    # (gluon_prefill_probe.py on the H100: NOTES.md, "eleventh session")
+    rule = qm.gluon_in_auto
+    assert rule(128, 14336, 14336, 128) and rule(2048, 28672, 4096, 128)
+    assert not rule(4096, 14336, 14336, 128)  # dequantize + cuBLAS from 4096 rows
+    assert rule(1024, 14336, 14336, 32) and not rule(2048, 14336, 14336, 32)
+    assert not rule(256, 4096, 4096, 128) and rule(512, 4096, 4096, 128)
+    assert rule(128, 4096, 14336, 128) and not rule(128, 4096, 4096, 128)  # short rows: only a deep K pays
+    assert not rule(512, 4096, 4096, 32)  # narrow with small groups: the paths before
+    assert not rule(512, 2048, 2048, 128)  # the bundled model's widths: dequantize + cuBLAS
 
 
 def _through_quant_matmul(takes, m, n, k, group, zeros, dtype):
@@ -156,9 +156,13 @@ def test_gluon_decode_measured_choices():
     assert not qm.gluon_decode_in_auto(1, 14336, 14336)  # one row: the FMA kernel
     assert not qm.gluon_decode_in_auto(16, 14336, 4096) and qm.gluon_decode_in_auto(17, 14336, 4096)
     assert not qm.gluon_decode_in_auto(32, 4096, 4096) and not qm.gluon_decode_in_auto(64, 4096, 4096)
-    assert qm.gluon_decode_tiles(1, 132) == {"block_m": 8, "block_n": 64, "num_warps": 4, "programs": 264}
+    one = qm.gluon_decode_tiles(1, 132)
+    assert (one["block_m"], one["block_n"], one["num_warps"], one["block_k"]) == (8, 64, 4, 256)
+    assert one["programs"] == 264 and one["occupancy"] == 2  # two programs an SM
     assert qm.gluon_decode_tiles(9, 132)["block_m"] == 16 and qm.gluon_decode_tiles(32, 132)["block_m"] == 32
-    assert qm.gluon_decode_tiles(33, 132) == {"block_m": 64, "block_n": 128, "num_warps": 8, "programs": 132}
+    wide = qm.gluon_decode_tiles(33, 132)
+    assert (wide["block_m"], wide["block_n"], wide["num_warps"], wide["programs"]) == (64, 128, 8, 132)
+    assert "occupancy" not in wide
 
 
 def test_cpu_decode_never_takes_it(monkeypatch):
