@@ -17,6 +17,14 @@ from triton.runtime.jit import JITFunction
 
 from squeezeserve.kernels.registry import interpreting
 
+try:  # host-side TMA descriptors (Gluon's and Triton's), where this Triton has them
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as _GluonDescriptor
+    from triton.tools.tensor_descriptor import TensorDescriptor as _TritonDescriptor
+
+    _DESCRIPTORS: tuple = (_GluonDescriptor, _TritonDescriptor)
+except ImportError:  # pragma: no cover - Triton without Gluon
+    _DESCRIPTORS = ()
+
 # The widest row a single-block kernel holds in registers; wider rows need a looping kernel.
 MAX_FUSED_COLS = 65536
 
@@ -50,15 +58,20 @@ def traceable(kernel: triton.JITFunction):
 def specialization_key(args: tuple, constexprs: dict, constexpr_positions: frozenset = frozenset()) -> tuple:
     """What Triton's launch specializes a compiled kernel on, or finer: per tensor its dtype and whether its
     address is 16-byte aligned; per int whether it is 1, a multiple of 16, and which of Triton's integer
-    types holds it; bools, floats and None by kind; constexprs passed by position (``constexpr_positions``)
-    and every keyword (constexprs, num_warps, num_stages) by value, keywords in the order given (one call
-    site passes them in one order). Two launches with equal keys run the same compiled kernel."""
+    types holds it; bools, floats and None by kind; per TMA descriptor its tensor's dtype and alignment, its
+    block, shared-memory layout and padding, and its shape and strides as ints; constexprs passed by
+    position (``constexpr_positions``) and every keyword (constexprs, num_warps, num_stages, maxnreg) by
+    value, keywords in the order given (one call site passes them in one order). Two launches with equal
+    keys run the same compiled kernel."""
     key = []
     for i, a in enumerate(args):
         if i in constexpr_positions:
             key.append(("constexpr", a))
         elif isinstance(a, torch.Tensor):
             key.append((a.dtype, a.data_ptr() % 16 == 0))
+        elif isinstance(a, _DESCRIPTORS):
+            ints = tuple((v == 1, v % 16 == 0, v < 2**31) for v in (*a.shape, *a.strides))
+            key.append((a.base.dtype, a.base.data_ptr() % 16 == 0, *a.block_shape, a.layout, a.padding, ints))
         elif isinstance(a, bool) or a is None or isinstance(a, float):
             key.append(type(a))
         elif isinstance(a, int):
@@ -139,14 +152,19 @@ class FastLaunch:
 
 
 def unplanned(call):
-    """``call()``: a launch that does not go through :class:`FastLaunch` (a Gluon kernel's, with its TMA
-    descriptors), noted as one that ``replay.LaunchPlans`` cannot repeat while it records a body."""
+    """``call()``: a launch that ``replay.LaunchPlans`` cannot repeat (a Gluon kernel's: its TMA descriptors
+    hold the tensors they were made for, which a plan could not swap for a later call's), noted as such
+    while a plan records a body; the launch itself is not recorded."""
     launches = recording.launches
     if launches is None:
         return call()
     launches.append(None)
-    with _disable_current_modes():  # Triton's torch calls are not the recorded body's
-        return call()
+    recording.launches = None
+    try:
+        with _disable_current_modes():  # Triton's torch calls are not the recorded body's
+            return call()
+    finally:
+        recording.launches = launches
 
 
 class CompiledLaunch:

@@ -55,6 +55,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from squeezeserve.kernels.ops.launch import FastLaunch
+
 # Value pair (2 j, 2 j + 1) of a word as one bf16x2 / f16x2 register, minus (BIAS + z), times s: the pair's
 # byte alone (prmt; selector 0x4440 + j), copied 12 bits up (x 4097: bits 0-7 and 12-19), so that its low
 # nibble lands at bit 0 and its high one at bit 16, masked and OR-ed with BIAS's bits (one lop3).
@@ -455,6 +457,12 @@ def _wgmma_kernel(
     )  # fmt: skip
 
 
+# Triton's own dispatch (``_wgmma_kernel[grid]``) costs 10-40 us more host time a call than FastLaunch, which
+# keys the compiled kernel on the descriptors' specialization and calls its launcher directly (H100 host,
+# tests/gpu/launch_probe.py --quant; results/quant_host_h100_2026-11-25_gluon.log).
+_LAUNCH = FastLaunch(_wgmma_kernel)
+
+
 def supported(
     x2: torch.Tensor,
     qweight: torch.Tensor,
@@ -472,6 +480,7 @@ def supported(
         and (group_size % block_k == 0 or block_k == 2 * group_size)  # one or two groups a K tile
         and x2.shape[-1] % 32 == 0  # the words' rows, 16-byte aligned for TMA
         and x2.shape[-1] > 0
+        and x2.shape[0] > 0  # (a descriptor takes no empty dimension)
         and qweight.stride(-1) == 1
         and qweight.data_ptr() % 16 == 0
         and (qweight.stride(0) * 4) % 16 == 0
@@ -534,7 +543,7 @@ def launch(
     # The loading warp takes a whole warpgroup's registers: (num_warps + 4) warps of maxnreg registers, of
     # which the compute partition takes what the loader leaves.
     maxnreg = min(255, 65536 // occupancy // (32 * (num_warps + 4))) // 8 * 8
-    _wgmma_kernel[grid](
+    _LAUNCH[grid](
         x_desc,
         w_desc,
         scales,

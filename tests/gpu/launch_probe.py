@@ -214,6 +214,15 @@ def _direct(body, x, qweight, scales):
         return body(x, qweight, scales, None, 128, 4)
 
 
+def _dispatched(fn, *args):
+    """``fn(*args)`` with FastLaunch off: every launch through Triton's own ``kernel[grid]``."""
+    launch.FAST_LAUNCH = False
+    try:
+        return fn(*args)
+    finally:
+        launch.FAST_LAUNCH = True
+
+
 def quant_host() -> None:
     from triton.testing import do_bench_cudagraph
 
@@ -231,6 +240,9 @@ def quant_host() -> None:
                     x, q, s, None, 128, 4
                 ),
                 "K.quant_matmul": lambda x=x, q=qw, s=sc: K.quant_matmul(x, q, s, None, 128, 4),
+                "K.quant_matmul, Triton's dispatch": lambda x=x, q=qw, s=sc: _dispatched(
+                    K.quant_matmul, x, q, s, None, 128, 4
+                ),
                 "its body (_quant_matmul)": lambda x=x, q=qw, s=sc: _direct(
                     quant_matmul._quant_matmul, x, q, s
                 ),

@@ -3,6 +3,7 @@ import torch
 import triton
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
+from squeezeserve.kernels.ops import launch
 from squeezeserve.kernels.ops.launch import (
     block_rows,
     cdiv,
@@ -61,6 +62,37 @@ def test_specialization_key_separates_what_triton_specializes_on():
         (base, 128), {}, frozenset({1})
     )
     assert key(base, 64) == key(base, 128)  # as a plain int both are "a multiple of 16"
+
+
+def test_specialization_key_of_tma_descriptors():
+    # A Gluon kernel's TMA descriptors: the same compiled kernel serves any tensor of the same dtype and
+    # alignment through the same block and layout; shapes and strides count as Triton's ints do.
+    gluon = pytest.importorskip("triton.experimental.gluon.nvidia.hopper")
+    from squeezeserve.kernels.ops.quant_matmul_gluon import _smem_layout
+
+    def desc(x, block=(16, 256)):
+        return gluon.TensorDescriptor.from_tensor(x, list(block), _smem_layout(*block, x.dtype))
+
+    x = torch.zeros(32, 4096, dtype=torch.bfloat16)
+    key = lambda *args: specialization_key(args, {"MODE": 2})  # noqa: E731
+    assert key(desc(x)) == key(desc(torch.ones(32, 4096, dtype=torch.bfloat16)))
+    assert key(desc(x[:17])) == key(desc(x[:31])) != key(desc(x[:16]))  # 17 rows as 31; not 16
+    assert key(desc(x)) != key(desc(x, (16, 128)))  # another block (and layout)
+    assert key(desc(x)) != key(desc(x.half()))
+    assert hash(key(desc(x)))
+
+
+def test_unplanned_launches_leave_no_replayable_record():
+    # While a launch plan records, a launch it cannot repeat leaves None (the plan is not used) and the
+    # launch itself records nothing (FastLaunch under it sees no recording).
+    seen = []
+    launch.recording.launches = recorded = []
+    try:
+        launch.unplanned(lambda: seen.append(launch.recording.launches))
+    finally:
+        launch.recording.launches = None
+    assert recorded == [None] and seen == [None]
+    assert launch.unplanned(lambda: 7) == 7
 
 
 def test_interpreted_and_traced_launches_bypass_the_fast_path():
