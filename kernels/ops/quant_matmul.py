@@ -53,13 +53,14 @@ PREFILL = "auto"
 # (4096 x 14336: 1.30x against 1.19x). "gluon" forces it wherever it takes the inputs.
 GLUON_PREFILL_MAX_M, GLUON_PREFILL_MAX_M_SMALL_GROUP = 2048, 1024
 # Decode (up to SKINNY_MAX_M rows) on Hopper: "auto" runs the Gluon kernel as a stream-K GEMM (every SM
-# streams an equal share of the weight through TMA; quant_matmul_gluon.py) for int4 in groups of 128 (a
-# 256-deep K tile holds two) where it was measured faster than the tensor-core kernel (H100, 2026-11-25,
-# tests/gpu/gluon_prefill_probe.py; NOTES.md, "eleventh session"): weights of at least
-# GLUON_DECODE_MIN_WEIGHT values from 2 rows (14336^2: 53.8-55.5 us at 4-16 rows against 60.3-62.2, 81.9
-# against 113.1 at 64), and of at least GLUON_DECODE_MIN_WEIGHT_WIDE from GLUON_DECODE_WIDE_MIN_M rows
-# (4096 x 14336 at 32 rows: 23.6 against 27.8 us; at 16 rows 22.4 against 18.7). "gluon" forces it
-# wherever it takes the inputs, "triton" never.
+# streams an equal share of the weight through TMA; quant_matmul_gluon.py) for int4 in groups of 128 or of a
+# multiple of 256 (a 256-deep K tile holds two groups or part of one) where it was measured faster than the
+# tensor-core kernel (H100, 2026-11-25, tests/gpu/gluon_prefill_probe.py; NOTES.md, "eleventh session"):
+# weights of at least GLUON_DECODE_MIN_WEIGHT values from 2 rows (14336^2 at 2-16 rows 49.9-53.4 us
+# against 59.5-62.0, at 64 rows 79.2 against 109.9), and of at least GLUON_DECODE_MIN_WEIGHT_WIDE from
+# GLUON_DECODE_WIDE_MIN_M rows (4096 x 14336 at 32 rows 22.5 against 27.7 us; at 16 rows 21.0 against 18.5;
+# results/gluon_decode_probe_h100_2026-11-25_ws_auto.log). "gluon" forces it wherever it takes the inputs,
+# "triton" never.
 DECODE = "auto"
 GLUON_DECODE_BLOCK_K = 256
 GLUON_DECODE_MIN_WEIGHT, GLUON_DECODE_MIN_WEIGHT_WIDE, GLUON_DECODE_WIDE_MIN_M = 1 << 27, 1 << 25, 17
@@ -370,8 +371,8 @@ def gluon_tiles(m: int, n_out: int, k_in: int, sms: int) -> dict:
     and 4 stages (the most that fit), unless that leaves over half the SMs idle where K is short (512 rows of
     4096^2: 0.73x bf16 on 128-row tiles, 0.58x on 256). One program a tile while the tiles fill at least half
     the SMs (their parts' meeting in the workspace cost more than the idle SMs: 512 rows of 14336^2 stream-K
-    365 us against 347 a tile a program); fewer share all (tile, K unit) pairs among one program an SM
-    (stream-K: 128 rows of 4096 x 14336 40.8 us against the Triton GEMM's 44.8)."""
+    371 us against 335 a tile a program); fewer share all (tile, K unit) pairs among one program an SM
+    (stream-K: 128 rows of 4096 x 14336 40.9 us against the Triton GEMM's 44.5)."""
     block_m = 128
     if m > 128 and (cdiv(n_out, 128) * cdiv(m, 256) >= sms // 2 or cdiv(k_in, 64) >= 128):
         block_m = 256

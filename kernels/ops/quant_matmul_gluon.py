@@ -27,9 +27,10 @@ explicitly:
 Work is counted in (output tile, K unit) pairs, a unit two K tiles. Each program takes one tile's share of
 K (``split`` ways), or, stream-K, an equal run of all the pairs, in order, which may hold the end of one
 tile and the start of the next: then parts of a tile meet in fp32 (atomics into y, or the self-cleaning
-workspace, where the part that completes the tile's count of units stores it). quant_matmul runs it
-stream-K, one or two programs an SM: every SM streams the same share of the weight whatever the tile count
-(a 14336-wide output in tiles of 64 weight rows: 224 tiles over 132 SMs).
+workspace, where the part that completes the tile's count of units stores it). quant_matmul runs decode
+stream-K, one or two programs an SM, so that every SM streams the same share of the weight whatever the
+tile count (a 14336-wide output in tiles of 64 weight rows: 224 tiles over 132 SMs); prefill a tile a program,
+unless the tiles fill under half the SMs (the parts' meeting costs more than a partial wave).
 
 The product is computed transposed, ``acc[BLOCK_N, BLOCK_M] = W_tile @ x_tile.T``: the weight is the
 wgmma's A operand (from registers; 64 weight rows a warpgroup) and the activations its B operand (from
