@@ -14,8 +14,14 @@ a small part of the time.
 
 from __future__ import annotations
 
+import importlib
+import logging
+
 import torch
+import triton
 from torch.library import triton_op
+from triton.compiler.errors import CompilationError
+from triton.runtime import errors as triton_errors
 
 from squeezeserve.kernels import quant_layout, reference
 from squeezeserve.kernels.ops import launch
@@ -28,6 +34,8 @@ from squeezeserve.kernels.ops.quant_matmul_kernels import (
 )
 from squeezeserve.kernels.ops.replay import LaunchPlans
 from squeezeserve.kernels.registry import EagerOp, eager, interpreting, use_reference
+
+log = logging.getLogger(__name__)
 
 SKINNY_MAX_M = 64
 # Prefill: "triton" (_prefill_kernel, the weight dequantized in registers), "dequantize" (the dense weight
@@ -248,14 +256,17 @@ def _quant_matmul(
     if m > SKINNY_MAX_M:
         if _gluon_prefill(x2, qweight, scales, zeros, group_size, bits):
             cfg = gluon_tiles(m, n_out, k_in, sm_count(x.device))
-            return _gluon(x2, qweight, scales, zeros, group_size, cfg).reshape(*x.shape[:-1], n_out)
+            y = _gluon(x2, qweight, scales, zeros, group_size, cfg)
+            if y is not None:
+                return y.reshape(*x.shape[:-1], n_out)
         if not (PREFILL == "triton" or (PREFILL == "auto" and prefill_in_triton(m, n_out, k_in, group_size))):
             weight = dequantize(qweight, scales, zeros, k_in, group_size, bits, x.dtype)
             return (x2 @ weight.t()).reshape(*x.shape[:-1], n_out)
         return _prefill(x2, qweight, scales, zeros, zero_arg, group_size, bits).reshape(*x.shape[:-1], n_out)
     if _gluon_decode(x2, qweight, scales, zeros, group_size, bits):
-        cfg = gluon_decode_tiles(m, sm_count(x.device))
-        return _gluon(x2, qweight, scales, zeros, group_size, cfg).reshape(*x.shape[:-1], n_out)
+        y = _gluon(x2, qweight, scales, zeros, group_size, gluon_decode_tiles(m, sm_count(x.device)))
+        if y is not None:
+            return y.reshape(*x.shape[:-1], n_out)
     per16 = 16 // bits
     deep = GEMV_BLOCK_K % group_size == 0 or group_size % GEMV_BLOCK_K == 0  # whole groups a tile, or in one
     # The FMA kernel reads whole int32 words (groups of 8 values or more).
@@ -309,14 +320,40 @@ def _quant_matmul(
     return y.to(x.dtype).reshape(*x.shape[:-1], n_out)
 
 
+# Why the Gluon kernel does not run in this process, once it could not: Gluon's Hopper API did not import,
+# or the kernel did not compile, with this Triton (Gluon is experimental: Triton 3.9 renamed two of the calls
+# it makes in 3.6, vLLM 0.26's; quant_matmul_gluon takes either). The paths before it run in its place.
+GLUON_OFF: str | None = None
+# What a kernel that cannot be built raises, before anything runs: Triton's front end, ptxas, or resources
+# (shared memory) the GPU does not have.
+_BUILD_ERRORS = (CompilationError, *(getattr(triton_errors, n) for n in ("PTXASError", "OutOfResources")
+                                     if hasattr(triton_errors, n)))  # fmt: skip
+
+
+def _gluon_off(reason: str) -> None:
+    global GLUON_OFF
+    GLUON_OFF = reason
+    log.warning("quant_matmul: the Gluon kernel is off (%s); the Triton kernels run in its place", reason)
+
+
+def gluon_module():
+    """``quant_matmul_gluon``, or None where this Triton cannot run it (GLUON_OFF says why)."""
+    if GLUON_OFF is not None:
+        return None
+    try:
+        return importlib.import_module("squeezeserve.kernels.ops.quant_matmul_gluon")
+    except (ImportError, AttributeError) as e:  # (a name the module takes from Gluon, missing)
+        _gluon_off(f"Triton {triton.__version__} has no Gluon for Hopper: {type(e).__name__}: {e}")
+        return None
+
+
 def _gluon_runs(x2, qweight, scales, zeros, group_size, bits, block_k) -> bool:
     """Whether the Gluon kernel may run this call: Hopper, nothing tracing (its launch is not one
-    torch.compile can trace) and inputs it takes at this K tile."""
+    torch.compile can trace), a Triton that runs it, and inputs it takes at this K tile."""
     if interpreting() or not x2.is_cuda or not wgmma(x2.device) or not eager(x2, qweight, scales, zeros):
         return False
-    from squeezeserve.kernels.ops import quant_matmul_gluon
-
-    return quant_matmul_gluon.supported(x2, qweight, scales, group_size, bits, block_k)
+    module = gluon_module()
+    return module is not None and module.supported(x2, qweight, scales, group_size, bits, block_k)
 
 
 def _gluon_prefill(x2, qweight, scales, zeros, group_size, bits) -> bool:
@@ -380,9 +417,9 @@ def gluon_tiles(m: int, n_out: int, k_in: int, sms: int) -> dict:
     return cfg | ({"programs": sms} if cdiv(n_out, 128) * cdiv(m, block_m) < sms // 2 else {})
 
 
-def _gluon(x2, qweight, scales, zeros, group_size, cfg: dict) -> torch.Tensor:
+def _gluon(x2, qweight, scales, zeros, group_size, cfg: dict) -> torch.Tensor | None:
     """Launch the Gluon kernel at tiling ``cfg``; parts of tiles meet in the workspace (the caller checked
-    eager())."""
+    eager()). None where the kernel does not compile with this Triton: it is then off (GLUON_OFF)."""
     from squeezeserve.kernels.ops import quant_matmul_gluon
 
     m, n_out = x2.shape[0], qweight.shape[0]
@@ -390,9 +427,18 @@ def _gluon(x2, qweight, scales, zeros, group_size, cfg: dict) -> torch.Tensor:
     tiles = cdiv(m, cfg["block_m"]) * cdiv(n_out, cfg.get("block_n", 128))
     ws, counts = _workspace(x2.device, m * n_out, tiles)
     zeros = zeros.contiguous() if zeros is not None else None  # (qweight and scales are, from the caller)
-    launch.unplanned(lambda: quant_matmul_gluon.launch(
-        x2, qweight, scales, zeros, group_size, y, ws, counts, mode=2, **cfg
-    ))  # fmt: skip
+    try:
+        launch.unplanned(lambda: quant_matmul_gluon.launch(
+            x2, qweight, scales, zeros, group_size, y, ws, counts, mode=2, **cfg
+        ))  # fmt: skip
+    except _BUILD_ERRORS as e:  # nothing ran
+        cause = e
+        while cause.__cause__ is not None:  # (a front-end error wraps what the kernel's source hit)
+            cause = cause.__cause__
+        last = (str(cause).strip().splitlines() or [""])[-1][:300]
+        _gluon_off(f"its kernel does not build with Triton {triton.__version__}: {type(cause).__name__}: "
+                   f"{last}")  # fmt: skip
+        return None
     return y
 
 

@@ -58,6 +58,11 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from squeezeserve.kernels.ops.launch import FastLaunch
 
+# Gluon's names in Triton 3.6 (vLLM 0.26's) and from 3.9 on: a CTA-wide barrier (``thread_barrier`` ->
+# ``barrier``), a TMA load into shared memory (``async_copy_global_to_shared`` -> ``async_load``).
+_cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+
 # Value pair (2 j, 2 j + 1) of a word as one bf16x2 / f16x2 register, minus (BIAS + z), times s: the pair's
 # byte alone (prmt; selector 0x4440 + j), copied 12 bits up (x 4097: bits 0-7 and 12-19), so that its low
 # nibble lands at bit 0 and its high one at bit 16, masked and OR-ed with BIAS's bits (one lop3).
@@ -228,9 +233,9 @@ def _write(
         gl.atomic_add(y_ptr + at, out, mask=mask, sem="relaxed")
     elif MODE == 2:
         gl.atomic_add(ws_ptr + at, out, mask=mask, sem="relaxed")
-        gl.thread_barrier()  # every thread's partial is in before the (releasing) count below
+        _cta_barrier()  # every thread's partial is in before the (releasing) count below
         if gl.atomic_add(count_ptr + tile, units, sem="acq_rel") + units == k_units:
-            gl.thread_barrier()
+            _cta_barrier()
             zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, out_layout)
             total = gl.atomic_add(ws_ptr + at, zero, mask=mask, sem="relaxed")  # strong reads, at L2
             gl.store(y_ptr + at, total.to(y_ptr.dtype.element_ty), mask=mask)
@@ -311,8 +316,8 @@ def _load_partition(
             mbarrier.wait(empty.index(stage), ((g // STAGES) & 1) ^ 1)  # (a fresh barrier: phase 1 is done)
             bar = ready.index(stage)
             mbarrier.expect(bar, x_desc.block_type.nbytes + w_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(x_desc, [off_m, t * BLOCK_K], bar, x_smem.index(stage))
-            tma.async_copy_global_to_shared(w_desc, [off_n, t * (BLOCK_K // 8)], bar, w_smem.index(stage))
+            _tma_load(x_desc, [off_m, t * BLOCK_K], bar, x_smem.index(stage))
+            _tma_load(w_desc, [off_n, t * (BLOCK_K // 8)], bar, w_smem.index(stage))
             g += 1
         unit += units
 
@@ -498,7 +503,13 @@ def _smem_layout(rows: int, cols: int, dtype: torch.dtype = torch.int32):
     return gl.NVMMASharedLayout.get_default_for([rows, cols], gl_dtype)
 
 
-def launch(
+def launch(x2, qweight, scales, zeros, group_size, y, ws, counts, **tiling) -> None:
+    """y [M, N] = x2 [M, K] @ dequantize(W).T on the Gluon kernel (:func:`launch_args` says how)."""
+    grid, args, kwargs = launch_args(x2, qweight, scales, zeros, group_size, y, ws, counts, **tiling)
+    _LAUNCH[grid](*args, **kwargs)
+
+
+def launch_args(
     x2,
     qweight,
     scales,
@@ -517,11 +528,13 @@ def launch(
     stages=4,
     num_warps=8,
     occupancy=1,
-) -> None:
-    """y [M, N] = x2 [M, K] @ dequantize(W).T on the Gluon kernel: each output tile's K split ``split``
-    ways, or, with ``programs``, all (tile, K unit) pairs shared evenly by that many programs (stream-K).
-    Parts of a tile meet as ``mode`` says, in ``y`` (fp32, zeroed) or in the clean workspace
-    ``ws``/``counts`` (a counter per output tile). Registers are capped for ``occupancy`` programs an SM."""
+) -> tuple[tuple, tuple, dict]:
+    """The grid, arguments and keywords of the Gluon kernel's launch for y [M, N] = x2 [M, K] @
+    dequantize(W).T: each output tile's K split ``split`` ways, or, with ``programs``, all (tile, K unit)
+    pairs shared evenly by that many programs (stream-K). Parts of a tile meet as ``mode`` says, in ``y``
+    (fp32, zeroed) or in the clean workspace ``ws``/``counts`` (a counter per output tile). Registers are
+    capped for ``occupancy`` programs an SM. (Apart from :func:`launch`, for compiling what a launch would
+    run without a GPU: ``cross_compile.compile_for``.)"""
     m, k_in = x2.shape
     n_out = qweight.shape[0]
     k_units = triton.cdiv(triton.cdiv(k_in, block_k), 2)
@@ -544,33 +557,22 @@ def launch(
     # The loading warp takes a whole warpgroup's registers: (num_warps + 4) warps of maxnreg registers, of
     # which the compute partition takes what the loader leaves.
     maxnreg = min(255, 65536 // occupancy // (32 * (num_warps + 4))) // 8 * 8
-    _LAUNCH[grid](
-        x_desc,
-        w_desc,
-        scales,
-        zero_arg,
-        y,
-        ws,
-        counts,
-        m,
-        n_out,
-        k_in,
-        scales.stride(0),
-        zero_arg.stride(0),
-        y.stride(0),
-        units_per_split,
-        MODE=mode if parts else 0,
-        STREAM_K=bool(programs),
-        GROUP=group_size,
-        HAS_ZERO=zeros is not None,
-        MAGIC_F=128.0 if x2.dtype == torch.bfloat16 else 1024.0,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        BLOCK_K=block_k,
-        STAGES=stages,
-        num_warps=num_warps,
-        maxnreg=maxnreg,
-    )
+    args = (x_desc, w_desc, scales, zero_arg, y, ws, counts, m, n_out, k_in, scales.stride(0),
+            zero_arg.stride(0), y.stride(0), units_per_split)  # fmt: skip
+    kwargs = {
+        "MODE": mode if parts else 0,
+        "STREAM_K": bool(programs),
+        "GROUP": group_size,
+        "HAS_ZERO": zeros is not None,
+        "MAGIC_F": 128.0 if x2.dtype == torch.bfloat16 else 1024.0,
+        "BLOCK_M": block_m,
+        "BLOCK_N": block_n,
+        "BLOCK_K": block_k,
+        "STAGES": stages,
+        "num_warps": num_warps,
+        "maxnreg": maxnreg,
+    }
+    return grid, args, kwargs
 
 
 def prefill(x2, qweight, scales, zeros, group_size, **tiling) -> torch.Tensor:

@@ -2,6 +2,9 @@
 that it computes dequantize + matmul. Gluon has no interpreter: the products run only where sm_90 does
 (tests/gpu/gluon_prefill_probe.py runs the same checks and the timings on the H100)."""
 
+import logging
+import sys
+
 import pytest
 import torch
 
@@ -187,3 +190,41 @@ def test_gluon_decode_is_dequantize_then_matmul(m, n, k, group, zeros, dtype, mo
     monkeypatch.setattr(qm, "DECODE", "gluon")
     _through_quant_matmul(qm._gluon_decode, m, n, k, group, zeros, dtype)
     assert all(not t.any() for t in qm.workspace_buffers())
+
+
+def test_a_triton_without_gluon_turns_it_off(monkeypatch, caplog):
+    # Gluon's Hopper API missing (an older Triton): quant_matmul says so once and runs the Triton kernels.
+    monkeypatch.setattr(qm, "GLUON_OFF", None)
+    monkeypatch.setitem(sys.modules, "squeezeserve.kernels.ops.quant_matmul_gluon", None)  # import fails
+    with caplog.at_level(logging.WARNING, logger=qm.__name__):
+        assert qm.gluon_module() is None
+    assert "has no Gluon for Hopper" in qm.GLUON_OFF
+    assert "the Gluon kernel is off" in caplog.text
+    caplog.clear()
+    assert qm.gluon_module() is None and not caplog.text  # said once
+    monkeypatch.setitem(sys.modules, "squeezeserve.kernels.ops.quant_matmul_gluon", qg)  # importable again
+    assert qm.gluon_module() is None  # off for the rest of the process
+    monkeypatch.setattr(qm, "GLUON_OFF", None)
+    assert qm.gluon_module() is qg
+
+
+@needs_hopper
+def test_a_kernel_that_does_not_build_falls_back(monkeypatch):
+    # What Triton raises when the kernel does not build (here ptxas's error, injected) turns the Gluon kernel
+    # off; the call, and those after it, run the Triton kernels with the same result.
+    from triton.runtime.errors import PTXASError
+
+    def refuse(*args, **kwargs):
+        raise PTXASError("ptxas fatal: injected")
+
+    monkeypatch.setattr(qm, "GLUON_OFF", None)
+    monkeypatch.setattr(qm, "PREFILL", "gluon")
+    monkeypatch.setattr(qg, "launch", refuse)
+    qw, sc, zp = _packed(4096, 4096, 128, True, torch.bfloat16, "cuda")
+    x = torch.randn(256, 4096, device="cuda", dtype=torch.bfloat16)
+    ref = (x @ ql.dequantize(qw, sc, zp, (4096, 4096), 128, 4).to(x.dtype).t()).float()
+    for _ in range(2):
+        y = K.quant_matmul(x, qw, sc, zp, 128, 4).float()
+        assert ((y - ref).norm() / ref.norm()).item() < 2e-3
+    assert "PTXASError: PTXAS error: ptxas fatal: injected" in qm.GLUON_OFF
+    assert not qm._gluon_prefill(x, qw, sc, zp, 128, 4)
