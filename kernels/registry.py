@@ -55,10 +55,11 @@ def interpreting() -> bool:
 
 
 @contextlib.contextmanager
-def triton_on_cpu(enabled: bool = True) -> Iterator[None]:
-    """Route CPU tensors through the Triton launchers (under the interpreter) instead of the reference."""
+def triton_on_cpu(enabled: bool = True, *, captured: bool = False) -> Iterator[None]:
+    """Route CPU tensors through the Triton launchers (under the interpreter) instead of the reference.
+    ``captured``: the launches are captured, not run (``launch.capture``), so no interpreter is needed."""
     global _triton_on_cpu
-    if enabled and not interpreting():
+    if enabled and not interpreting() and not captured:
         raise RuntimeError(
             "triton_on_cpu() needs TRITON_INTERPRET=1 in the environment before squeezeserve.kernels.ops "
             "is imported; without it Triton cannot run kernels on CPU tensors"

@@ -91,3 +91,104 @@ def summary(lines: list[str]) -> dict:
         "wait_all": sum(1 for line in lines if "DEPBAR.LE gsb0, 0x0" in line),
         "instructions": ops,
     }
+
+
+def compile_launches(body, *args, sms: int = 132, wgmma: bool = True, arch: int = 90) -> list[dict]:
+    """``body(*args)`` (an op body on CPU tensors) as it runs on a GPU of ``sms`` SMs: each kernel it
+    launches, compiled for sm_``arch``, with its SASS summary (:func:`summary`), grid and constexprs."""
+    from squeezeserve.kernels.ops import launch
+
+    with launch.capture(sms=sms, wgmma=wgmma) as launches:
+        body(*args)
+    out = []
+    for kernel, grid, largs, kwargs in launches:
+        compiled = compile_for(kernel, largs, kwargs, arch)
+        scalars = {k: v for k, v in kwargs.items() if isinstance(v, (int, float, bool, str))}
+        out.append({"kernel": kernel.__name__, "grid": list(grid), "summary": summary(sass(compiled)),
+                    "constexprs": scalars})  # fmt: skip
+    return out
+
+
+def cases() -> dict:
+    """Named calls of our op bodies at the shapes and settings the GPU paths see (the 8B model's decode and
+    prefill GEMMs; int4 g128 / g32, with and without zero points, int8 per channel; codebooks; the
+    memory-bound ops at decode and prefill rows). Each value: (body, args)."""
+    import torch
+
+    from squeezeserve.kernels import codebook_layout, quant_layout
+    from squeezeserve.kernels.ops import codebook_matmul, quant_matmul, rmsnorm, softmax, swiglu
+
+    bf = torch.bfloat16
+
+    def qm(m, n, k, group, bits=4, zeros=False, dtype=bf):
+        t = quant_layout.pack_weight(torch.zeros(n, k), bits, group, symmetric=not zeros)
+        zp = t["weight_zero_point"] if zeros else None
+        x, scales = torch.zeros(m, k, dtype=dtype), t["weight_scale"].to(dtype)
+        return quant_matmul._quant_matmul, (x, t["weight_packed"], scales, zp, group, bits)
+
+    def cb(m, n, k, group, bits):
+        idx = codebook_layout.pack_indices(torch.zeros(n, k, dtype=torch.int32), bits)
+        book = torch.zeros(n, (k // group if group else 1) << bits, dtype=bf)
+        return codebook_matmul._codebook_matmul, (torch.zeros(m, k, dtype=bf), idx, book, group, bits)
+
+    def rows(m, n):
+        return torch.zeros(m, n, dtype=bf)
+
+    return {
+        "quant_matmul 1x14336x4096 int4 g128": qm(1, 14336, 4096, 128),
+        "quant_matmul 2x4096x14336 int4 g32 zp": qm(2, 4096, 14336, 32, zeros=True),
+        "quant_matmul 16x14336x4096 int4 g128": qm(16, 14336, 4096, 128),
+        "quant_matmul 16x4096x14336 int4 g32 zp": qm(16, 4096, 14336, 32, zeros=True),
+        "quant_matmul 64x14336x4096 int4 g32 fp16": qm(64, 14336, 4096, 32, dtype=torch.float16),
+        "quant_matmul 8x4096x4096 int8 per channel": qm(8, 4096, 4096, 4096, bits=8),
+        "quant_matmul 128x14336x4096 int4 g128 zp": qm(128, 14336, 4096, 128, zeros=True),
+        "quant_matmul 512x4096x14336 int4 g32": qm(512, 4096, 14336, 32),
+        "quant_matmul 4096x1024x1024 int4 g128 (dequantize)": qm(4096, 1024, 1024, 128),
+        "codebook_matmul 1x4096x4096 4-bit g128": cb(1, 4096, 4096, 128, 4),
+        "codebook_matmul 16x4096x4096 4-bit g128": cb(16, 4096, 4096, 128, 4),
+        "codebook_matmul 128x4096x4096 3-bit per channel": cb(128, 4096, 4096, 0, 3),
+        "swiglu 16x14336": (swiglu._swiglu, (rows(16, 14336), rows(16, 14336))),
+        "rmsnorm 16x4096": (rmsnorm._rmsnorm, (rows(16, 4096), torch.ones(4096, dtype=bf), 1e-6)),
+        "add_rmsnorm 4096x4096": (rmsnorm._add_rmsnorm,
+                                  (rows(4096, 4096), rows(4096, 4096), torch.ones(4096, dtype=bf), 1e-6)),
+        "softmax 16x32768": (softmax._softmax, (rows(16, 32768),)),
+        "softmax 4x131072 (split rows)": (softmax._softmax, (rows(4, 131072),)),
+    }  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m squeezeserve.kernels.ops.cross_compile [--json] [NAME ...]``: compile :func:`cases`
+    (all, or those whose name contains a NAME) for sm_90 and print each kernel's SASS summary."""
+    import argparse
+    import json
+    import sys
+
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument("names", nargs="*")
+    ap.add_argument("--json", action="store_true", help="one JSON object a case")
+    ap.add_argument("--sms", type=int, default=132)
+    args = ap.parse_args(argv)
+    failed = 0
+    for name, (body, call_args) in cases().items():
+        if args.names and not any(n in name for n in args.names):
+            continue
+        try:
+            result = {"case": name, "launches": compile_launches(body, *call_args, sms=args.sms)}
+        except Exception as e:  # noqa: BLE001 - reported per case; the exit status says one failed
+            failed += 1
+            result = {"case": name, "error": f"{type(e).__name__}: {str(e).strip()[-2000:]}"}
+        if args.json:
+            lines = [json.dumps(result)]
+        elif "error" in result:
+            lines = [f"{name}: FAILED {result['error']}"]
+        else:
+            lines = [f"{name}: {one['kernel']} grid {one['grid']}: {s['local']} LDL/STL ({s['loop_local']} "
+                     f"in a wgmma loop), {s['groups']} wgmma groups"
+                     for one in result["launches"] for s in (one["summary"],)]  # fmt: skip
+        sys.stdout.write("".join(line + "\n" for line in lines))
+        sys.stdout.flush()
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import os
 import threading
+from collections.abc import Iterator
 
 import torch
 import triton
@@ -15,7 +17,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from triton import knobs
 from triton.runtime.jit import JITFunction
 
-from squeezeserve.kernels.registry import interpreting
+from squeezeserve.kernels.registry import direct_launches, interpreting, triton_on_cpu
 
 try:  # host-side TMA descriptors (Gluon's and Triton's), where this Triton has them
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as _GluonDescriptor
@@ -112,6 +114,8 @@ class FastLaunch:
         return functools.partial(self.launch, grid)
 
     def launch(self, grid, *args, **kwargs):
+        if recording.captured is not None:
+            return recording.captured.append((self.kernel, grid, args, kwargs))
         launches = recording.launches
         if not FAST_LAUNCH or type(grid) is not tuple or launch_hooks():
             if launches is None:
@@ -209,9 +213,13 @@ def _interpreted_launch(kernel, grid, kwargs: dict):
 
 class _Recording(threading.local):
     """Per thread: the list that launches append ``(launch, args)`` to (None for one that cannot be
-    repeated), while ``replay.LaunchPlans`` records an op body; None otherwise."""
+    repeated), while ``replay.LaunchPlans`` records an op body; None otherwise. While :func:`capture` runs:
+    the GPU the launches are planned for (``target``: its SM count and whether it has wgmma) and the list
+    that each launch appends ``(kernel, grid, args, kwargs)`` to instead of running (``captured``)."""
 
     launches: list | None = None
+    target: tuple[int, bool] | None = None
+    captured: list | None = None
 
 
 recording = _Recording()
@@ -276,7 +284,10 @@ def _sm_count(device_index: int) -> int:
 
 
 def sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of a CUDA device (cached per device)."""
+    """Streaming multiprocessors of a CUDA device (cached per device; while :func:`capture` runs, the
+    target's)."""
+    if recording.target is not None:
+        return recording.target[0]
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
@@ -287,8 +298,33 @@ def _wgmma(device_index: int) -> bool:
 
 def wgmma(device: torch.device) -> bool:
     """Whether Triton's dots on this CUDA device are Hopper's asynchronous wgmma (compute capability 9.x:
-    the H100 / H200; not Ampere's synchronous mma, not Blackwell's tcgen05, not ROCm). Cached per device."""
+    the H100 / H200; not Ampere's synchronous mma, not Blackwell's tcgen05, not ROCm). Cached per device;
+    while :func:`capture` runs, the target's."""
+    if recording.target is not None:
+        return recording.target[1]
     return _wgmma(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@contextlib.contextmanager
+def capture(sms: int = 132, wgmma: bool = True) -> Iterator[list]:
+    """Run op bodies on CPU tensors as they would run on a GPU of ``sms`` SMs (with Hopper's wgmma or not),
+    taking the paths and tilings they would take there, and collect every kernel launch as ``(kernel, grid,
+    args, kwargs)`` instead of running it (CPU tensors stand for device ones: same dtypes, alignment and
+    strides). What the kernels would compute is not computed: outputs stay as allocated. For compiling
+    what a GPU would run on a machine without one (``cross_compile``). Needs compiled kernels (not
+    ``TRITON_INTERPRET=1``), and a process of its own: CPU tensors take the kernel paths in every thread
+    while it runs (``registry.triton_on_cpu``), and only this thread's launches are captured."""
+    if interpreting():
+        raise RuntimeError("launch.capture() needs compiled kernels: unset TRITON_INTERPRET before importing")
+    if recording.captured is not None:
+        raise RuntimeError("launch.capture() does not nest")
+    captured: list = []
+    recording.target, recording.captured = (sms, wgmma), captured
+    try:
+        with triton_on_cpu(captured=True), direct_launches:  # (as eager callers launch: through FastLaunch)
+            yield captured
+    finally:
+        recording.target = recording.captured = None
 
 
 def persistent_programs(device: torch.device, n_rows: int) -> int:

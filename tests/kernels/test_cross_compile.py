@@ -1,0 +1,82 @@
+"""Every Triton kernel our ops launch on a GPU, compiled for sm_90 on this machine at the paths and tilings
+the GPU takes (kernels/ops/cross_compile.py). The rest of tests/kernels runs the kernels in Triton's
+interpreter, which takes small tiles, skips inline PTX and wgmma, and compiles nothing; this compiles what
+the H100 would run, with the installed Triton, so a kernel that no longer builds (a PTX typo in an
+``ASM=True`` branch, a Triton API change) fails CI rather than the first request on a GPU."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import triton
+
+from squeezeserve.kernels.ops import cross_compile, launch
+
+pytestmark = pytest.mark.skipif(
+    not cross_compile.has_cuobjdump(), reason="this Triton wheel has no cuobjdump"
+)
+
+# case -> the kernels the GPU path launches there (quant_matmul's choice by rows and groups)
+EXPECTED = {
+    "quant_matmul 1x14336x4096 int4 g128": ["_gemv_int4_kernel"],
+    "quant_matmul 2x4096x14336 int4 g32 zp": ["_gemv_int4_kernel"],
+    "quant_matmul 16x14336x4096 int4 g128": ["_skinny_kernel"],
+    "quant_matmul 16x4096x14336 int4 g32 zp": ["_skinny_kernel"],
+    "quant_matmul 64x14336x4096 int4 g32 fp16": ["_skinny_kernel"],
+    "quant_matmul 8x4096x4096 int8 per channel": ["_skinny_kernel"],
+    "quant_matmul 128x14336x4096 int4 g128 zp": ["_prefill_kernel"],
+    "quant_matmul 512x4096x14336 int4 g32": ["_prefill_kernel"],
+    "quant_matmul 4096x1024x1024 int4 g128 (dequantize)": ["_dequantize_kernel"],
+    "codebook_matmul 1x4096x4096 4-bit g128": ["_codebook_fma_kernel"],
+    "codebook_matmul 16x4096x4096 4-bit g128": ["_codebook_matmul_kernel"],
+    "codebook_matmul 128x4096x4096 3-bit per channel": ["_codebook_matmul_kernel"],
+    "swiglu 16x14336": ["_swiglu_fwd"],
+    "rmsnorm 16x4096": ["_rmsnorm_fwd"],
+    "add_rmsnorm 4096x4096": ["_rmsnorm_fwd"],
+    "softmax 16x32768": ["_softmax_fwd"],
+    "softmax 4x131072 (split rows)": ["_softmax_fwd_split"],
+}
+
+
+@pytest.fixture(scope="module")
+def compiled() -> dict:
+    # A process of its own: this one runs the kernels in Triton's interpreter (tests/kernels/conftest.py),
+    # whose kernels cannot be compiled.
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run(
+        [sys.executable, "-m", "squeezeserve.kernels.ops.cross_compile", "--json"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+    )
+    results = {}
+    for line in run.stdout.splitlines():
+        if line.startswith("{"):
+            result = json.loads(line)
+            results[result["case"]] = result
+    assert results, f"no results (exit {run.returncode}): {run.stderr[-3000:]}"
+    return results
+
+
+@pytest.mark.parametrize("case", sorted(EXPECTED))
+def test_gpu_path_compiles_for_sm90(compiled, case):
+    result = compiled[case]
+    assert "error" not in result, result.get("error")
+    assert [one["kernel"] for one in result["launches"]] == EXPECTED[case]
+    for one in result["launches"]:
+        if triton.__version__.startswith("3.6."):  # the device's (vLLM 0.26): in budget everywhere
+            assert one["summary"]["local"] == 0, (case, one["summary"])
+
+
+def test_every_case_is_expected():
+    assert set(cross_compile.cases()) == set(EXPECTED)
+
+
+def test_capture_needs_compiled_kernels():
+    # (this process interprets: tests/kernels/conftest.py)
+    with pytest.raises(RuntimeError, match="compiled kernels"), launch.capture():
+        pass
+    assert launch.recording.target is None and launch.recording.captured is None
