@@ -329,7 +329,7 @@ def capture(sms: int = 132, wgmma: bool = True) -> Iterator[list]:
 
 def persistent_programs(device: torch.device, n_rows: int) -> int:
     """Programs for a kernel that loops over rows: one per SM on a GPU, a few under the interpreter."""
-    most = sm_count(device) if device.type == "cuda" else 4
+    most = sm_count(device) if device.type == "cuda" or recording.target is not None else 4
     if not isinstance(n_rows, int):  # symbolic (see block_rows): no guard on the row count
         return most
     return max(1, min(n_rows, most))

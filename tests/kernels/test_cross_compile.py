@@ -37,6 +37,15 @@ EXPECTED = {
     "add_rmsnorm 4096x4096": ["_rmsnorm_fwd"],
     "softmax 16x32768": ["_softmax_fwd"],
     "softmax 4x131072 (split rows)": ["_softmax_fwd_split"],
+    "swiglu_backward 4096x4096": ["_swiglu_bwd"],
+    "swiglu_oai 16x2880": ["_swiglu_fwd"],
+    "silu_and_mul 16x28672": ["_swiglu_fwd"],
+    "rmsnorm_backward 4096x4096": ["_rmsnorm_bwd"],
+    "add_rmsnorm_backward 16x4096": ["_rmsnorm_bwd"],
+    "softmax_backward 4x131072 (split rows)": ["_softmax_bwd_split"],
+    "cross_entropy 1024x128256": ["_cross_entropy_fwd"],
+    "fused_linear_ce 256x512x32000": ["_cross_entropy_fwd"],  # (its GEMMs are cuBLAS's)
+    "fused_linear_kd 256x512x32000": ["_kd_fwd"],
 }
 
 
@@ -66,6 +75,8 @@ def test_gpu_path_compiles_for_sm90(compiled, case):
     result = compiled[case]
     assert "error" not in result, result.get("error")
     assert [one["kernel"] for one in result["launches"]] == EXPECTED[case]
+    if case.startswith("rmsnorm_backward"):  # persistent: one program an SM of the target
+        assert result["launches"][0]["grid"] == [132]
     for one in result["launches"]:
         if triton.__version__.startswith("3.6."):  # the device's (vLLM 0.26): in budget everywhere
             assert one["summary"]["local"] == 0, (case, one["summary"])
