@@ -305,6 +305,11 @@ def wgmma(device: torch.device) -> bool:
     return _wgmma(device.index if device.index is not None else torch.cuda.current_device())
 
 
+def capturing() -> bool:
+    """Whether :func:`capture` runs (CPU tensors then stand for a GPU's)."""
+    return recording.target is not None
+
+
 @contextlib.contextmanager
 def capture(sms: int = 132, wgmma: bool = True) -> Iterator[list]:
     """Run op bodies on CPU tensors as they would run on a GPU of ``sms`` SMs (with Hopper's wgmma or not),

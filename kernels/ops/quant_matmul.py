@@ -350,7 +350,9 @@ def gluon_module():
 def _gluon_runs(x2, qweight, scales, zeros, group_size, bits, block_k) -> bool:
     """Whether the Gluon kernel may run this call: Hopper, nothing tracing (its launch is not one
     torch.compile can trace), a Triton that runs it, and inputs it takes at this K tile."""
-    if interpreting() or not x2.is_cuda or not wgmma(x2.device) or not eager(x2, qweight, scales, zeros):
+    if interpreting() or not (x2.is_cuda or launch.capturing()) or not wgmma(x2.device):
+        return False
+    if not eager(x2, qweight, scales, zeros):
         return False
     module = gluon_module()
     return module is not None and module.supported(x2, qweight, scales, group_size, bits, block_k)
