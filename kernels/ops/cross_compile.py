@@ -1,10 +1,19 @@
-"""Compile a kernel launch for a CUDA GPU on a machine without one, and read the machine code it would run.
+"""Compile kernel launches for a CUDA GPU on a machine without one, and read the machine code they would run.
 
 Triton's wheel carries ptxas and cuobjdump, so ``@triton.jit`` and ``@gluon.jit`` kernels compile for sm_90
-here as they would on the H100: specialized the way the launch ``kernel[grid](*args, **kwargs)`` would
-specialize them (dtypes, 16-byte alignment, integers equal to 1 or multiples of 16, TMA descriptors), down
-to the cubin. CI compiles the Gluon kernel this way at the tilings quant_matmul runs (Gluon has no
-interpreter), and ``tests/gpu/sass_probe.py`` prints what the SASS holds before a device run.
+here as they would on the H100, specialized the way their launch would specialize them (dtypes, 16-byte
+alignment, integers equal to 1 or multiples of 16, TMA descriptors), down to the cubin:
+
+- :func:`compile_for` compiles one launch's kernel; :func:`sass` and :func:`summary` read the cubin;
+- :func:`compile_launches` runs an op body under ``launch.capture`` (CPU tensors taking the paths and
+  tilings of a given GPU, launches collected instead of run) and compiles what it launched;
+- :func:`cases` are our ops at the 8B model's shapes; ``python -m squeezeserve.kernels.ops.cross_compile
+  [--json] [NAME ...]`` compiles them and prints each kernel's summary.
+
+CI runs the cases (tests/kernels/test_cross_compile.py) and the Gluon kernel at its rules' tilings
+(test_quant_matmul_gluon_sm90.py): the interpreter that runs the other kernel tests compiles nothing, takes
+small tiles and skips inline PTX and wgmma. ``tests/gpu/sass_probe.py`` prints the Gluon kernel's SASS
+summary by shape before a device run.
 """
 
 from __future__ import annotations
@@ -116,7 +125,8 @@ def compile_launches(body, *args, sms: int = 132, wgmma: bool = True, arch: int 
 def cases() -> dict:
     """Named calls of our op bodies at the shapes and settings the GPU paths see (the 8B model's decode and
     prefill GEMMs; int4 g128 / g32, with and without zero points, int8 per channel; codebooks; the
-    memory-bound ops at decode and prefill rows). Each value: (body, args)."""
+    memory-bound ops, cross-entropy and the fused linear losses). Each value makes (body, args) when called
+    (the inputs are made only for the cases compiled)."""
     import torch
 
     from squeezeserve.kernels import codebook_layout, quant_layout
@@ -152,45 +162,49 @@ def cases() -> dict:
 
     w = torch.ones(4096, dtype=bf)
 
+    def call(body, *args):
+        return body, args
+
     return {
-        "quant_matmul 1x14336x4096 int4 g128": qm(1, 14336, 4096, 128),
-        "quant_matmul 2x4096x14336 int4 g32 zp": qm(2, 4096, 14336, 32, zeros=True),
-        "quant_matmul 16x14336x4096 int4 g128": qm(16, 14336, 4096, 128),
-        "quant_matmul 16x4096x14336 int4 g32 zp": qm(16, 4096, 14336, 32, zeros=True),
-        "quant_matmul 64x14336x4096 int4 g32 fp16": qm(64, 14336, 4096, 32, dtype=torch.float16),
-        "quant_matmul 8x4096x4096 int8 per channel": qm(8, 4096, 4096, 4096, bits=8),
-        "quant_matmul 256x6144x4096 int4 g128 zp": qm(256, 6144, 4096, 128, zeros=True),
-        "quant_matmul 512x4096x14336 int4 g32": qm(512, 4096, 14336, 32),
-        "quant_matmul 4096x1024x1024 int4 g128 (dequantize)": qm(4096, 1024, 1024, 128),
-        "quant_matmul 16x14336x14336 int4 g128 (Gluon decode)": qm(16, 14336, 14336, 128),
-        "quant_matmul 512x14336x4096 int4 g128 zp (Gluon prefill)": qm(512, 14336, 4096, 128, zeros=True),
-        "quant_matmul 128x4096x14336 int4 g128 (Gluon stream-K)": qm(128, 4096, 14336, 128),
-        "codebook_matmul 1x4096x4096 4-bit g128": cb(1, 4096, 4096, 128, 4),
-        "codebook_matmul 16x4096x4096 4-bit g128": cb(16, 4096, 4096, 128, 4),
-        "codebook_matmul 128x4096x4096 3-bit per channel": cb(128, 4096, 4096, 0, 3),
-        "swiglu 16x14336": (swiglu._swiglu, (rows(16, 14336), rows(16, 14336))),
-        "rmsnorm 16x4096": (rmsnorm._rmsnorm, (rows(16, 4096), torch.ones(4096, dtype=bf), 1e-6)),
-        "add_rmsnorm 4096x4096": (rmsnorm._add_rmsnorm,
-                                  (rows(4096, 4096), rows(4096, 4096), torch.ones(4096, dtype=bf), 1e-6)),
-        "softmax 16x32768": (softmax._softmax, (rows(16, 32768),)),
-        "softmax 4x131072 (split rows)": (softmax._softmax, (rows(4, 131072),)),
-        "swiglu_backward 4096x4096": (swiglu._swiglu_backward, (rows(4096, 4096),) * 3),
-        "swiglu_oai 16x2880": (swiglu._swiglu_oai, (rows(16, 2880), rows(16, 2880), 1.702, 7.0)),
-        "silu_and_mul 16x28672": (swiglu._silu_and_mul, (rows(16, 28672),)),
-        "rmsnorm_backward 4096x4096": (rmsnorm._rmsnorm_backward,
-                                       (rows(4096, 4096), rows(4096, 4096), w, 1e-6)),
-        "add_rmsnorm_backward 16x4096": (rmsnorm._add_rmsnorm_backward,
-                                         (rows(16, 4096), rows(16, 4096), rows(16, 4096), w, 1e-6)),
-        "softmax_backward 4x131072 (split rows)": (softmax._softmax_backward,
-                                                   (rows(4, 131072), rows(4, 131072))),
-        "cross_entropy 1024x128256": (cross_entropy._cross_entropy_,
-                                      (rows(1024, 128256), tokens(1024, 128256), -100, 0.1, "mean", True)),
-        "fused_linear_ce 256x512x32000": (fused_linear_ce._fused_linear_cross_entropy,
-                                          (rows(256, 512), rows(32000, 512), tokens(256, 32000), None, -100,
-                                           0.0, "mean", True)),
-        "fused_linear_kd 256x512x32000": (fused_linear_kd._fused_linear_kd,
-                                          (rows(256, 512), rows(32000, 512), rows(256, 768), rows(32000, 768),
-                                           tokens(256, 32000), 2.0, 0.5, -100, "mean", True, True)),
+        "quant_matmul 1x14336x4096 int4 g128": lambda: qm(1, 14336, 4096, 128),
+        "quant_matmul 2x4096x14336 int4 g32 zp": lambda: qm(2, 4096, 14336, 32, zeros=True),
+        "quant_matmul 16x14336x4096 int4 g128": lambda: qm(16, 14336, 4096, 128),
+        "quant_matmul 16x4096x14336 int4 g32 zp": lambda: qm(16, 4096, 14336, 32, zeros=True),
+        "quant_matmul 64x14336x4096 int4 g32 fp16": lambda: qm(64, 14336, 4096, 32, dtype=torch.float16),
+        "quant_matmul 8x4096x4096 int8 per channel": lambda: qm(8, 4096, 4096, 4096, bits=8),
+        "quant_matmul 256x6144x4096 int4 g128 zp": lambda: qm(256, 6144, 4096, 128, zeros=True),
+        "quant_matmul 512x4096x14336 int4 g32": lambda: qm(512, 4096, 14336, 32),
+        "quant_matmul 4096x1024x1024 int4 g128 (dequantize)": lambda: qm(4096, 1024, 1024, 128),
+        "quant_matmul 16x14336x14336 int4 g128 (Gluon decode)": lambda: qm(16, 14336, 14336, 128),
+        "quant_matmul 512x14336x4096 int4 g128 zp (Gluon prefill)": lambda: qm(
+            512, 14336, 4096, 128, zeros=True),
+        "quant_matmul 128x4096x14336 int4 g128 (Gluon stream-K)": lambda: qm(128, 4096, 14336, 128),
+        "codebook_matmul 1x4096x4096 4-bit g128": lambda: cb(1, 4096, 4096, 128, 4),
+        "codebook_matmul 16x4096x4096 4-bit g128": lambda: cb(16, 4096, 4096, 128, 4),
+        "codebook_matmul 128x4096x4096 3-bit per channel": lambda: cb(128, 4096, 4096, 0, 3),
+        "swiglu 16x14336": lambda: call(swiglu._swiglu, rows(16, 14336), rows(16, 14336)),
+        "rmsnorm 16x4096": lambda: call(rmsnorm._rmsnorm, rows(16, 4096), w, 1e-6),
+        "add_rmsnorm 4096x4096": lambda: call(
+            rmsnorm._add_rmsnorm, rows(4096, 4096), rows(4096, 4096), w, 1e-6),
+        "softmax 16x32768": lambda: call(softmax._softmax, rows(16, 32768)),
+        "softmax 4x131072 (split rows)": lambda: call(softmax._softmax, rows(4, 131072)),
+        "swiglu_backward 4096x4096": lambda: call(swiglu._swiglu_backward, *(rows(4096, 4096),) * 3),
+        "swiglu_oai 16x2880": lambda: call(swiglu._swiglu_oai, rows(16, 2880), rows(16, 2880), 1.702, 7.0),
+        "silu_and_mul 16x28672": lambda: call(swiglu._silu_and_mul, rows(16, 28672)),
+        "rmsnorm_backward 4096x4096": lambda: call(
+            rmsnorm._rmsnorm_backward, rows(4096, 4096), rows(4096, 4096), w, 1e-6),
+        "add_rmsnorm_backward 16x4096": lambda: call(
+            rmsnorm._add_rmsnorm_backward, rows(16, 4096), rows(16, 4096), rows(16, 4096), w, 1e-6),
+        "softmax_backward 4x131072 (split rows)": lambda: call(
+            softmax._softmax_backward, rows(4, 131072), rows(4, 131072)),
+        "cross_entropy 1024x128256": lambda: call(
+            cross_entropy._cross_entropy_, rows(1024, 128256), tokens(1024, 128256), -100, 0.1, "mean", True),
+        "fused_linear_ce 256x512x32000": lambda: call(
+            fused_linear_ce._fused_linear_cross_entropy, rows(256, 512), rows(32000, 512), tokens(256, 32000),
+            None, -100, 0.0, "mean", True),
+        "fused_linear_kd 256x512x32000": lambda: call(
+            fused_linear_kd._fused_linear_kd, rows(256, 512), rows(32000, 512), rows(256, 768),
+            rows(32000, 768), tokens(256, 32000), 2.0, 0.5, -100, "mean", True, True),
     }  # fmt: skip
 
 
@@ -207,10 +221,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sms", type=int, default=132)
     args = ap.parse_args(argv)
     failed = 0
-    for name, (body, call_args) in cases().items():
+    for name, make in cases().items():
         if args.names and not any(n in name for n in args.names):
             continue
         try:
+            body, call_args = make()
             result = {"case": name, "launches": compile_launches(body, *call_args, sms=args.sms)}
         except Exception as e:  # noqa: BLE001 - reported per case; the exit status says one failed
             failed += 1
