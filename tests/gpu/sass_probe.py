@@ -2,6 +2,7 @@
 
     python tests/gpu/sass_probe.py                       # quant_matmul's tilings for the 8B shapes
     python tests/gpu/sass_probe.py --m 16 512 --group 32 --zeros --dump /tmp/sass   # and the SASS itself
+    python tests/gpu/sass_probe.py --m 16 --group 32 --tiles 16:8:p264:64:64:4   # gluon_prefill_probe's
 
 For each (rows, N x K) it prints the tiling quant_matmul's rules choose (gluon_decode_tiles up to 64 rows,
 gluon_tiles above), then the compiled kernel's registers, spills (LDL/STL), wgmma groups and waits (pipelined:
@@ -12,8 +13,10 @@ instruction counts. The Triton that compiles is the one installed: the device ru
 from __future__ import annotations
 
 import argparse
+import itertools
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -22,6 +25,9 @@ import triton
 from squeezeserve.kernels.ops import cross_compile
 from squeezeserve.kernels.ops import quant_matmul as qm
 from squeezeserve.kernels.ops import quant_matmul_gluon as qg
+
+sys.path.insert(0, str(Path(__file__).parent))
+from gluon_prefill_probe import tiling  # noqa: E402 (this folder: a tiling spec as the probe takes it)
 
 SHAPES = ((14336, 14336), (28672, 4096), (4096, 14336), (6144, 4096), (4096, 4096))
 
@@ -35,13 +41,16 @@ def main() -> None:
     ap.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
     ap.add_argument("--sms", type=int, default=132, help="the GPU's SM count (H100 SXM: 132)")
     ap.add_argument("--dump", type=Path, help="write each kernel's SASS into this folder")
+    ap.add_argument(
+        "--tiles", nargs="+", help="tilings as gluon_prefill_probe.py takes them, in place of the rules'"
+    )
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
     print(f"# triton {triton.__version__}, sm_90, int4 g{args.group}{' zero points' if args.zeros else ''}, "
           f"{args.dtype}, {args.sms} SMs")  # fmt: skip
     for shape in args.shape:
         n, k = map(int, shape.split("x"))
-        for m in args.m:
+        for m, spec in itertools.product(args.m, args.tiles or [None]):
             if m <= qm.SKINNY_MAX_M:
                 cfg, auto = qm.gluon_decode_tiles(m, args.sms), qm.gluon_decode_in_auto(m, n, k)
             else:
@@ -50,7 +59,11 @@ def main() -> None:
             qweight = torch.zeros(n, k // 8, dtype=torch.int32)
             scales = torch.zeros(n, k // args.group, dtype=dtype)
             zeros = torch.zeros(n // 8, k // args.group, dtype=torch.int32) if args.zeros else None
-            label = f"{m}x{n}x{k}"
+            # what quant_matmul runs: the rule, at a tiling the kernel takes these inputs
+            auto = auto and qg.supported(x, qweight, scales, args.group, 4, cfg.get("block_k", 64))
+            if spec:
+                cfg = tiling(spec)
+            label = f"{m}x{n}x{k}" + (f"@{spec}" if spec else "")
             if not qg.supported(x, qweight, scales, args.group, 4, cfg.get("block_k", 64)):
                 print(f"{label}: not taken by the Gluon kernel at {cfg}")
                 continue
