@@ -50,13 +50,12 @@ import functools
 import math
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from squeezeserve.kernels.ops.launch import FastLaunch
+from squeezeserve.kernels.ops.launch import FastLaunch, cdiv
 
 # Gluon's names in Triton 3.6 (vLLM 0.26's) and from 3.9 on: a CTA-wide barrier (``thread_barrier`` ->
 # ``barrier``), a TMA load into shared memory (``async_copy_global_to_shared`` -> ``async_load``).
@@ -537,15 +536,15 @@ def launch_args(
     run without a GPU: ``cross_compile.compile_for``.)"""
     m, k_in = x2.shape
     n_out = qweight.shape[0]
-    k_units = triton.cdiv(triton.cdiv(k_in, block_k), 2)
-    tiles = triton.cdiv(m, block_m) * triton.cdiv(n_out, block_n)
+    k_units = cdiv(cdiv(k_in, block_k), 2)
+    tiles = cdiv(m, block_m) * cdiv(n_out, block_n)
     if programs:
         grid = (min(programs, tiles * k_units),)
         units_per_split = k_units
         parts = tiles % grid[0] != 0  # a program's share ends inside a tile
     else:
-        units_per_split = triton.cdiv(k_units, split)
-        grid = (tiles, triton.cdiv(k_units, units_per_split))
+        units_per_split = cdiv(k_units, split)
+        grid = (tiles, cdiv(k_units, units_per_split))
         parts = grid[1] > 1
     if parts and mode == 0:
         raise ValueError("quant_matmul_gluon.launch: split tiles need mode 1 or 2")
