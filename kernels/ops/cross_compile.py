@@ -26,6 +26,7 @@ import tempfile
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import make_backend
+from triton.runtime.errors import OutOfResources
 from triton.runtime.jit import JITFunction, create_function_from_signature
 
 
@@ -102,9 +103,14 @@ def summary(lines: list[str]) -> dict:
     }
 
 
-def compile_launches(body, *args, sms: int = 132, wgmma: bool = True, arch: int = 90) -> list[dict]:
+def compile_launches(
+    body, *args, sms: int = 132, wgmma: bool = True, arch: int = 90, smem: int | None = None
+) -> list[dict]:
     """``body(*args)`` (an op body on CPU tensors) as it runs on a GPU of ``sms`` SMs: each kernel it
-    launches, compiled for sm_``arch``, with its SASS summary (:func:`summary`), grid and constexprs."""
+    launches, compiled for sm_``arch``, with its SASS summary (:func:`summary`), grid, constexprs and shared
+    memory. With ``smem`` (the GPU's bytes a block), as ``launch.launch_fitting`` runs it there: with fewer
+    pipeline stages while the kernel needs more shared memory than that (``stages``: what it runs with;
+    ``asked_stages``: what the launch asked for)."""
     from squeezeserve.kernels.ops import launch
 
     with launch.capture(sms=sms, wgmma=wgmma) as launches:
@@ -116,9 +122,19 @@ def compile_launches(body, *args, sms: int = 132, wgmma: bool = True, arch: int 
             continue
         seen.add(key)
         compiled = compile_for(kernel, largs, kwargs, arch)
+        asked = kwargs.get("num_stages", launch.DEFAULT_STAGES)
+        while smem is not None and compiled.metadata.shared > smem:
+            refusal = OutOfResources(compiled.metadata.shared, smem, "shared memory")  # (loading it raises)
+            fewer = launch.fewer_stages(kwargs, refusal)
+            if fewer is None:
+                break
+            kwargs = fewer
+            compiled = compile_for(kernel, largs, kwargs, arch)
         scalars = {k: v for k, v in kwargs.items() if isinstance(v, (int, float, bool, str))}
+        stages = kwargs.get("num_stages", launch.DEFAULT_STAGES)
         out.append({"kernel": kernel.__name__, "grid": list(grid), "summary": summary(sass(compiled)),
-                    "constexprs": scalars})  # fmt: skip
+                    "constexprs": scalars, "shared": compiled.metadata.shared, "stages": stages,
+                    "asked_stages": asked})  # fmt: skip
     return out
 
 
@@ -218,7 +234,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=main.__doc__)
     ap.add_argument("names", nargs="*")
     ap.add_argument("--json", action="store_true", help="one JSON object a case")
-    ap.add_argument("--sms", type=int, default=132)
+    ap.add_argument("--sms", type=int, default=132, help="the GPU's SMs (H100 SXM 132, A100 108, L4 58)")
+    ap.add_argument("--arch", type=int, default=90, help="compute capability x 10 (90 Hopper, 80, 86, 89)")
+    ap.add_argument("--no-wgmma", action="store_true", help="a GPU without Hopper's wgmma (before sm_90)")
+    ap.add_argument("--smem", type=int, help="shared memory a block, bytes (A100 166912, sm_86/89 101376)")
     args = ap.parse_args(argv)
     failed = 0
     for name, make in cases().items():
@@ -226,7 +245,9 @@ def main(argv: list[str] | None = None) -> int:
             continue
         try:
             body, call_args = make()
-            result = {"case": name, "launches": compile_launches(body, *call_args, sms=args.sms)}
+            gpu = {"sms": args.sms, "wgmma": not args.no_wgmma, "arch": args.arch, "smem": args.smem}
+            launches = compile_launches(body, *call_args, **gpu)
+            result = {"case": name, "launches": launches}
         except Exception as e:  # noqa: BLE001 - reported per case; the exit status says one failed
             failed += 1
             result = {"case": name, "error": f"{type(e).__name__}: {str(e).strip()[-2000:]}"}
@@ -236,7 +257,8 @@ def main(argv: list[str] | None = None) -> int:
             lines = [f"{name}: FAILED {result['error']}"]
         else:
             lines = [f"{name}: {one['kernel']} grid {one['grid']}: {s['local']} LDL/STL ({s['loop_local']} "
-                     f"in a wgmma loop), {s['groups']} wgmma groups"
+                     f"in a wgmma loop), {s['groups']} wgmma groups, {one['shared']} B shared at "
+                     f"{one['stages']} stages"
                      for one in result["launches"] for s in (one["summary"],)]  # fmt: skip
         sys.stdout.write("".join(line + "\n" for line in lines))
         sys.stdout.flush()

@@ -15,6 +15,7 @@ from torch._library.triton import is_wrap_triton_enabled
 from torch.library import wrap_triton
 from torch.utils._python_dispatch import _disable_current_modes
 from triton import knobs
+from triton.runtime.errors import OutOfResources
 from triton.runtime.jit import JITFunction
 
 from squeezeserve.kernels.registry import direct_launches, interpreting, triton_on_cpu
@@ -83,6 +84,35 @@ def specialization_key(args: tuple, constexprs: dict, constexpr_positions: froze
     return (*key, *constexprs.items())
 
 
+# Triton's num_stages where a launch names none (CUDAOptions' default).
+DEFAULT_STAGES = 3
+
+
+def fewer_stages(kwargs: dict, error: Exception) -> dict | None:
+    """``kwargs`` with one pipeline stage fewer, where ``error`` says the kernel needs more shared memory
+    than the GPU has and a stage can go; else None. Our tilings are the H100's (227 KB a block); an A100 has
+    163 KB, sm_86 / sm_89 parts 99 KB, and each stage of a pipelined loop holds one more copy of the tiles it
+    prefetches (the 33-64-row int4 g32 decode tiling: 146 KB at 4 stages, 98 at 3, 50 at 2;
+    kernels/ops/cross_compile.py compiles it for sm_80 / sm_89)."""
+    stages = kwargs.get("num_stages", DEFAULT_STAGES)
+    if not isinstance(error, OutOfResources) or error.name != "shared memory" or stages <= 1:
+        return None
+    return kwargs | {"num_stages": stages - 1}
+
+
+def launch_fitting(kernel, grid, args: tuple, kwargs: dict):
+    """``kernel[grid](*args, **kwargs)``, with fewer pipeline stages where the GPU's shared memory does not
+    hold the tiling (:func:`fewer_stages`): the same results, a slower pipeline, not an error. Returns
+    what Triton's launch returns (the compiled kernel)."""
+    while True:
+        try:
+            return kernel[grid](*args, **kwargs)
+        except OutOfResources as e:  # raised before the kernel runs, as Triton loads it
+            kwargs = fewer_stages(kwargs, e)
+            if kwargs is None:
+                raise
+
+
 class FastLaunch:
     """Eager launches of one ``@triton.jit`` kernel: ``FastLaunch(k)[grid](*args, **constexprs)``.
 
@@ -119,10 +149,10 @@ class FastLaunch:
         launches = recording.launches
         if not FAST_LAUNCH or type(grid) is not tuple or launch_hooks():
             if launches is None:
-                return self.kernel[grid](*args, **kwargs)
+                return launch_fitting(self.kernel, grid, args, kwargs)
             launches.append(None)  # not replayable: Triton's own launch decides
             with _disable_current_modes():  # its torch calls are not the body's
-                return self.kernel[grid](*args, **kwargs)
+                return launch_fitting(self.kernel, grid, args, kwargs)
         key = specialization_key(args, kwargs, self.constexpr_positions)
         device = torch._C._cuda_getDevice()  # what Triton's launch uses: the current device
         try:
@@ -130,11 +160,12 @@ class FastLaunch:
         except TypeError:  # an unhashable keyword
             key = entry = None
         if entry is None:
+            # (the kernel that fits is kept under this key: later launches run it straight away)
             if launches is None:
-                compiled = self.kernel[grid](*args, **kwargs)
+                compiled = launch_fitting(self.kernel, grid, args, kwargs)
             else:
                 with _disable_current_modes():  # Triton's torch calls are not the recorded body's
-                    compiled = self.kernel[grid](*args, **kwargs)
+                    compiled = launch_fitting(self.kernel, grid, args, kwargs)
             if key is not None and hasattr(compiled, "packed_metadata"):
                 tail = tuple(kwargs[n] if n in kwargs else self.defaults[n] for n in self.names[len(args) :])
                 entry = self.compiled[(device, key)] = (

@@ -97,3 +97,31 @@ def test_capture_needs_compiled_kernels():
     with pytest.raises(RuntimeError, match="compiled kernels"), launch.capture():
         pass
     assert launch.recording.target is None and launch.recording.captured is None
+
+
+# GPUs before Hopper with less shared memory a block than the H100's 227 KB, which our tilings were tuned
+# for: the A100 (163 KB, 108 SMs) and an sm_89 part such as the L4 (99 KB, 58 SMs; sm_86 has as much).
+SMALLER = {"sm_80": ("80", "108", 166912), "sm_89": ("89", "58", 101376)}
+
+
+@pytest.mark.parametrize("gpu", sorted(SMALLER))
+def test_gpu_paths_fit_smaller_gpus(gpu):
+    # quant_matmul's and the codebook kernels' tilings, which use the most shared memory, compiled for that
+    # GPU as launch.launch_fitting runs them there: with fewer pipeline stages where a tiling does not fit
+    # (before that, the first call on an A100 failed: the codebook kernel at 128 rows needed 192 KB).
+    arch, sms, smem = SMALLER[gpu]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    cmd = [sys.executable, "-m", "squeezeserve.kernels.ops.cross_compile", "--json", "--arch", arch, "--sms",
+           sms, "--smem", str(smem), "--no-wgmma", "quant_matmul", "codebook_matmul"]  # fmt: skip
+    run = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
+    results = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    assert len(results) == sum(name.startswith(("quant_matmul", "codebook_matmul")) for name in EXPECTED)
+    fewer = []
+    for result in results:
+        assert "error" not in result, result
+        for one in result["launches"]:
+            assert one["shared"] <= smem and one["stages"] >= 1, (result["case"], one)
+            if one["stages"] < one["asked_stages"]:
+                fewer.append(result["case"])
+    # where the H100's tilings do not fit, fewer stages do
+    assert "codebook_matmul 128x4096x4096 3-bit per channel" in fewer

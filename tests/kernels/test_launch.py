@@ -147,3 +147,54 @@ def test_fast_launches_compute_what_tritons_launch_computes():
                 for _ in range(2):
                     torch.testing.assert_close(call(a, b), expected, rtol=0, atol=0, msg=name)
     assert launch._FAST[_softmax_fwd].compiled  # the fast path cached what it launched
+
+
+def test_fewer_stages_only_for_shared_memory():
+    from triton.runtime.errors import OutOfResources
+
+    smem = OutOfResources(149504, 101376, "shared memory")
+    assert launch.fewer_stages({"num_stages": 4, "BLOCK": 64}, smem) == {"num_stages": 3, "BLOCK": 64}
+    assert launch.fewer_stages({}, smem) == {"num_stages": launch.DEFAULT_STAGES - 1}  # Triton's default
+    assert launch.fewer_stages({"num_stages": 1}, smem) is None  # nothing left to take away
+    assert launch.fewer_stages({"num_stages": 4}, OutOfResources(2048, 1024, "threads")) is None
+    assert launch.fewer_stages({"num_stages": 4}, RuntimeError("other")) is None
+
+
+class _SmallGpu:
+    """Stands in for Triton's launch of a kernel on a GPU whose shared memory holds ``fits`` stages: loading
+    the kernel at more raises what Triton raises (no GPU here to raise it)."""
+
+    def __init__(self, fits: int):
+        self.fits, self.tried = fits, []
+
+    def __getitem__(self, grid):
+        def run(*args, **kwargs):
+            from triton.runtime.errors import OutOfResources
+
+            stages = kwargs.get("num_stages", launch.DEFAULT_STAGES)
+            self.tried.append(stages)
+            if stages > self.fits:
+                raise OutOfResources(stages * 50_000, self.fits * 50_000, "shared memory")
+            return ("compiled", stages, args)
+
+        return run
+
+
+def test_launch_fitting_takes_stages_away_until_the_kernel_fits():
+    gpu = _SmallGpu(fits=2)
+    assert launch.launch_fitting(gpu, (4,), (1, 2), {"num_stages": 4, "BLOCK": 8}) == ("compiled", 2, (1, 2))
+    assert gpu.tried == [4, 3, 2]
+    gpu = _SmallGpu(fits=0)  # not even one stage: Triton's error, as it was
+    with pytest.raises(Exception, match="shared memory"):
+        launch.launch_fitting(gpu, (4,), (), {})
+    assert gpu.tried == [3, 2, 1]
+
+
+def test_fast_launch_fits_the_gpu_on_triton_s_own_path(monkeypatch):
+    # (the cached path needs CUDA; Triton's own path, which every first launch of a key takes, runs here)
+    gpu = _SmallGpu(fits=2)
+    gpu.fn = lambda x, n, BLOCK: None  # noqa: E731 - the kernel's signature, as FastLaunch reads it
+    gpu.arg_names = ["x", "n", "BLOCK"]
+    monkeypatch.setattr(launch, "FAST_LAUNCH", False)
+    assert launch.FastLaunch(gpu)[(4,)](1, 2, BLOCK=8, num_stages=4) == ("compiled", 2, (1, 2))
+    assert gpu.tried == [4, 3, 2]
