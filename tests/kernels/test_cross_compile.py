@@ -2,7 +2,9 @@
 the GPU takes (kernels/ops/cross_compile.py). The rest of tests/kernels runs the kernels in Triton's
 interpreter, which takes small tiles, skips inline PTX and wgmma, and compiles nothing; this compiles what
 the H100 would run, with the installed Triton, so a kernel that no longer builds (a PTX typo in an
-``ASM=True`` branch, a Triton API change) fails CI rather than the first request on a GPU."""
+``ASM=True`` branch, a Triton API change) fails CI rather than the first request on a GPU. The GPU paths
+are also compiled for an A100 and an sm_89 part, whose shared memory holds less than the H100's tilings
+ask for (``launch.launch_fitting``)."""
 
 import json
 import os

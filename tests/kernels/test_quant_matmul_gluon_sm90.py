@@ -1,8 +1,8 @@
 """The Gluon kernel (kernels/ops/quant_matmul_gluon.py) compiled for sm_90 on a machine without a GPU, at
 the tilings quant_matmul's rules choose, with the installed Triton: it builds, and its products stay
 pipelined. Gluon has no interpreter, so without this CI would not notice a kernel that no longer compiles
-(Triton 3.9 renamed two Gluon calls the kernel made under 3.6; it then failed at the first prefill on a
-Hopper GPU) or whose wgmma groups ptxas serialised (a tenth-session bug: tests/benchmarks/NOTES.md).
+(Triton 3.9 renamed two Gluon calls the kernel made under 3.6: with 3.9 its first call on a Hopper GPU
+would have failed) or whose wgmma groups ptxas serialised (a tenth-session bug: tests/benchmarks/NOTES.md).
 What it computes is checked on the H100 (test_quant_matmul_gluon.py)."""
 
 import pytest
