@@ -10,9 +10,10 @@ alignment, integers equal to 1 or multiples of 16, TMA descriptors), down to the
 - :func:`cases` are our ops at the 8B model's shapes; ``python -m squeezeserve.kernels.ops.cross_compile
   [--json] [NAME ...]`` compiles them and prints each kernel's summary.
 
-CI runs the cases (tests/kernels/test_cross_compile.py) and the Gluon kernel at its rules' tilings
-(test_quant_matmul_gluon_sm90.py): the interpreter that runs the other kernel tests compiles nothing, takes
-small tiles and skips inline PTX and wgmma. ``tests/gpu/sass_probe.py`` prints the Gluon kernel's SASS
+CI runs the cases, the Gluon kernel's rule tilings among them (tests/kernels/test_cross_compile.py), in a
+process without Triton's interpreter: the interpreter that runs the other kernel tests compiles nothing,
+takes small tiles and skips inline PTX and wgmma (Gluon has none at all), and once it has run, Triton 3.9's
+Gluon front end builds layouts with its builder. ``tests/gpu/sass_probe.py`` prints the Gluon kernel's SASS
 summary by shape before a device run.
 """
 
@@ -191,10 +192,25 @@ def cases() -> dict:
         "quant_matmul 256x6144x4096 int4 g128 zp": lambda: qm(256, 6144, 4096, 128, zeros=True),
         "quant_matmul 512x4096x14336 int4 g32": lambda: qm(512, 4096, 14336, 32),
         "quant_matmul 4096x1024x1024 int4 g128 (dequantize)": lambda: qm(4096, 1024, 1024, 128),
+        # the Gluon kernel at the tilings its rules choose (gluon_decode_tiles, gluon_tiles)
         "quant_matmul 16x14336x14336 int4 g128 (Gluon decode)": lambda: qm(16, 14336, 14336, 128),
+        "quant_matmul 16x14336x14336 int4 g128 zp (Gluon decode)": lambda: qm(
+            16, 14336, 14336, 128, zeros=True),
+        "quant_matmul 32x4096x14336 int4 g256 (Gluon decode)": lambda: qm(32, 4096, 14336, 256),
+        "quant_matmul 64x14336x14336 int4 g128 fp16 (Gluon decode)": lambda: qm(
+            64, 14336, 14336, 128, dtype=torch.float16),
+        "quant_matmul 128x14336x14336 int4 g128 (Gluon prefill)": lambda: qm(128, 14336, 14336, 128),
         "quant_matmul 512x14336x4096 int4 g128 zp (Gluon prefill)": lambda: qm(
             512, 14336, 4096, 128, zeros=True),
+        "quant_matmul 512x14336x4096 int4 g32 zp (Gluon prefill)": lambda: qm(
+            512, 14336, 4096, 32, zeros=True),
+        "quant_matmul 2048x28672x4096 int4 g64 fp16 (Gluon prefill)": lambda: qm(
+            2048, 28672, 4096, 64, dtype=torch.float16),
         "quant_matmul 128x4096x14336 int4 g128 (Gluon stream-K)": lambda: qm(128, 4096, 14336, 128),
+        "quant_matmul 128x4096x14336 int4 g128 zp (Gluon stream-K)": lambda: qm(
+            128, 4096, 14336, 128, zeros=True),
+        "quant_matmul 512x4096x14336 int4 g128 (Gluon stream-K, 256-row tiles)": lambda: qm(
+            512, 4096, 14336, 128),
         "codebook_matmul 1x4096x4096 4-bit g128": lambda: cb(1, 4096, 4096, 128, 4),
         "codebook_matmul 16x4096x4096 4-bit g128": lambda: cb(16, 4096, 4096, 128, 4),
         "codebook_matmul 128x4096x4096 3-bit per channel": lambda: cb(128, 4096, 4096, 0, 3),

@@ -32,8 +32,16 @@ EXPECTED = {
     "quant_matmul 512x4096x14336 int4 g32": ["_prefill_kernel"],
     "quant_matmul 4096x1024x1024 int4 g128 (dequantize)": ["_dequantize_kernel"],
     "quant_matmul 16x14336x14336 int4 g128 (Gluon decode)": ["_wgmma_kernel"],
+    "quant_matmul 16x14336x14336 int4 g128 zp (Gluon decode)": ["_wgmma_kernel"],
+    "quant_matmul 32x4096x14336 int4 g256 (Gluon decode)": ["_wgmma_kernel"],
+    "quant_matmul 64x14336x14336 int4 g128 fp16 (Gluon decode)": ["_wgmma_kernel"],
+    "quant_matmul 128x14336x14336 int4 g128 (Gluon prefill)": ["_wgmma_kernel"],
     "quant_matmul 512x14336x4096 int4 g128 zp (Gluon prefill)": ["_wgmma_kernel"],
+    "quant_matmul 512x14336x4096 int4 g32 zp (Gluon prefill)": ["_wgmma_kernel"],
+    "quant_matmul 2048x28672x4096 int4 g64 fp16 (Gluon prefill)": ["_wgmma_kernel"],
     "quant_matmul 128x4096x14336 int4 g128 (Gluon stream-K)": ["_wgmma_kernel"],
+    "quant_matmul 128x4096x14336 int4 g128 zp (Gluon stream-K)": ["_wgmma_kernel"],
+    "quant_matmul 512x4096x14336 int4 g128 (Gluon stream-K, 256-row tiles)": ["_wgmma_kernel"],
     "codebook_matmul 1x4096x4096 4-bit g128": ["_codebook_fma_kernel"],
     "codebook_matmul 16x4096x4096 4-bit g128": ["_codebook_matmul_kernel"],
     "codebook_matmul 128x4096x4096 3-bit per channel": ["_codebook_matmul_kernel"],
@@ -84,10 +92,47 @@ def test_gpu_path_compiles_for_sm90(compiled, case):
         assert result["launches"][0]["grid"] == [132]
     for one in result["launches"]:
         s = one["summary"]
-        if one["kernel"] == "_wgmma_kernel":  # Gluon: its products overlap (test_quant_matmul_gluon_sm90)
-            assert s["groups"] >= 1 and s["wait_one"] == s["groups"] and s["wait_all"] <= 1, s
-        if triton.__version__.startswith("3.6."):  # the device's (vLLM 0.26): in budget everywhere
-            assert s["local"] == 0, (case, s)
+        if one["kernel"] == "_wgmma_kernel":
+            _check_pipelined(s)
+        if triton.__version__.startswith("3.6."):  # the device's (vLLM 0.26), where the tilings were measured
+            # no spills in a wgmma loop; none at all but in the Gluon kernel's stream-K epilogue at 256-row
+            # tiles (once a tile: tests/benchmarks/NOTES.md, "twelfth session"; Triton 3.9 spills in loops)
+            assert s["loop_local"] == 0, (case, s)
+            assert s["local"] == 0 or "256-row tiles" in case, (case, s)
+
+
+def _check_pipelined(s: dict) -> None:
+    """The Gluon kernel's products overlap: each wgmma group waited for down to one in flight, all of them
+    once at the end (a loop whose operand registers ptxas saw rewritten waits for every group after each:
+    the tenth session's bug, tests/benchmarks/NOTES.md)."""
+    assert s["groups"] >= 1 and s["wait_one"] == s["groups"] and s["wait_all"] <= 1, s
+
+
+def test_summary_reads_sass():
+    lines = [
+        "HGMMA.64x16x16.F32.BF16 R24, R96, gdesc[UR16], R24",
+        "HGMMA.64x16x16.F32.BF16 R24, R156, gdesc[UR16], R24, gsb0",
+        "WARPGROUP.DEPBAR.LE gsb0, 0x1",
+        "@P0 STL [R1], R2",  # in the loop
+        "WARPGROUP.DEPBAR.LE gsb0, 0x0",
+        "LDL.LU R2, [R1]",  # in the epilogue
+    ]
+    s = cross_compile.summary(lines)
+    assert (s["groups"], s["wait_one"], s["wait_all"], s["local"], s["loop_local"]) == (1, 1, 1, 2, 1)
+    assert s["instructions"]["HGMMA"] == 2
+    _check_pipelined(s)
+
+
+def test_serialised_products_fail_the_check():
+    # what the tenth session's first kernel compiled to: a full wait after every group
+    serial = ["HGMMA.64x16x16.F32.BF16 R24, R96, gdesc[UR16], R24, gsb0", "WARPGROUP.DEPBAR.LE gsb0, 0x0"] * 2
+    with pytest.raises(AssertionError):
+        _check_pipelined(cross_compile.summary(serial))
+
+
+def test_compile_for_refuses_interpreted_kernels():
+    with pytest.raises(TypeError, match="interpreted"):
+        cross_compile.compile_for(lambda: None, (), {})
 
 
 def test_every_case_is_expected():
