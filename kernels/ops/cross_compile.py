@@ -58,15 +58,26 @@ def has_cuobjdump() -> bool:
     return os.access(_tool("cuobjdump"), os.X_OK)
 
 
-def sass(compiled) -> list[str]:
-    """The kernel's SASS, one instruction a line (predicate and operands, no addresses or encodings)."""
+def _cuobjdump(compiled, flag: str) -> str:
+    """What ``cuobjdump flag`` prints of the kernel's cubin."""
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "kernel.cubin")
         with open(path, "wb") as f:
             f.write(compiled.asm["cubin"])
-        out = subprocess.run([_tool("cuobjdump"), "-sass", path], capture_output=True, text=True, check=True)
+        out = subprocess.run([_tool("cuobjdump"), flag, path], capture_output=True, text=True, check=True)
+    return out.stdout
+
+
+def registers(compiled) -> str:
+    """Registers a thread (each function's, from cuobjdump's resource usage)."""
+    found = re.findall(r"REG:(\d+)", _cuobjdump(compiled, "-res-usage"))
+    return "/".join(found) if found else "?"
+
+
+def sass(compiled) -> list[str]:
+    """The kernel's SASS, one instruction a line (predicate and operands, no addresses or encodings)."""
     lines = []
-    for line in out.stdout.splitlines():
+    for line in _cuobjdump(compiled, "-sass").splitlines():
         match = re.match(r"\s*/\*[0-9a-f]{4,}\*/\s+(.*?)\s*;", line)
         if match:
             lines.append(match.group(1))

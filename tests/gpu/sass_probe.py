@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -73,25 +71,15 @@ def main() -> None:
             compiled = cross_compile.compile_for(qg._wgmma_kernel, a, kw)
             lines = cross_compile.sass(compiled)
             s = cross_compile.summary(lines)
-            ops = s["instructions"]
+            ops, regs = s["instructions"], cross_compile.registers(compiled)
             print(f"{label}: auto {'Gluon' if auto else 'other paths'}; {cfg}, grid {grid}, maxnreg "
-                  f"{kw['maxnreg']}: {_registers(compiled)} registers, {s['local']} LDL/STL, {s['groups']} "
+                  f"{kw['maxnreg']}: {regs} registers, {s['local']} LDL/STL, {s['groups']} "
                   f"groups, waits {s['wait_one']} for all but one + {s['wait_all']} for all; HGMMA "
                   f"{ops.get('HGMMA', 0)} PRMT {ops.get('PRMT', 0)} LOP3 {ops.get('LOP3', 0)} IMAD "
                   f"{ops.get('IMAD', 0)} LDS {ops.get('LDS', 0)} LDG {ops.get('LDG', 0)}")  # fmt: skip
             if args.dump:
                 args.dump.mkdir(parents=True, exist_ok=True)
                 (args.dump / f"{label}.sass").write_text("\n".join(lines) + "\n")
-
-
-def _registers(compiled) -> str:
-    """Registers a thread, from cuobjdump's resource usage of the cubin."""
-    path = Path("/tmp/sass_probe.cubin")
-    path.write_bytes(compiled.asm["cubin"])
-    out = subprocess.run([cross_compile._tool("cuobjdump"), "-res-usage", str(path)], capture_output=True,
-                         text=True).stdout  # fmt: skip
-    found = re.findall(r"REG:(\d+)", out)
-    return "/".join(found) if found else "?"
 
 
 if __name__ == "__main__":
