@@ -200,7 +200,9 @@ def cases() -> dict:
         "quant_matmul 16x4096x14336 int4 g32 zp": lambda: qm(16, 4096, 14336, 32, zeros=True),
         "quant_matmul 64x14336x4096 int4 g32 fp16": lambda: qm(64, 14336, 4096, 32, dtype=torch.float16),
         "quant_matmul 8x4096x4096 int8 per channel": lambda: qm(8, 4096, 4096, 4096, bits=8),
-        "quant_matmul 256x6144x4096 int4 g128 zp": lambda: qm(256, 6144, 4096, 128, zeros=True),
+        "quant_matmul 256x4096x4096 int4 g128": lambda: qm(256, 4096, 4096, 128),
+        "quant_matmul 256x6144x4096 int4 g128 zp (Gluon prefill)": lambda: qm(
+            256, 6144, 4096, 128, zeros=True),
         "quant_matmul 512x4096x14336 int4 g32": lambda: qm(512, 4096, 14336, 32),
         "quant_matmul 4096x1024x1024 int4 g128 (dequantize)": lambda: qm(4096, 1024, 1024, 128),
         # the Gluon kernel at the tilings its rules choose (gluon_decode_tiles, gluon_tiles)
@@ -210,6 +212,10 @@ def cases() -> dict:
         "quant_matmul 32x4096x14336 int4 g256 (Gluon decode)": lambda: qm(32, 4096, 14336, 256),
         "quant_matmul 64x14336x14336 int4 g128 fp16 (Gluon decode)": lambda: qm(
             64, 14336, 14336, 128, dtype=torch.float16),
+        "quant_matmul 32x14336x14336 int4 g32 zp (Gluon decode, 8 groups a tile)": lambda: qm(
+            32, 14336, 14336, 32, zeros=True),
+        "quant_matmul 64x14336x14336 int4 g32 (Gluon decode, 8 groups a tile)": lambda: qm(
+            64, 14336, 14336, 32),
         "quant_matmul 128x14336x14336 int4 g128 (Gluon prefill)": lambda: qm(128, 14336, 14336, 128),
         "quant_matmul 512x14336x4096 int4 g128 zp (Gluon prefill)": lambda: qm(
             512, 14336, 4096, 128, zeros=True),

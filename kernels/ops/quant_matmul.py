@@ -58,7 +58,13 @@ PREFILL = "auto"
 # 14336^2 1.35x bf16 against the Triton GEMM's 1.05x, 512 rows 1.00x against 0.75x, 2048 rows 0.95x against
 # dequantize + cuBLAS's 0.89x), and narrower ones (down to TRITON_PREFILL_MIN_N_ANY) in groups of 64 or more
 # from 257 rows (512 rows of 4096^2 0.81x against 0.69x) or, K at least TRITON_PREFILL_MIN_K deep, up to 128
-# (4096 x 14336: 1.30x against 1.19x). "gluon" forces it wherever it takes the inputs.
+# (4096 x 14336: 1.30x against 1.19x). Up to TRITON_PREFILL_MAX_M rows also outputs wider than
+# TRITON_PREFILL_MIN_N_ANY in any group (the 8B model's qkv, 256 x 6144 x 4096: 32.8 us against 41.5, 34.6
+# against 60.4 with zero points, g32 40.3 against 49.5; 128 rows 29.0 against 30.1), and, with zero points in
+# groups of 64 or more, outputs of TRITON_PREFILL_MIN_N_ANY from 129 rows (256 x 4096^2 32.6 against 40.4,
+# 256 x 4096 x 14336 74.9 against 88.0): the Triton GEMM is slow with zero points (NOTES.md, "thirteenth
+# session"; results/gluon_prefill_probe_h100_2026-11-25_256rows.log). "gluon" forces it wherever it takes
+# the inputs.
 GLUON_PREFILL_MAX_M, GLUON_PREFILL_MAX_M_SMALL_GROUP = 2048, 1024
 # Decode (up to SKINNY_MAX_M rows) on Hopper: "auto" runs the Gluon kernel as a stream-K GEMM (every SM
 # streams an equal share of the weight through TMA; quant_matmul_gluon.py) for int4 in groups of 128 or of a
@@ -67,10 +73,15 @@ GLUON_PREFILL_MAX_M, GLUON_PREFILL_MAX_M_SMALL_GROUP = 2048, 1024
 # weights of at least GLUON_DECODE_MIN_WEIGHT values from 2 rows (14336^2 at 2-16 rows 49.9-53.4 us
 # against 59.5-62.0, at 64 rows 79.2 against 109.9), and of at least GLUON_DECODE_MIN_WEIGHT_WIDE from
 # GLUON_DECODE_WIDE_MIN_M rows (4096 x 14336 at 32 rows 22.5 against 27.7 us; at 16 rows 21.0 against 18.5;
-# results/gluon_decode_probe_h100_2026-11-25_ws_auto.log). "gluon" forces it wherever it takes the inputs,
-# "triton" never.
+# results/gluon_decode_probe_h100_2026-11-25_ws_auto.log). Groups of GLUON_DECODE_SMALL_GROUP (compress's
+# default; eight a 256-deep tile) only from GLUON_DECODE_WIDE_MIN_M rows of the large weights: 14336^2 at
+# 32 rows 65.6 us against the tensor-core kernel's 79.0 (77.4 against 82.7 with zero points), at 64 rows 85.1
+# against 112.9 (103.5 against 114.4); at 2-16 rows and on smaller weights with zero points no faster or
+# slower (NOTES.md, "thirteenth session"; results/gluon_decode_probe_h100_2026-11-25_g32_deep.log). Other
+# groups under GLUON_DECODE_MIN_GROUP (g64) were not timed there: the other kernels. "gluon" forces it
+# wherever it takes the inputs, "triton" never.
 DECODE = "auto"
-GLUON_DECODE_BLOCK_K = 256
+GLUON_DECODE_BLOCK_K, GLUON_DECODE_MIN_GROUP, GLUON_DECODE_SMALL_GROUP = 256, 128, 32
 GLUON_DECODE_MIN_WEIGHT, GLUON_DECODE_MIN_WEIGHT_WIDE, GLUON_DECODE_WIDE_MIN_M = 1 << 27, 1 << 25, 17
 TRITON_PREFILL_MAX_M, TRITON_PREFILL_WIDE_MAX_M = 256, 512
 TRITON_PREFILL_MIN_N, TRITON_PREFILL_MIN_N_ANY, TRITON_PREFILL_MIN_K = 8192, 4096, 8192
@@ -362,7 +373,9 @@ def _gluon_prefill(x2, qweight, scales, zeros, group_size, bits) -> bool:
     """Whether this prefill runs on the Gluon GEMM (PREFILL's comment)."""
     if PREFILL not in ("auto", "gluon") or not _gluon_runs(x2, qweight, scales, zeros, group_size, bits, 64):
         return False
-    return PREFILL == "gluon" or gluon_in_auto(x2.shape[0], qweight.shape[0], x2.shape[1], group_size)
+    return PREFILL == "gluon" or gluon_in_auto(
+        x2.shape[0], qweight.shape[0], x2.shape[1], group_size, zeros is not None
+    )
 
 
 def _gluon_decode(x2, qweight, scales, zeros, group_size, bits) -> bool:
@@ -371,13 +384,19 @@ def _gluon_decode(x2, qweight, scales, zeros, group_size, bits) -> bool:
         x2, qweight, scales, zeros, group_size, bits, GLUON_DECODE_BLOCK_K
     ):
         return False
-    return DECODE == "gluon" or gluon_decode_in_auto(x2.shape[0], qweight.shape[0], x2.shape[1])
+    return DECODE == "gluon" or gluon_decode_in_auto(x2.shape[0], qweight.shape[0], x2.shape[1], group_size)
 
 
-def gluon_decode_in_auto(m: int, n_out: int, k_in: int) -> bool:
+def gluon_decode_in_auto(m: int, n_out: int, k_in: int, group_size: int = 128) -> bool:
     """Whether ``DECODE="auto"`` runs ``m`` rows of this weight on the Gluon kernel (DECODE's comment)."""
     if m < 2:
         return False
+    if group_size < GLUON_DECODE_MIN_GROUP:
+        return (
+            group_size == GLUON_DECODE_SMALL_GROUP
+            and m >= GLUON_DECODE_WIDE_MIN_M
+            and n_out * k_in >= GLUON_DECODE_MIN_WEIGHT
+        )
     return n_out * k_in >= (
         GLUON_DECODE_MIN_WEIGHT_WIDE if m >= GLUON_DECODE_WIDE_MIN_M else GLUON_DECODE_MIN_WEIGHT
     )
@@ -395,13 +414,21 @@ def gluon_decode_tiles(m: int, sms: int) -> dict:
             "occupancy": 2} | deep  # fmt: skip
 
 
-def gluon_in_auto(m: int, n_out: int, k_in: int, group_size: int) -> bool:
+def gluon_in_auto(m: int, n_out: int, k_in: int, group_size: int, zeros: bool = False) -> bool:
     """Whether ``PREFILL="auto"`` runs ``m`` rows of this weight on the Gluon GEMM (PREFILL's comment)."""
     if n_out >= TRITON_PREFILL_MIN_N:
         return m <= (GLUON_PREFILL_MAX_M if group_size >= 64 else GLUON_PREFILL_MAX_M_SMALL_GROUP)
-    if n_out < TRITON_PREFILL_MIN_N_ANY or group_size < 64:
+    if n_out < TRITON_PREFILL_MIN_N_ANY:
         return False
-    return 256 < m <= GLUON_PREFILL_MAX_M or (m <= 128 and k_in >= TRITON_PREFILL_MIN_K)
+    if n_out > TRITON_PREFILL_MIN_N_ANY and m <= TRITON_PREFILL_MAX_M:
+        return True
+    if group_size < 64:
+        return False
+    return (
+        256 < m <= GLUON_PREFILL_MAX_M
+        or (m <= 128 and k_in >= TRITON_PREFILL_MIN_K)
+        or (zeros and 128 < m <= TRITON_PREFILL_MAX_M)
+    )
 
 
 def gluon_tiles(m: int, n_out: int, k_in: int, sms: int) -> dict:

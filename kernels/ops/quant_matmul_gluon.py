@@ -39,9 +39,10 @@ shared memory), so 8..256 activation rows are one instruction's N.
 Each weight is ``(q - z) * s`` rounded once in the activation dtype (``sub`` then ``mul`` on bf16x2/f16x2
 pairs), as ``_dequantize_kernel`` writes it: the product equals dequantize + cuBLAS up to accumulation order.
 Scope (:func:`supported`): int4, scales in the activation dtype, groups that hold whole K tiles (64 deep;
-256 in decode) or half of one, K a multiple of 32 (TMA's 16-byte rows), with or without zero points; sm_90
-only. Speeds and the history of this design: tests/benchmarks/NOTES.md, "tenth session" and "eleventh
-session".
+256 in decode) or half of one, or a quarter or an eighth of one where K is whole tiles (g64 / g32 in decode's
+256-deep tiles: each row's group parameters of a tile come as one vector, :func:`_load_params`), K a
+multiple of 32 (TMA's 16-byte rows), with or without zero points; sm_90 only. Speeds and the history of
+this design: tests/benchmarks/NOTES.md, "tenth session", "eleventh session" and "thirteenth session".
 """
 
 from __future__ import annotations
@@ -110,19 +111,59 @@ def _load_params(
     HAS_ZERO: gl.constexpr,
     MAGIC_F: gl.constexpr,
     BLOCK_K: gl.constexpr,
+    num_warps: gl.constexpr,
 ):
     """(s, BIAS + z) [BLOCK_N] in the activation dtype of the first and the last group of K tile ``tile``
-    (one group when groups hold whole tiles; two when a tile holds two groups)."""
-    g0 = (tile * BLOCK_K) // GROUP
-    g1 = (tile * BLOCK_K + BLOCK_K - 1) // GROUP
-    s0, z0 = _group_params(scale_ptr, zero_ptr, offs_n, mask_n, g0, K, scale_row_stride, zero_row_stride,
-                           GROUP, HAS_ZERO, MAGIC_F)  # fmt: skip
-    if BLOCK_K > GROUP:
-        s1, z1 = _group_params(scale_ptr, zero_ptr, offs_n, mask_n, g1, K, scale_row_stride, zero_row_stride,
-                               GROUP, HAS_ZERO, MAGIC_F)  # fmt: skip
+    (one group when groups hold whole tiles; two when a tile holds two groups). Four or more groups a tile:
+    (s, BIAS + z) [BLOCK_N, groups] as value pairs (:func:`_twice`), each row's in one vector load."""
+    if BLOCK_K >= 4 * GROUP:
+        # (int32 pairs of two equal halves) in _group_layout: a row's scales (and zero-point words) are
+        # contiguous, one vector load a row
+        G: gl.constexpr = BLOCK_K // GROUP
+        layout: gl.constexpr = _group_layout(offs_n.shape[0], G, num_warps)
+        rows = gl.expand_dims(gl.convert_layout(offs_n, gl.SliceLayout(1, layout), assert_trivial=True), 1)
+        groups = gl.expand_dims(tile * G + gl.arange(0, G, layout=gl.SliceLayout(0, layout)), 0)
+        # (K is a whole number of tiles here, supported(): a tile is all in or all out, the pad tile of an odd
+        # count out, so the mask is a row's and its groups load as one vector)
+        ok = gl.expand_dims(gl.convert_layout(mask_n, gl.SliceLayout(1, layout), assert_trivial=True), 1)
+        ok = ok & (tile * BLOCK_K < K)
+        s = gl.load(scale_ptr + rows.to(gl.int64) * scale_row_stride + groups, mask=ok, other=0.0)
+        if HAS_ZERO:
+            zw = gl.load(zero_ptr + (rows // 8) * zero_row_stride + groups, mask=ok, other=0)
+            z = (zw >> ((rows % 8) * 4)) & 0xF
+        else:
+            z = gl.zeros_like(rows + groups) + 8
+        bias_z = (z.to(gl.float32) + MAGIC_F).to(s.dtype)  # exact: small integers
+        params = (_twice(s), _twice(bias_z))
     else:
-        s1, z1 = s0, z0
-    return s0, z0, s1, z1
+        g0 = (tile * BLOCK_K) // GROUP
+        g1 = (tile * BLOCK_K + BLOCK_K - 1) // GROUP
+        s0, z0 = _group_params(scale_ptr, zero_ptr, offs_n, mask_n, g0, K, scale_row_stride, zero_row_stride,
+                               GROUP, HAS_ZERO, MAGIC_F)  # fmt: skip
+        if BLOCK_K > GROUP:
+            s1, z1 = _group_params(scale_ptr, zero_ptr, offs_n, mask_n, g1, K, scale_row_stride,
+                                   zero_row_stride, GROUP, HAS_ZERO, MAGIC_F)  # fmt: skip
+        else:
+            s1, z1 = s0, z0
+        params = (s0, z0, s1, z1)
+    return params
+
+
+@gluon.constexpr_function
+def _group_layout(block_n, groups, num_warps):
+    """The [block_n, groups] layout of a K tile's per-row group parameters when a tile holds four or more
+    groups: rows over lanes and warps as :func:`_word_layout` spreads the operand's words (the four lanes of
+    a row alike), a row's groups in consecutive registers of each thread that holds the row (so that they
+    load as one vector)."""
+    block_n, groups, num_warps = int(block_n), int(groups), int(num_warps)
+    reg = [[0, 1 << i] for i in range(int(math.log2(groups)))] + [[8, 0]]
+    rows = 16 * num_warps
+    while rows < block_n:
+        reg.append([rows, 0])
+        rows *= 2
+    lane = [[0, 0], [0, 0], [1, 0], [2, 0], [4, 0]]
+    warp = [[16 << i, 0] for i in range(int(math.log2(num_warps)))]
+    return gl.DistributedLinearLayout(reg, lane, warp, [], [block_n, groups])
 
 
 @gluon.jit
@@ -166,20 +207,43 @@ def _operand(
     GROUP: gl.constexpr,
     BLOCK_N: gl.constexpr,
     BLOCK_K: gl.constexpr,
+    num_warps: gl.constexpr,
 ):
     """A K tile's words in shared memory -> its [BLOCK_N, BLOCK_K] A operand in ``a_layout``, in registers:
     each thread reads the words its fragment needs and keeps one value pair of each, which is one fragment
     register after the (q + BIAS - (BIAS + z)) * s of :data:`_PAIR_ASM`."""
     W: gl.constexpr = BLOCK_K // 8
     h = w_smem.load(gl.SliceLayout(2, w_layout))  # [BLOCK_N, W]
-    s0, z0, s1, z1 = params
-    s = gl.expand_dims(_twice(s0), 1)
-    z = gl.expand_dims(_twice(z0), 1)
-    if BLOCK_K > GROUP:  # two groups a tile: the second half of the words takes the second's
-        words = gl.arange(0, W, layout=gl.SliceLayout(0, gl.SliceLayout(2, w_layout)))
-        later = gl.expand_dims(words >= W // 2, 0)
-        s = gl.where(later, gl.expand_dims(_twice(s1), 1), s)
-        z = gl.where(later, gl.expand_dims(_twice(z1), 1), z)
+    words = gl.arange(0, W, layout=gl.SliceLayout(0, gl.SliceLayout(2, w_layout)))
+    if BLOCK_K >= 4 * GROUP:
+        # Four or more groups a tile: word w takes group w // (GROUP / 8)'s pair. A thread holds every word
+        # and group of its rows in registers, so each select below is decided when the kernel compiles.
+        G: gl.constexpr = BLOCK_K // GROUP
+        rows_layout: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, w_layout))
+        s2, z2 = params
+        column = gl.expand_dims(
+            gl.arange(0, G, layout=gl.SliceLayout(0, _group_layout(BLOCK_N, G, num_warps))), 0
+        )
+        group_of = gl.expand_dims(words // (GROUP // 8), 0)
+        s = gl.zeros([BLOCK_N, W], gl.int32, gl.SliceLayout(2, w_layout))
+        z = gl.zeros([BLOCK_N, W], gl.int32, gl.SliceLayout(2, w_layout))
+        for j in gl.static_range(G):
+            sj = gl.convert_layout(
+                gl.sum(gl.where(column == j, s2, 0), axis=1), rows_layout, assert_trivial=True
+            )
+            zj = gl.convert_layout(
+                gl.sum(gl.where(column == j, z2, 0), axis=1), rows_layout, assert_trivial=True
+            )
+            s = gl.where(group_of == j, gl.expand_dims(sj, 1), s)
+            z = gl.where(group_of == j, gl.expand_dims(zj, 1), z)
+    else:
+        s0, z0, s1, z1 = params
+        s = gl.expand_dims(_twice(s0), 1)
+        z = gl.expand_dims(_twice(z0), 1)
+        if BLOCK_K > GROUP:  # two groups a tile: the second half of the words takes the second's
+            later = gl.expand_dims(words >= W // 2, 0)
+            s = gl.where(later, gl.expand_dims(_twice(s1), 1), s)
+            z = gl.where(later, gl.expand_dims(_twice(z1), 1), z)
     h, select = gl.broadcast(gl.expand_dims(h, 2), select)
     s, _ = gl.broadcast(gl.expand_dims(s, 2), select)
     z, _ = gl.broadcast(gl.expand_dims(z, 2), select)
@@ -373,14 +437,14 @@ def _compute_partition(
         n_local = 2 * units
         # Scales and zero points run three tiles ahead of the products (plain loads: their latency is hidden).
         params0 = _load_params(scale_ptr, zero_ptr, offs_n, mask_n, first, K, scale_row_stride,
-                               zero_row_stride, GROUP, HAS_ZERO, MAGIC_F, BLOCK_K)  # fmt: skip
+                               zero_row_stride, GROUP, HAS_ZERO, MAGIC_F, BLOCK_K, num_warps)  # fmt: skip
         params1 = _load_params(scale_ptr, zero_ptr, offs_n, mask_n, first + 1, K, scale_row_stride,
-                               zero_row_stride, GROUP, HAS_ZERO, MAGIC_F, BLOCK_K)  # fmt: skip
+                               zero_row_stride, GROUP, HAS_ZERO, MAGIC_F, BLOCK_K, num_warps)  # fmt: skip
         params2 = _load_params(scale_ptr, zero_ptr, offs_n, mask_n, first + 2, K, scale_row_stride,
-                               zero_row_stride, GROUP, HAS_ZERO, MAGIC_F, BLOCK_K)  # fmt: skip
+                               zero_row_stride, GROUP, HAS_ZERO, MAGIC_F, BLOCK_K, num_warps)  # fmt: skip
         mbarrier.wait(ready.index(g % STAGES), (g // STAGES) & 1)
         a0 = _operand(w_smem.index(g % STAGES), params0, select, dtype, w_layout, a_layout, GROUP, BLOCK_N,
-                      BLOCK_K)  # fmt: skip
+                      BLOCK_K, num_warps)  # fmt: skip
         a1 = a0
         acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma_layout)
         # Two tiles an iteration, so that the operands of consecutive tiles are distinct registers (a
@@ -395,12 +459,12 @@ def _compute_partition(
                 mbarrier.arrive(empty.index((t + STAGES - 1) % STAGES), pred=i + j > 0)
                 params3 = _load_params(scale_ptr, zero_ptr, offs_n, mask_n, first + i + j + 3, K,
                                        scale_row_stride, zero_row_stride, GROUP, HAS_ZERO, MAGIC_F,
-                                       BLOCK_K)  # fmt: skip
+                                       BLOCK_K, num_warps)  # fmt: skip
                 # (the last tile makes an operand nobody uses, from whatever its stage holds)
                 nxt = (t + 1) % STAGES
                 mbarrier.wait(ready.index(nxt), ((t + 1) // STAGES) & 1, pred=i + j + 1 < n_local)
                 a_next = _operand(w_smem.index(nxt), params1, select, dtype, w_layout, a_layout,
-                                  GROUP, BLOCK_N, BLOCK_K)  # fmt: skip
+                                  GROUP, BLOCK_N, BLOCK_K, num_warps)  # fmt: skip
                 params1, params2 = params2, params3
                 a1 = a0  # tile t's operand: in flight until the next wait
                 a0 = a_next
@@ -482,7 +546,8 @@ def supported(
         bits == 4
         and x2.dtype in (torch.bfloat16, torch.float16)
         and scales.dtype == x2.dtype
-        and (group_size % block_k == 0 or block_k == 2 * group_size)  # one or two groups a K tile
+        # one group a K tile, two, or (where K is whole tiles) four or eight
+        and (group_size % block_k == 0 or block_k == 2 * group_size or _many_groups(x2, group_size, block_k))
         and x2.shape[-1] % 32 == 0  # the words' rows, 16-byte aligned for TMA
         and x2.shape[-1] > 0
         and x2.shape[0] > 0  # (a descriptor takes no empty dimension)
@@ -492,6 +557,17 @@ def supported(
         and x2.stride(-1) == 1
         and (x2.stride(0) * x2.element_size()) % 16 == 0
         and x2.data_ptr() % 16 == 0
+    )
+
+
+def _many_groups(x2: torch.Tensor, group_size: int, block_k: int) -> bool:
+    """Four or eight groups a K tile (:func:`_load_params`), of 32 values or more (what was tested: g32
+    and g64 in 256-deep tiles), K whole tiles (so that a tile's mask is its rows')."""
+    return (
+        block_k % group_size == 0
+        and block_k // group_size in (4, 8)
+        and group_size >= 32
+        and x2.shape[-1] % block_k == 0
     )
 
 

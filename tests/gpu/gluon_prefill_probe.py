@@ -42,6 +42,7 @@ def packed(n, k, group, zeros, dtype=torch.bfloat16, seed=0):
 
 def check():
     bf, fp = torch.bfloat16, torch.float16
+    deep = {"block_n": 64, "block_k": 256, "num_warps": 4}  # one warpgroup, 256-deep K tiles (decode)
     cases = [  # (m, n, k, group, zeros, dtype, tiling)
         (128, 4096, 4096, 128, False, bf, {}),
         (200, 4160, 4096, 128, True, bf, {}),  # M and N tails
@@ -58,6 +59,10 @@ def check():
         (5, 4160, 4160, 128, True, bf, {"block_m": 8, "block_k": 256, "programs": 100}),
         (64, 4096, 14336, 32, True, bf, {"block_m": 64, "stages": 8, "programs": 132}),
         (33, 4096, 4096, 64, True, fp, {"block_m": 64, "block_n": 64, "num_warps": 4, "programs": 99}),
+        # four and eight groups a 256-deep tile (each row's group parameters in one vector load)
+        (16, 14336, 4096, 32, True, bf, {"block_m": 16, "programs": 132} | deep),
+        (5, 4160, 3840, 64, True, fp, {"block_m": 8, "programs": 100} | deep),  # odd K tiles, N tail
+        (64, 4096, 14336, 32, False, bf, {"block_m": 64, "block_k": 256, "stages": 3, "programs": 132}),
         (1, 2048, 2048, 128, False, bf, {"block_m": 8, "block_k": 256, "programs": 8}),  # whole tiles
         (
             16,

@@ -59,15 +59,18 @@ CASES = (
     "gluon-64-14336-14336",
     "gluon-128-14336-14336",
     "gluon-512-14336-14336",
+    "gluon-512-4096-14336",
 )
 
 
+# Bytes of spilled registers (local memory) loaded and stored: ncu prints these as metrics of their own.
+LOCAL = ("l1tex__t_bytes_pipe_lsu_mem_local_op_ld.sum", "l1tex__t_bytes_pipe_lsu_mem_local_op_st.sum")
 # What --summarize reads from each kernel's report (the sections' names for them).
 FIGURES = (
     "Duration", "DRAM Throughput", "Memory Throughput", "Compute (SM) Throughput", "Tensor (All)", "ALU",
     "Waves Per SM", "Grid Size", "Block Size", "Registers Per Thread", "Dynamic Shared Memory Per Block",
     "Theoretical Occupancy", "Achieved Occupancy", "Issue Slots Busy", "Eligible Warps Per Scheduler",
-    "L2 Hit Rate",
+    "L2 Hit Rate", *LOCAL,
 )  # fmt: skip
 
 
@@ -127,7 +130,7 @@ def run_ncu(out: Path, cases) -> int:
     failed = 0
     for name in cases:
         cmd = ["ncu", "--clock-control", "none", "--nvtx", "--nvtx-include", "prof/"]
-        cmd += ["--print-details", "all"]
+        cmd += ["--print-details", "all", "--metrics", ",".join(LOCAL)]
         for s in SECTIONS:
             cmd += ["--section", s]
         cmd += [sys.executable, __file__, name]

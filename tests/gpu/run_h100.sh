@@ -7,6 +7,7 @@
 #   bash tests/gpu/run_h100.sh ab      # run 3: our ops on vs off (+ int4 by Marlin vs quant_matmul), CPUs clean
 #   bash tests/gpu/run_h100.sh ckpt    # run 1: baseline/int8/int4/fp8 by vLLM behind our gateway + validate
 #   bash tests/gpu/run_h100.sh synth   # run 2: 8B-class synthetic Llama: bf16 / W4A16 vLLM / W4A16 ours
+#   bash tests/gpu/run_h100.sh synth-compiled  # the same in vLLM's default (compiled) configuration
 #   bash tests/gpu/run_h100.sh ttft    # issue 16.3: synth's three configurations in-process, TTFT profiled
 #   bash tests/gpu/run_h100.sh ttft-compiled  # the same in vLLM's compiled configuration (piecewise CUDA graphs)
 #   bash tests/gpu/run_h100.sh disconnect  # issue 15.3: streams closed after ~1 s of reading stop vLLM within 1 s
@@ -29,7 +30,7 @@
 # cache from memory another one is still allocating), each pinned to its own CPUs; measurements run one
 # server at a time while the others sit idle. One failing configuration leaves the others measured.
 set -uo pipefail
-STAGE=${1:?usage: run_h100.sh prep|ab|ckpt|synth|ttft|ttft-compiled|disconnect|serve-pruned|int4-serve|int8|recipes|tp|tp8b|scale}
+STAGE=${1:?usage: run_h100.sh prep|ab|ckpt|synth|synth-compiled|ttft|ttft-compiled|disconnect|serve-pruned|int4-serve|int8|recipes|tp|tp8b|scale}
 OUT=${OUT:-/tmp/vllm-out}
 LOGS=/tmp/vllm-logs/$STAGE
 mkdir -p "$OUT" "$LOGS"
@@ -70,7 +71,10 @@ declare -A PID PORT T0
 start_server() {  # label cpus port model [vLLM args...]; served as $NAME or <label>; GPUS=0,1 picks GPUs
   local label=$1 cpus=$2 port=$3 model=$4; shift 4
   [ -f "$model/config.json" ] || { note "$label: no checkpoint at $model, skipped"; return 1; }
-  CUDA_VISIBLE_DEVICES=${GPUS:-0} setsid taskset -c "$cpus" $SQ worker --engine vllm --model "$model" --served-model-name "${NAME:-$label}" \
+  # CACHES=dir: each server compiles into a cache of its own (servers compiling side by side)
+  local cache=${VLLM_CACHE_ROOT:-$HOME/.cache/vllm}
+  [ -n "${CACHES:-}" ] && cache=$CACHES/$label
+  CUDA_VISIBLE_DEVICES=${GPUS:-0} VLLM_CACHE_ROOT=$cache setsid taskset -c "$cpus" $SQ worker --engine vllm --model "$model" --served-model-name "${NAME:-$label}" \
     --port "$port" -- "$@" > "$LOGS/worker-$label.log" 2>&1 &
   PID[$label]=$!; PORT[$label]=$port; T0[$label]=$SECONDS; STARTED+=("$!")
 }
@@ -287,13 +291,22 @@ for r in rows:
     print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items() if k not in ("device", "versions")})
 EOF
   ;;
-synth)
+synth|synth-compiled)
   python3 tests/gpu/synthetic_llama.py --tokenizer $MODELS/hf --out $MODELS/llama8b-bf16
   python3 tests/gpu/synthetic_llama.py --tokenizer $MODELS/hf --out $MODELS/llama8b-w4a16 --w4a16
-  # No torch.compile (three 8B compiles would not fit one call); decode steps replay full CUDA graphs, so TPOT
-  # is not host-bound. 4 GiB of KV each covers 64 sequences x 320 tokens (128 KiB a token).
+  # synth: no torch.compile (it was thought that three 8B compiles would not fit one call); decode steps replay
+  # full CUDA graphs, so TPOT is not host-bound, but prompts run eagerly (host-bound: NOTES.md, "ninth
+  # session"). synth-compiled: vLLM's default, what a production server runs: torch.compile, and CUDA graphs up
+  # to 2 x --max-num-seqs tokens (128 here: a 256-token prompt runs its compiled pieces without a graph);
+  # servers healthy after ~2.5 min compiling side by side with cold caches, each server into its own.
+  # 4 GiB of KV each covers 64 sequences x 320 tokens (128 KiB a token).
   COMMON=(--dtype bfloat16 --load-format dummy --max-model-len 1024 --max-num-seqs 64 --gpu-memory-utilization 0.3
-          --kv-cache-memory-bytes 4294967296 --compilation-config '{"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}')
+          --kv-cache-memory-bytes 4294967296)
+  if [ "$STAGE" = synth ]; then
+    COMMON+=(--compilation-config '{"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}')
+  else
+    export CACHES=/tmp/vllm-caches
+  fi
   start_server bf16 0-3 8201 $MODELS/llama8b-bf16 "${COMMON[@]}"
   start_server w4a16-vllm 4-7 8202 $MODELS/llama8b-w4a16 "${COMMON[@]}"
   start_server w4a16-squeezeserve 8-11 8203 $MODELS/llama8b-w4a16 "${COMMON[@]}" --quantization squeezeserve

@@ -50,9 +50,10 @@ def main() -> None:
         n, k = map(int, shape.split("x"))
         for m, spec in itertools.product(args.m, args.tiles or [None]):
             if m <= qm.SKINNY_MAX_M:
-                cfg, auto = qm.gluon_decode_tiles(m, args.sms), qm.gluon_decode_in_auto(m, n, k)
+                cfg, auto = qm.gluon_decode_tiles(m, args.sms), qm.gluon_decode_in_auto(m, n, k, args.group)
             else:
-                cfg, auto = qm.gluon_tiles(m, n, k, args.sms), qm.gluon_in_auto(m, n, k, args.group)
+                cfg = qm.gluon_tiles(m, n, k, args.sms)
+                auto = qm.gluon_in_auto(m, n, k, args.group, args.zeros)
             x = torch.zeros(m, k, dtype=dtype)
             qweight = torch.zeros(n, k // 8, dtype=torch.int32)
             scales = torch.zeros(n, k // args.group, dtype=dtype)
@@ -73,10 +74,10 @@ def main() -> None:
             s = cross_compile.summary(lines)
             ops, regs = s["instructions"], cross_compile.registers(compiled)
             print(f"{label}: auto {'Gluon' if auto else 'other paths'}; {cfg}, grid {grid}, maxnreg "
-                  f"{kw['maxnreg']}: {regs} registers, {s['local']} LDL/STL, {s['groups']} "
-                  f"groups, waits {s['wait_one']} for all but one + {s['wait_all']} for all; HGMMA "
-                  f"{ops.get('HGMMA', 0)} PRMT {ops.get('PRMT', 0)} LOP3 {ops.get('LOP3', 0)} IMAD "
-                  f"{ops.get('IMAD', 0)} LDS {ops.get('LDS', 0)} LDG {ops.get('LDG', 0)}")  # fmt: skip
+                  f"{kw['maxnreg']}: {regs} registers, {s['local']} LDL/STL ({s['loop_local']} in the K "
+                  f"loop), {s['groups']} groups, waits {s['wait_one']} for all but one + {s['wait_all']} for "
+                  f"all; HGMMA {ops.get('HGMMA', 0)} PRMT {ops.get('PRMT', 0)} LOP3 {ops.get('LOP3', 0)}"
+                  f" IMAD {ops.get('IMAD', 0)} LDS {ops.get('LDS', 0)} LDG {ops.get('LDG', 0)}")  # fmt: skip
             if args.dump:
                 args.dump.mkdir(parents=True, exist_ok=True)
                 (args.dump / f"{label}.sass").write_text("\n".join(lines) + "\n")

@@ -28,13 +28,16 @@ EXPECTED = {
     "quant_matmul 16x4096x14336 int4 g32 zp": ["_skinny_kernel"],
     "quant_matmul 64x14336x4096 int4 g32 fp16": ["_skinny_kernel"],
     "quant_matmul 8x4096x4096 int8 per channel": ["_skinny_kernel"],
-    "quant_matmul 256x6144x4096 int4 g128 zp": ["_prefill_kernel"],
+    "quant_matmul 256x4096x4096 int4 g128": ["_prefill_kernel"],
+    "quant_matmul 256x6144x4096 int4 g128 zp (Gluon prefill)": ["_wgmma_kernel"],
     "quant_matmul 512x4096x14336 int4 g32": ["_prefill_kernel"],
     "quant_matmul 4096x1024x1024 int4 g128 (dequantize)": ["_dequantize_kernel"],
     "quant_matmul 16x14336x14336 int4 g128 (Gluon decode)": ["_wgmma_kernel"],
     "quant_matmul 16x14336x14336 int4 g128 zp (Gluon decode)": ["_wgmma_kernel"],
     "quant_matmul 32x4096x14336 int4 g256 (Gluon decode)": ["_wgmma_kernel"],
     "quant_matmul 64x14336x14336 int4 g128 fp16 (Gluon decode)": ["_wgmma_kernel"],
+    "quant_matmul 32x14336x14336 int4 g32 zp (Gluon decode, 8 groups a tile)": ["_wgmma_kernel"],
+    "quant_matmul 64x14336x14336 int4 g32 (Gluon decode, 8 groups a tile)": ["_wgmma_kernel"],
     "quant_matmul 128x14336x14336 int4 g128 (Gluon prefill)": ["_wgmma_kernel"],
     "quant_matmul 512x14336x4096 int4 g128 zp (Gluon prefill)": ["_wgmma_kernel"],
     "quant_matmul 512x14336x4096 int4 g32 zp (Gluon prefill)": ["_wgmma_kernel"],
@@ -59,6 +62,13 @@ EXPECTED = {
     "cross_entropy 1024x128256": ["_cross_entropy_fwd"],
     "fused_linear_ce 256x512x32000": ["_cross_entropy_fwd"],  # (its GEMMs are cuBLAS's)
     "fused_linear_kd 256x512x32000": ["_kd_fwd"],
+}
+# Spills (LDL/STL in all, in the K loop) of the tilings as they were timed on the H100 with Triton 3.6, and
+# timed faster than tilings that do not spill (eight groups a tile: the group parameters of three tiles
+# ahead; 64-row tiles of one warpgroup 97.5 us at 14336^2 against 85.1; NOTES.md, "thirteenth session").
+SPILLS = {
+    "quant_matmul 32x14336x14336 int4 g32 zp (Gluon decode, 8 groups a tile)": (13, 6),
+    "quant_matmul 64x14336x14336 int4 g32 (Gluon decode, 8 groups a tile)": (47, 30),
 }
 
 
@@ -97,8 +107,10 @@ def test_gpu_path_compiles_for_sm90(compiled, case):
         if triton.__version__.startswith("3.6."):  # the device's (vLLM 0.26), where the tilings were measured
             # no spills in a wgmma loop; none at all but in the Gluon kernel's stream-K epilogue at 256-row
             # tiles (once a tile: tests/benchmarks/NOTES.md, "twelfth session"; Triton 3.9 spills in loops)
-            assert s["loop_local"] == 0, (case, s)
-            assert s["local"] == 0 or "256-row tiles" in case, (case, s)
+            # and no more than SPILLS says where they were timed with them
+            local, loop_local = SPILLS.get(case, (0, 0))
+            assert s["loop_local"] <= loop_local, (case, s)
+            assert s["local"] <= local or "256-row tiles" in case, (case, s)
 
 
 def _check_pipelined(s: dict) -> None:

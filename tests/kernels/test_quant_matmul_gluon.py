@@ -76,6 +76,11 @@ def test_gluon_in_auto_measured_choices():
     assert rule(128, 4096, 14336, 128) and not rule(128, 4096, 4096, 128)  # short rows: only a deep K pays
     assert not rule(512, 4096, 4096, 32)  # narrow with small groups: the paths before
     assert not rule(512, 2048, 2048, 128)  # the bundled model's widths: dequantize + cuBLAS
+    # (NOTES.md, "thirteenth session") qkv-wide outputs up to 256 rows in any group; 4096 wide from 129 rows
+    # with zero points in groups of 64 or more
+    assert rule(256, 6144, 4096, 128) and rule(128, 6144, 4096, 32, True) and not rule(512, 6144, 4096, 32)
+    assert rule(256, 4096, 4096, 128, True) and rule(256, 4096, 14336, 128, True)
+    assert not rule(128, 4096, 4096, 128, True) and not rule(256, 4096, 4096, 32, True)
 
 
 def _through_quant_matmul(takes, m, n, k, group, zeros, dtype):
@@ -127,6 +132,9 @@ def test_split_tiles_need_a_way_to_meet():
         qg.launch(x, qw, sc, None, 128, y, y, y, block_m=16, split=2)
 
 
+_DEEP = {"block_n": 64, "block_k": 256, "num_warps": 4}  # decode's tiles: one warpgroup, 256-deep K tiles
+
+
 @needs_hopper
 @pytest.mark.parametrize(
     ("m", "n", "k", "group", "zeros", "tiling"),
@@ -138,6 +146,10 @@ def test_split_tiles_need_a_way_to_meet():
         (33, 4096, 4096, 64, True, {"block_m": 64, "block_n": 64, "num_warps": 4, "programs": 99}),
         (1, 2048, 2048, 128, False, {"block_m": 8, "block_k": 256, "programs": 8}),  # whole tiles each
         (300, 2048, 4160, 128, True, {"block_m": 256, "split": 3}),
+        # eight groups a 256-deep K tile (g32), four (g64): each row's group parameters in one vector
+        (16, 14336, 4096, 32, True, {"block_m": 16, "programs": 132} | _DEEP),
+        (5, 4160, 3840, 64, True, {"block_m": 8, "programs": 100} | _DEEP),  # N tail; odd K tiles: pad masked
+        (40, 4096, 2048, 32, False, {"block_m": 64, "block_k": 256, "stages": 3, "programs": 132}),  # 8 warps
     ],
 )
 def test_gluon_stream_k_is_dequantize_then_matmul(m, n, k, group, zeros, tiling):
@@ -168,6 +180,23 @@ def test_gluon_decode_measured_choices():
     assert "occupancy" not in wide
 
 
+def test_groups_a_deep_tile_takes():
+    # 256-deep decode tiles: one group (g256 and up), two (g128), or four or eight of whole words (g64, g32)
+    # where K is whole tiles; auto decodes groups under GLUON_DECODE_MIN_GROUP on the other kernels.
+    x = torch.zeros(16, 4096, dtype=torch.bfloat16)
+    for group, taken in ((512, True), (256, True), (128, True), (64, True), (32, True), (16, False)):
+        qw, sc, _ = _packed(512, 4096, group, False)
+        assert qg.supported(x, qw, sc, group, 4, 256) is taken, group
+    qw, sc, _ = _packed(512, 4160, 32, False)  # 16.25 tiles of 256: one ends past K
+    assert not qg.supported(torch.zeros(16, 4160, dtype=torch.bfloat16), qw, sc, 32, 4, 256)
+    assert qg.supported(torch.zeros(16, 4160, dtype=torch.bfloat16), qw, sc, 32, 4, 64)  # two a 64-deep tile
+    # auto: g32 from 17 rows of the large weights (NOTES.md, "thirteenth session"), g64 not timed
+    auto = qm.gluon_decode_in_auto
+    assert not auto(16, 14336, 14336, 32) and auto(16, 14336, 14336, 128)
+    assert auto(17, 14336, 14336, 32) and auto(64, 14336, 14336, 32)
+    assert not auto(32, 14336, 4096, 32) and not auto(32, 14336, 14336, 64)
+
+
 def test_cpu_decode_never_takes_it(monkeypatch):
     monkeypatch.setattr(qm, "DECODE", "gluon")
     qw, sc, _ = _packed(256, 4096, 128, False)
@@ -184,6 +213,9 @@ def test_cpu_decode_never_takes_it(monkeypatch):
         (16, 4096, 4096, 256, False, torch.bfloat16),
         (33, 4096, 4096, 128, True, torch.float16),
         (64, 6144, 4096, 128, False, torch.bfloat16),
+        (2, 4096, 3840, 32, True, torch.bfloat16),  # eight groups a K tile, odd K tile count
+        (16, 4160, 4096, 32, True, torch.float16),
+        (33, 4096, 14336, 64, False, torch.bfloat16),  # four
     ],
 )
 def test_gluon_decode_is_dequantize_then_matmul(m, n, k, group, zeros, dtype, monkeypatch):
