@@ -296,15 +296,18 @@ synth|synth-compiled)
   python3 tests/gpu/synthetic_llama.py --tokenizer $MODELS/hf --out $MODELS/llama8b-w4a16 --w4a16
   # synth: no torch.compile (it was thought that three 8B compiles would not fit one call); decode steps replay
   # full CUDA graphs, so TPOT is not host-bound, but prompts run eagerly (host-bound: NOTES.md, "ninth
-  # session"). synth-compiled: vLLM's default, what a production server runs: torch.compile, and CUDA graphs up
-  # to 2 x --max-num-seqs tokens (128 here: a 256-token prompt runs its compiled pieces without a graph);
-  # servers healthy after ~2.5 min compiling side by side with cold caches, each server into its own.
+  # session"). synth-compiled: what a production server on an H100 runs by vLLM's defaults: torch.compile, and
+  # CUDA graphs up to 512 tokens (vLLM's min(2 x max_num_seqs, 512), its default max_num_seqs on an H100 being
+  # 1024; --max-num-seqs 64 here, for the KV budget, would have cut it to 128 and left a 256-token prompt's
+  # pieces without a graph: run 31). Servers healthy after ~2.5 min compiling side by side with cold caches,
+  # each server into its own.
   # 4 GiB of KV each covers 64 sequences x 320 tokens (128 KiB a token).
   COMMON=(--dtype bfloat16 --load-format dummy --max-model-len 1024 --max-num-seqs 64 --gpu-memory-utilization 0.3
           --kv-cache-memory-bytes 4294967296)
   if [ "$STAGE" = synth ]; then
     COMMON+=(--compilation-config '{"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}')
   else
+    COMMON+=(--compilation-config '{"max_cudagraph_capture_size": 512}')
     export CACHES=/tmp/vllm-caches
   fi
   start_server bf16 0-3 8201 $MODELS/llama8b-bf16 "${COMMON[@]}"
