@@ -59,12 +59,12 @@ PREFILL = "auto"
 # dequantize + cuBLAS's 0.89x), and narrower ones (down to TRITON_PREFILL_MIN_N_ANY) in groups of 64 or more
 # from 257 rows (512 rows of 4096^2 0.81x against 0.69x) or, K at least TRITON_PREFILL_MIN_K deep, up to 128
 # (4096 x 14336: 1.30x against 1.19x). Up to TRITON_PREFILL_MAX_M rows also outputs wider than
-# TRITON_PREFILL_MIN_N_ANY in any group (the 8B model's qkv, 256 x 6144 x 4096: 32.8 us against 41.5, 34.6
-# against 60.4 with zero points, g32 40.3 against 49.5; 128 rows 29.0 against 30.1), and, with zero points in
-# groups of 64 or more, outputs of TRITON_PREFILL_MIN_N_ANY from 129 rows (256 x 4096^2 32.6 against 40.4,
-# 256 x 4096 x 14336 74.9 against 88.0): the Triton GEMM is slow with zero points (NOTES.md, "thirteenth
-# session"; results/gluon_prefill_probe_h100_2026-11-25_256rows.log). "gluon" forces it wherever it takes
-# the inputs.
+# TRITON_PREFILL_MIN_N_ANY in any group (timed at 6144, the 8B model's qkv: 256 rows 32.8 us against 41.5,
+# 34.6 against 60.4 with zero points, g32 40.3 against 49.5; 128 rows 29.0 against 30.1), and, with zero
+# points in groups of 64 or more, outputs of TRITON_PREFILL_MIN_N_ANY from 129 rows (256 x 4096^2 32.6
+# against 40.4, 256 x 4096 x 14336 74.9 against 88.0): the Triton GEMM is slow with zero points (NOTES.md,
+# "thirteenth session"; results/gluon_prefill_probe_h100_2026-11-25_256rows.log). "gluon" forces it
+# wherever it takes the inputs.
 GLUON_PREFILL_MAX_M, GLUON_PREFILL_MAX_M_SMALL_GROUP = 2048, 1024
 # Decode (up to SKINNY_MAX_M rows) on Hopper: "auto" runs the Gluon kernel as a stream-K GEMM (every SM
 # streams an equal share of the weight through TMA; quant_matmul_gluon.py) for int4 in groups of 128 or of a
@@ -76,9 +76,9 @@ GLUON_PREFILL_MAX_M, GLUON_PREFILL_MAX_M_SMALL_GROUP = 2048, 1024
 # results/gluon_decode_probe_h100_2026-11-25_ws_auto.log). Groups of GLUON_DECODE_SMALL_GROUP (compress's
 # default; eight a 256-deep tile) only from GLUON_DECODE_WIDE_MIN_M rows of the large weights: 14336^2 at
 # 32 rows 65.6 us against the tensor-core kernel's 79.0 (77.4 against 82.7 with zero points), at 64 rows 85.1
-# against 112.9 (103.5 against 114.4); at 2-16 rows and on smaller weights with zero points no faster or
-# slower (NOTES.md, "thirteenth session"; results/gluon_decode_probe_h100_2026-11-25_g32_deep.log). Other
-# groups under GLUON_DECODE_MIN_GROUP (g64) were not timed there: the other kernels. "gluon" forces it
+# against 112.9 (103.5 against 114.4); at 2-16 rows, and on smaller weights with zero points, it was no
+# faster or slower (NOTES.md, "thirteenth session"; results/gluon_decode_probe_h100_2026-11-25_g32_deep.log).
+# Other groups under GLUON_DECODE_MIN_GROUP (g64) were not timed there: the other kernels. "gluon" forces it
 # wherever it takes the inputs, "triton" never.
 DECODE = "auto"
 GLUON_DECODE_BLOCK_K, GLUON_DECODE_MIN_GROUP, GLUON_DECODE_SMALL_GROUP = 256, 128, 32
