@@ -58,6 +58,14 @@ def test_every_package_folder_is_listed_in_pyproject() -> None:
     )
 
 
+def test_the_kernels_sources_compiled_at_run_time_ship_in_the_package() -> None:
+    # kernels/ops/native.py compiles kernels/csrc/*.cpp where it runs: a wheel without them cannot.
+    config = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    globs = config["package-data"]["squeezeserve.kernels"]
+    sources = [p.relative_to(REPO_ROOT / "kernels") for p in (REPO_ROOT / "kernels" / "csrc").iterdir()]
+    assert sources and all(any(p.match(g) for g in globs) for p in sources), (sources, globs)
+
+
 def test_cli_help_lists_every_command() -> None:
     out = subprocess.run(
         [sys.executable, "-m", "squeezeserve.service.cli", "--help"],

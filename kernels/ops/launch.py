@@ -24,9 +24,9 @@ try:  # host-side TMA descriptors (Gluon's and Triton's), where this Triton has 
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as _GluonDescriptor
     from triton.tools.tensor_descriptor import TensorDescriptor as _TritonDescriptor
 
-    _DESCRIPTORS: tuple = (_GluonDescriptor, _TritonDescriptor)
+    DESCRIPTORS: tuple = (_GluonDescriptor, _TritonDescriptor)
 except ImportError:  # pragma: no cover - Triton without Gluon
-    _DESCRIPTORS = ()
+    DESCRIPTORS = ()
 
 # The widest row a single-block kernel holds in registers; wider rows need a looping kernel.
 MAX_FUSED_COLS = 65536
@@ -72,7 +72,7 @@ def specialization_key(args: tuple, constexprs: dict, constexpr_positions: froze
             key.append(("constexpr", a))
         elif isinstance(a, torch.Tensor):
             key.append((a.dtype, a.data_ptr() % 16 == 0))
-        elif isinstance(a, _DESCRIPTORS):
+        elif isinstance(a, DESCRIPTORS):
             ints = tuple((v == 1, v % 16 == 0, v < 2**31) for v in (*a.shape, *a.strides))
             key.append((a.base.dtype, a.base.data_ptr() % 16 == 0, *a.block_shape, a.layout, a.padding, ints))
         elif isinstance(a, bool) or a is None or isinstance(a, float):
@@ -137,7 +137,8 @@ class FastLaunch:
             i for i, p in enumerate(params.values()) if "constexpr" in str(p.annotation)
         )
         self.defaults = {n: p.default for n, p in params.items() if p.default is not p.empty}
-        # (device, key) -> (launcher, function, packed metadata, the parameters after the positional ones)
+        # (device, key) -> (launcher, function, packed metadata, the parameters after the positional ones,
+        # the compiled kernel)
         self.compiled: dict[tuple, tuple] = {}
 
     def __getitem__(self, grid):
@@ -173,43 +174,28 @@ class FastLaunch:
                     compiled.function,
                     compiled.packed_metadata,
                     tail,
+                    compiled,
                 )
             if launches is not None:
                 launches.append(None if entry is None else (CompiledLaunch(entry, device, grid), args))
             return compiled
         if launches is not None:
             launches.append((CompiledLaunch(entry, device, grid), args))
-        run, function, metadata, tail = entry
+        run, function, metadata, tail, _ = entry
         n = len(grid)
         run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, _current_stream(device), function,
             metadata, None, None, None, *args, *tail)  # fmt: skip
         return None
 
 
-def unplanned(call):
-    """``call()``: a launch that ``replay.LaunchPlans`` cannot repeat (a Gluon kernel's: its TMA descriptors
-    hold the tensors they were made for, which a plan could not swap for a later call's), noted as such
-    while a plan records a body; the launch itself is not recorded."""
-    launches = recording.launches
-    if launches is None:
-        return call()
-    launches.append(None)
-    recording.launches = None
-    try:
-        with _disable_current_modes():  # Triton's torch calls are not the recorded body's
-            return call()
-    finally:
-        recording.launches = launches
-
-
 class CompiledLaunch:
     """A compiled kernel's launch on one grid as :class:`FastLaunch` makes it, for ``replay.LaunchPlans`` to
     repeat with other arguments: ``launch(args)``."""
 
-    __slots__ = ("run", "function", "metadata", "tail", "device", "x", "y", "z")
+    __slots__ = ("run", "function", "metadata", "tail", "compiled", "device", "x", "y", "z")
 
     def __init__(self, entry: tuple, device: int, grid: tuple):
-        self.run, self.function, self.metadata, self.tail = entry
+        self.run, self.function, self.metadata, self.tail, self.compiled = entry
         self.device = device
         self.x, self.y, self.z = (*grid, 1, 1)[:3]
 

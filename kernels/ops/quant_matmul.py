@@ -457,9 +457,7 @@ def _gluon(x2, qweight, scales, zeros, group_size, cfg: dict) -> torch.Tensor | 
     ws, counts = _workspace(x2.device, m * n_out, tiles)
     zeros = zeros.contiguous() if zeros is not None else None  # (qweight and scales are, from the caller)
     try:
-        launch.unplanned(lambda: quant_matmul_gluon.launch(
-            x2, qweight, scales, zeros, group_size, y, ws, counts, mode=2, **cfg
-        ))  # fmt: skip
+        quant_matmul_gluon.launch(x2, qweight, scales, zeros, group_size, y, ws, counts, mode=2, **cfg)
     except _BUILD_ERRORS as e:  # nothing ran
         cause = e
         while cause.__cause__ is not None:  # (a front-end error wraps what the kernel's source hit)

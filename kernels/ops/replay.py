@@ -10,14 +10,23 @@ tensors in place of the recorded ones.
 
 A body is replayable when, recorded: every launch went through ``launch.FastLaunch``'s cached path (or the
 interpreter), every tensor a kernel received lies inside an input or an output (an offset into one is kept:
-``x[..., d:]``), the outputs are fresh contiguous tensors, and no torch op other than allocations and views
-ran (a copy, a fill or a scratch buffer would not be repeated by a replay). Anything else runs the body on
-every call, as do calls that need gradients, calls whose inputs share memory (they record nothing), CPU
-tensors on the reference path, and calls while a Triton launch hook (a profiler) is installed. An op may
-name long-lived buffers its kernels use besides inputs and outputs (``persistent``: quant_matmul's split-K
-workspace, which every kernel leaves zeroed): a plan holds such a buffer as a constant.
+``x[..., d:]``; with ``SQUEEZESERVE_NATIVE_REPLAY=1``, a TMA descriptor's tensor too, and a replay makes
+the descriptor again over the call's), the outputs are fresh contiguous tensors, and no torch op other than
+allocations and views ran (a copy, a fill or a scratch buffer would not be repeated by a replay). Anything
+else runs the body on every call, as do calls that need gradients, calls whose inputs share memory (they
+record nothing), CPU tensors on the reference path, and calls while a Triton launch hook (a profiler) is
+installed. An op may name long-lived buffers its kernels use besides inputs and outputs (``persistent``:
+quant_matmul's split-K workspace, which every kernel leaves zeroed): a plan holds such a buffer as a constant.
 ``SQUEEZESERVE_LAUNCH_PLANS=0`` turns plans off, as does ``SQUEEZESERVE_FAST_LAUNCH=0`` (every launch
 through Triton's own dispatch).
+
+With ``SQUEEZESERVE_NATIVE_REPLAY=1`` and the C++ extension built (``kernels/ops/native.py``), a plan whose
+launches are all compiled kernels that ``cuLaunchKernel`` launches as Triton would is also handed to it, and
+later calls of its signature are replayed there: signature, allocation and launches in one C call, without
+the Python replay's signature tuple, ``torch.empty_like`` and Triton launcher (~10 of a call's ~15 us on
+the H100's host: tests/benchmarks/NOTES.md). Calls it has no plan for come back to Python. The same switch
+makes the Gluon kernel's launches (TMA descriptors) replayable, in C++ or in Python: both wait for their
+first measurement on a GPU (kernels/ops/native.py).
 """
 
 from __future__ import annotations
@@ -27,7 +36,7 @@ import os
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from squeezeserve.kernels.ops import launch
+from squeezeserve.kernels.ops import launch, native
 from squeezeserve.kernels.registry import direct_launches, use_reference
 
 LAUNCH_PLANS = os.environ.get("SQUEEZESERVE_LAUNCH_PLANS", "1") != "0"
@@ -94,12 +103,33 @@ class _Plan:
         return outs[0] if self.single else tuple(outs)
 
 
+class _DescriptorAt(tuple):
+    """Where a TMA descriptor argument (the Gluon kernel's) lies in a plan's pool: ``(byte offset, the
+    recorded descriptor)``. A replay makes the descriptor again over the call's tensor: the same shape,
+    strides, block and layout (the signature fixes them), another base."""
+
+    __slots__ = ()
+
+
+def _descriptor(t: torch.Tensor, offset: int, recorded):
+    base = recorded.base
+    if offset or t.shape != base.shape or t.stride() != base.stride():
+        base = t.as_strided(base.shape, base.stride(), t.storage_offset() + offset // t.element_size())
+    made = object.__new__(type(recorded))  # (its checks ran when it was recorded: same signature)
+    made.__dict__.update(recorded.__dict__)
+    made.base = base
+    return made
+
+
 def _argument(t: torch.Tensor, where: tuple | None):
     """The kernel argument in ``t``: ``t`` itself (``where`` None, it starts there), or ``offset`` bytes into
     it for ``where = (offset, view)``: an address for a compiled launcher (``view`` None), a view (its sizes
-    and strides, ``t``'s dtype) for the interpreter, which takes only tensors."""
+    and strides, ``t``'s dtype) for the interpreter, which takes only tensors; or a TMA descriptor over it
+    (``where`` a :class:`_DescriptorAt`)."""
     if where is None:
         return t
+    if type(where) is _DescriptorAt:
+        return _descriptor(t, *where)
     offset, view = where
     if view is None:
         return t.data_ptr() + offset
@@ -165,6 +195,15 @@ def _build(inputs: tuple, result, launches: list, other_ops: list, persistent=()
     for run, args in launches:
         spec = []
         for a in args:
+            if isinstance(a, launch.DESCRIPTORS):
+                if not (native.NATIVE_REPLAY and isinstance(run, launch.CompiledLaunch)):
+                    return None  # (descriptor plans come with the C++ replay: module docstring)
+                address = a.base.data_ptr()
+                home = next((i for i in order if extents[i] and _inside(address, extents[i])), None)
+                if home is None or pool[home].dtype != a.base.dtype:
+                    return None  # (a descriptor over a buffer the body made, or a reinterpreted one)
+                spec.append((home, _DescriptorAt((address - extents[home][0], a))))
+                continue
             if not isinstance(a, torch.Tensor):
                 spec.append((None, a))
                 continue
@@ -186,6 +225,32 @@ def _build(inputs: tuple, result, launches: list, other_ops: list, persistent=()
     return _Plan([_allocator(o, inputs) for o in outs], plan_launches, single)
 
 
+def _native_spec(plan: _Plan, inputs: tuple, outs: list, device: int) -> tuple | None:
+    """``Replayer.add``'s arguments for ``plan`` (recorded from ``inputs`` making ``outs`` on CUDA
+    ``device``), or None where some launch is not one the extension makes (native.launch_spec)."""
+    sig = [native.input_spec(a) for a in inputs]
+    if any(s is None for s in sig):
+        return None
+    launches = []
+    for run, spec in plan.launches:
+        if not isinstance(run, launch.CompiledLaunch):
+            return None
+        args = [
+            value
+            if index is None
+            else native.TensorMapAt((index, *value))
+            if type(value) is _DescriptorAt
+            else native.PoolAddress((index, value[0] if value else 0))
+            for index, value in spec
+        ]
+        described = native.launch_spec(run.compiled, run.function, (run.x, run.y, run.z), [*args, *run.tail])
+        if described is None:
+            return None
+        launches.append(described)
+    outputs = [(tuple(o.shape), o.dtype, o.get_device()) for o in outs]
+    return sig, device, outputs, launches, plan.single
+
+
 class LaunchPlans:
     """Per op, the launch plans of its eager calls without gradients (module docstring); ``plans(body,
     inputs)`` returns ``body(*inputs)``."""
@@ -194,8 +259,14 @@ class LaunchPlans:
         self.plans: dict[tuple, _Plan | int] = {}  # signature -> plan, or failed recordings so far
         self.persistent = persistent  # () -> the long-lived tensors a plan may hold (module docstring)
         self.max_plans = max_plans  # None: MAX_PLANS
+        self.native = None  # the extension's Replayer, made with the first plan it takes
 
     def __call__(self, body, inputs: tuple):
+        native_plans = self.native
+        if native_plans is not None and not launch.launch_hooks():
+            result = native_plans(*inputs)
+            if result is not None:
+                return result
         first = inputs[0]  # every op with plans takes a tensor first
         if not (LAUNCH_PLANS and launch.FAST_LAUNCH) or use_reference(first) or launch.launch_hooks():
             with direct_launches:
@@ -211,6 +282,12 @@ class LaunchPlans:
                 return body(*inputs)
         return self._record(key, plan, body, inputs)
 
+    def clear(self) -> None:
+        """Forget every plan (Python's and the extension's)."""
+        self.plans.clear()
+        if self.native is not None:
+            self.native.clear()
+
     def _record(self, key: tuple, failures: int, body, inputs: tuple):
         launches: list = []
         views = _OnlyViews()
@@ -225,7 +302,22 @@ class LaunchPlans:
             # call's other input to the kernel. Nothing is recorded; the next call of the signature records.
             return result
         if len(self.plans) >= (self.max_plans or MAX_PLANS):
-            self.plans.clear()
+            self.clear()
         persistent = self.persistent() if self.persistent is not None else ()
-        self.plans[key] = _build(inputs, result, launches, views.other, persistent) or failures + 1
+        plan = _build(inputs, result, launches, views.other, persistent)
+        self.plans[key] = plan or failures + 1
+        if plan is not None and inputs[0].is_cuda:
+            self._add_native(plan, inputs, result, key[1])
         return result
+
+    def _add_native(self, plan: _Plan, inputs: tuple, result, device: int) -> None:
+        """Hand ``plan`` to the C++ replayer where the extension is built and takes it."""
+        module = native.load()
+        if module is None:
+            return
+        spec = _native_spec(plan, inputs, [result] if plan.single else list(result), device)
+        if spec is None:
+            return
+        if self.native is None:
+            self.native = module.Replayer(self.max_plans or MAX_PLANS)
+        self.native.add(*spec)

@@ -31,7 +31,7 @@ from torch._library.triton import set_wrap_triton_enabled
 import squeezeserve.kernels as K
 from squeezeserve.kernels import quant_layout
 from squeezeserve.kernels.ops import fused_linear_ce as flce
-from squeezeserve.kernels.ops import launch, quant_matmul, replay
+from squeezeserve.kernels.ops import launch, native, quant_matmul, replay
 from squeezeserve.kernels.ops import rmsnorm as rn
 from squeezeserve.kernels.ops import softmax as sm
 from squeezeserve.kernels.ops import swiglu as sw
@@ -88,6 +88,7 @@ def softmax_rows(x: torch.Tensor) -> dict:
     return {
         "torch.softmax": lambda: torch.softmax(x, -1),
         "K.softmax (functional, launch plan)": lambda: K.softmax(x),
+        "K.softmax (plan replayed in Python)": python_plans(sm.softmax_eager, lambda: K.softmax(x)),
         "K.softmax (plans off, fast launch)": without_plans(lambda: K.softmax(x)),
         "launch plan alone (LaunchPlans call)": lambda: sm.softmax_eager.plans(sm._softmax, (x,)),
         "op body (fast launch)": body,
@@ -98,6 +99,19 @@ def softmax_rows(x: torch.Tensor) -> dict:
             rows, 1, 1, stream, compiled.function, compiled.packed_metadata, None, None, None, *bound
         ),
     }
+
+
+def python_plans(op, fn):
+    """``fn`` with ``op``'s plans replayed in Python, not by the C++ extension (kernels/ops/native.py)."""
+
+    def call():
+        saved, op.plans.native = op.plans.native, None
+        try:
+            return fn()
+        finally:
+            op.plans.native = saved
+
+    return call
 
 
 def without_plans(fn):
@@ -117,9 +131,13 @@ def rmsnorm_rows(x: torch.Tensor) -> dict:
     rows = {
         "F.rms_norm": lambda: torch.nn.functional.rms_norm(x, (x.shape[-1],), w, 1e-6),
         "K.rmsnorm (launch plan)": lambda: K.rmsnorm(x, w, 1e-6),
+        "K.rmsnorm (plan replayed in Python)": python_plans(rn.rmsnorm_eager, lambda: K.rmsnorm(x, w, 1e-6)),
         "K.rmsnorm (plans off)": without_plans(lambda: K.rmsnorm(x, w, 1e-6)),
         "torch x + r, F.rms_norm": lambda: torch.nn.functional.rms_norm(x + r, (x.shape[-1],), w, 1e-6),
         "K.add_rmsnorm (launch plan)": lambda: K.add_rmsnorm(x, r, w, 1e-6),
+        "K.add_rmsnorm (plan replayed in Python)": python_plans(
+            rn.add_rmsnorm_eager, lambda: K.add_rmsnorm(x, r, w, 1e-6)
+        ),
         "K.add_rmsnorm (plans off)": without_plans(lambda: K.add_rmsnorm(x, r, w, 1e-6)),
         "op body rmsnorm (fast launch)": lambda: body_of(rn._rmsnorm, x, w, 1e-6),
     }
@@ -146,8 +164,12 @@ def swiglu_rows(a: torch.Tensor, b: torch.Tensor) -> dict:
     op = vllm_silu_and_mul()
     ab = torch.cat([a, b], -1)
     rows = {"torch silu(a)*b": lambda: torch.nn.functional.silu(a) * b, "K.swiglu": lambda: K.swiglu(a, b)}
+    rows["K.swiglu (plan replayed in Python)"] = python_plans(sw.swiglu_eager, lambda: K.swiglu(a, b))
     rows["K.swiglu (plans off)"] = without_plans(lambda: K.swiglu(a, b))
     rows["K.silu_and_mul"] = lambda: K.silu_and_mul(ab)
+    rows["K.silu_and_mul (plan replayed in Python)"] = python_plans(
+        sw.silu_and_mul_eager, lambda: K.silu_and_mul(ab)
+    )
     rows["K.silu_and_mul (plans off)"] = without_plans(lambda: K.silu_and_mul(ab))
     if op is not None:
 
@@ -239,6 +261,10 @@ def quant_host() -> None:
                 "quant_matmul_eager": lambda x=x, q=qw, s=sc: quant_matmul.quant_matmul_eager(
                     x, q, s, None, 128, 4
                 ),
+                "quant_matmul_eager, plan replayed in Python": python_plans(
+                    quant_matmul.quant_matmul_eager,
+                    lambda x=x, q=qw, s=sc: quant_matmul.quant_matmul_eager(x, q, s, None, 128, 4),
+                ),
                 "K.quant_matmul": lambda x=x, q=qw, s=sc: K.quant_matmul(x, q, s, None, 128, 4),
                 "K.quant_matmul, Triton's dispatch": lambda x=x, q=qw, s=sc: _dispatched(
                     K.quant_matmul, x, q, s, None, 128, 4
@@ -327,7 +353,12 @@ def quant_parts(m: int = 256, n: int = 4096, k: int = 4096) -> None:
 
 
 def main() -> None:
-    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
+    # Plans replayed in C++ where the extension builds ("launch plan" rows; "replayed in Python" rows without)
+    native.NATIVE_REPLAY = True
+    print(
+        f"# {torch.cuda.get_device_name()}, torch {torch.__version__}; C++ replay: {native.load()}",
+        flush=True,
+    )
     if sys.argv[1:] == ["--quant"]:
         quant_host()
         quant_parts()

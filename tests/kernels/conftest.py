@@ -7,7 +7,10 @@ kernels are imported (it decides how ``@triton.jit`` builds them), so it is set 
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 
 import torch
 
@@ -84,3 +87,23 @@ def check():
         opcheck = staticmethod(opcheck)
 
     return _Check
+
+
+@pytest.fixture(scope="session")
+def run_compiled():
+    """``run_compiled(args)``: ``python args...`` in a process without Triton's interpreter (this one runs
+    it; its kernels cannot be compiled), as ``{case: result}`` from the JSON lines it prints (each with a
+    ``case`` key)."""
+
+    def run(args: list[str]) -> dict:
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        done = subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, timeout=900)
+        results = {}
+        for line in done.stdout.splitlines():
+            if line.startswith("{"):
+                result = json.loads(line)
+                results[result["case"]] = result
+        assert results, f"no results (exit {done.returncode}): {done.stderr[-3000:]}"
+        return results
+
+    return run

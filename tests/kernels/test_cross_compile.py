@@ -73,24 +73,8 @@ SPILLS = {
 
 
 @pytest.fixture(scope="module")
-def compiled() -> dict:
-    # A process of its own: this one runs the kernels in Triton's interpreter (tests/kernels/conftest.py),
-    # whose kernels cannot be compiled.
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run(
-        [sys.executable, "-m", "squeezeserve.kernels.ops.cross_compile", "--json"],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=900,
-    )
-    results = {}
-    for line in run.stdout.splitlines():
-        if line.startswith("{"):
-            result = json.loads(line)
-            results[result["case"]] = result
-    assert results, f"no results (exit {run.returncode}): {run.stderr[-3000:]}"
-    return results
+def compiled(run_compiled) -> dict:
+    return run_compiled(["-m", "squeezeserve.kernels.ops.cross_compile", "--json"])
 
 
 @pytest.mark.parametrize("case", sorted(EXPECTED))

@@ -82,19 +82,6 @@ def test_specialization_key_of_tma_descriptors():
     assert hash(key(desc(x)))
 
 
-def test_unplanned_launches_leave_no_replayable_record():
-    # While a launch plan records, a launch it cannot repeat leaves None (the plan is not used) and the
-    # launch itself records nothing (FastLaunch under it sees no recording).
-    seen = []
-    launch.recording.launches = recorded = []
-    try:
-        launch.unplanned(lambda: seen.append(launch.recording.launches))
-    finally:
-        launch.recording.launches = None
-    assert recorded == [None] and seen == [None]
-    assert launch.unplanned(lambda: 7) == 7
-
-
 def test_interpreted_and_traced_launches_bypass_the_fast_path():
     from torch._library.triton import set_wrap_triton_enabled
 

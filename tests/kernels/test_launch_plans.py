@@ -7,7 +7,7 @@ import torch
 
 from squeezeserve.kernels import functional as K
 from squeezeserve.kernels import registry
-from squeezeserve.kernels.ops import replay
+from squeezeserve.kernels.ops import native, replay
 from squeezeserve.kernels.ops import rmsnorm as rmsnorm_op
 from squeezeserve.kernels.ops import softmax as softmax_op
 from squeezeserve.kernels.ops import swiglu as swiglu_op
@@ -71,10 +71,10 @@ def _outputs(out):
 def fresh_plans():
     """Each op's memo emptied before and after a test (plans are per process)."""
     for op, _, _ in CASES.values():
-        op.plans.plans.clear()
+        op.plans.clear()
     yield
     for op, _, _ in CASES.values():
-        op.plans.plans.clear()
+        op.plans.clear()
 
 
 @pytest.mark.parametrize("name", CASES)
@@ -96,6 +96,54 @@ def test_replay_equals_the_registered_op_on_new_inputs(name, device, fresh_plans
     assert body.runs == 1, "the body ran again where the plan should have replayed"
     for a, b in zip(_outputs(recorded), _outputs(registered(*first)), strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.fixture
+def cpp_replay(monkeypatch):
+    """The C++ replay on (kernels/ops/native.py; off by default until measured on a GPU)."""
+    monkeypatch.setattr(native, "NATIVE_REPLAY", True)
+    monkeypatch.setattr(native, "_loaded", [])
+    if native.load() is None:
+        pytest.fail("the replay extension did not build (the log says why)")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the C++ replay launches on a GPU")
+@pytest.mark.parametrize("name", CASES)
+def test_the_cpp_replay_equals_the_registered_op(name, device, fresh_plans, cpp_replay):
+    op, registered, make = CASES[name]
+    body = Counting(op.forward)
+    with torch.no_grad():
+        op.plans(body, make(device))
+        assert op.plans.native is not None and len(op.plans.native) == 1
+        for _ in range(2):
+            inputs = make(device)
+            replayed = op.plans.native(*inputs)
+            assert replayed is not None, "the C++ replayer missed the recorded signature"
+            for a, b in zip(_outputs(replayed), _outputs(registered(*inputs)), strict=True):
+                assert torch.equal(a, b)
+        assert op.plans(body, make(device)) is not None and body.runs == 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the C++ replay launches on a GPU")
+@pytest.mark.parametrize("m", [1, 5, 70], ids=["fma", "skinny-split", "prefill-split"])
+def test_the_cpp_replay_of_quant_matmul_equals_its_body(m, device, monkeypatch, cpp_replay):
+    from squeezeserve.kernels.ops import quant_matmul as qm
+
+    monkeypatch.setattr(qm, "PREFILL", "triton")
+    plans = replay.LaunchPlans(persistent=qm.workspace_buffers)
+    qweight, scales = _packed_weight(40, 256, 32, device)
+    with torch.no_grad():
+        with registry.direct_launches:  # (the workspace made first, as below)
+            qm._quant_matmul(torch.randn(m, 256, device=device).half(), qweight, scales, None, 32, 4)
+        plans(qm._quant_matmul, (torch.randn(m, 256, device=device).half(), qweight, scales, None, 32, 4))
+        assert plans.native is not None and len(plans.native) == 1
+        for _ in range(3):
+            x = torch.randn(m, 256, device=device).half()
+            got = plans.native(x, qweight, scales, None, 32, 4)
+            with registry.direct_launches:
+                expected = qm._quant_matmul(x, qweight, scales, None, 32, 4)
+            assert got is not None and torch.equal(got, expected)
+    assert all(not t.any() for t in qm.workspace_buffers()), "a replay left partial sums in the workspace"
 
 
 def test_functional_calls_without_gradients_go_through_the_plans(device, fresh_plans):
@@ -240,6 +288,30 @@ def test_quant_serving_plans_skip_the_dequantize_path(device, monkeypatch):
             assert torch.equal(plans(body, (x, qweight, scales, None, 32, 4)), expected)
     assert body.runs == replay.RECORD_ATTEMPTS + 1
     assert list(plans.plans.values()) == [replay.RECORD_ATTEMPTS]
+
+
+def test_a_tma_descriptor_is_made_again_over_the_call_s_tensor():
+    # (the Gluon kernel's launch takes descriptors; tests/kernels/test_quant_matmul_gluon.py replays it)
+    pytest.importorskip("triton.experimental.gluon.nvidia.hopper")
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from squeezeserve.kernels.ops.quant_matmul_gluon import _smem_layout
+
+    recorded_pool = torch.randn(3, 8, 64).bfloat16()
+    recorded = TensorDescriptor.from_tensor(recorded_pool[1], [8, 64], _smem_layout(8, 64, torch.bfloat16))
+    offset = recorded.base.data_ptr() - recorded_pool.data_ptr()
+    pool = torch.randn(3, 8, 64).bfloat16()
+    made = replay._argument(pool, replay._DescriptorAt((offset, recorded)))
+    assert type(made) is TensorDescriptor and made is not recorded
+    assert made.base.data_ptr() == pool[1].data_ptr() and torch.equal(made.base, pool[1])
+    assert (made.shape, made.strides, made.block_shape, made.layout, made.padding) == (
+        recorded.shape,
+        recorded.strides,
+        recorded.block_shape,
+        recorded.layout,
+        recorded.padding,
+    )
+    assert recorded.base.data_ptr() == recorded_pool[1].data_ptr()  # the recorded one is left as it was
 
 
 def test_a_recording_is_not_tracing():

@@ -260,3 +260,45 @@ def test_a_kernel_that_does_not_build_falls_back(monkeypatch):
         assert ((y - ref).norm() / ref.norm()).item() < 2e-3
     assert "PTXASError: PTXAS error: ptxas fatal: injected" in qm.GLUON_OFF
     assert not qm._gluon_prefill(x, qw, sc, zp, 128, 4)
+
+
+@needs_hopper
+@pytest.mark.parametrize("cpp", [False, True], ids=["python-replay", "cpp-replay"])
+@pytest.mark.parametrize(
+    ("m", "n", "k", "zeros"),
+    [(32, 4096, 14336, False), (256, 6144, 4096, True), (128, 4096, 14336, True)],
+    ids=["decode", "prefill", "stream-k"],
+)
+def test_launch_plans_replay_the_gluon_kernel(m, n, k, zeros, cpp, monkeypatch):
+    # Its TMA descriptors are made again over each call's tensors (in Python, or as tensor maps in C++):
+    # replays equal the body's own launch bit for bit, on inputs at other addresses, a 3-D x among them.
+    from squeezeserve.kernels import registry
+    from squeezeserve.kernels.ops import native, replay
+
+    monkeypatch.setattr(native, "NATIVE_REPLAY", True)  # (which makes descriptor launches replayable)
+    monkeypatch.setattr(native, "_loaded", [] if cpp else [None])  # [None]: as where the extension is absent
+    qw, sc, zp = _packed(n, k, 128, zeros, device="cuda")
+    plans = replay.LaunchPlans(persistent=qm.workspace_buffers)
+    runs = []
+
+    def body(*inputs):
+        runs.append(1)
+        return qm._quant_matmul(*inputs)
+
+    def make_x():
+        return torch.randn(2, m // 2, k, device="cuda", dtype=torch.bfloat16)
+
+    with torch.no_grad():
+        with (
+            registry.direct_launches
+        ):  # (the workspace made first: making it is a fill, which no plan repeats)
+            qm._quant_matmul(make_x(), qw, sc, zp, 128, 4)
+        for _ in range(3):
+            x = make_x()
+            got = plans(body, (x, qw, sc, zp, 128, 4))
+            with registry.direct_launches:
+                expected = qm._quant_matmul(x, qw, sc, zp, 128, 4)
+            assert torch.equal(got, expected)
+    assert len(runs) == 1, "the body ran again where the plan should have replayed"
+    assert (plans.native is not None and len(plans.native) == 1) == cpp
+    assert all(not t.any() for t in qm.workspace_buffers()), "a replay left partial sums in the workspace"

@@ -145,7 +145,7 @@ def test_quant_linear_skips_the_dispatcher_eagerly_and_stays_opaque_compiled(dev
     weights = (stacked["weight_packed"].to(device), stacked["weight_scale"].to(device), None)
     x = torch.randn(3, 64, dtype=torch.float16, device=device)
     expected = torch.ops.squeezeserve.quant_matmul_opaque(x, *weights, 32, 4)
-    qm.quant_matmul_eager.plans.plans.clear()
+    qm.quant_matmul_eager.plans.clear()
     with torch.no_grad(), _TorchOpsSeen() as seen:
         for _ in range(2):
             assert torch.equal(vllm_ops.quant_linear(x, *weights, scheme), expected)
