@@ -319,7 +319,7 @@ PyObject* dry_launch(const Launch& l, long stream) {
 struct Replayer {
   PyObject_HEAD
   vectorcallfunc vectorcall;  // replayer_call: calls skip the argument tuple
-  std::unordered_map<uint64_t, std::vector<std::unique_ptr<Plan>>>* plans;
+  std::unordered_map<uint64_t, std::vector<std::shared_ptr<Plan>>>* plans;
   Py_ssize_t count;
   Py_ssize_t max_plans;
   std::vector<InputSig>* scratch;  // the call's signature, reused between calls
@@ -332,7 +332,7 @@ PyObject* replayer_new(PyTypeObject* type, PyObject* args, PyObject*) {
   if (!PyArg_ParseTuple(args, "|n", &max_plans)) return nullptr;
   auto* self = reinterpret_cast<Replayer*>(type->tp_alloc(type, 0));
   if (self == nullptr) return nullptr;
-  self->plans = new std::unordered_map<uint64_t, std::vector<std::unique_ptr<Plan>>>();
+  self->plans = new std::unordered_map<uint64_t, std::vector<std::shared_ptr<Plan>>>();
   self->scratch = new std::vector<InputSig>();
   self->count = 0;
   self->max_plans = max_plans;
@@ -367,10 +367,10 @@ PyObject* replayer_call(PyObject* obj, PyObject* const* args, size_t nargsf, PyO
   }
   auto found = self->plans->find(hash_of(sig, device));
   if (found == self->plans->end()) Py_RETURN_NONE;
-  Plan* plan = nullptr;
+  std::shared_ptr<Plan> plan;  // (held: a plan the memo drops meanwhile lives until this call is done)
   for (auto& candidate : found->second) {
     if (candidate->device == device && candidate->sig == sig) {
-      plan = candidate.get();
+      plan = candidate;
       break;
     }
   }
@@ -391,6 +391,13 @@ PyObject* replayer_call(PyObject* obj, PyObject* const* args, size_t nargsf, PyO
     if (stream == -1 && PyErr_Occurred()) return nullptr;
   }
 
+  // The pool's inputs first: `sig` is this Replayer's scratch, which nothing may read after the allocation
+  // (an allocator callback could run Python, and another call of this op).
+  std::vector<const at::Tensor*> pool;
+  pool.reserve(n + plan->outputs.size());
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    pool.push_back(sig[i].kind == kTensor ? &THPVariable_Unpack(args[i]) : nullptr);
+  }
   std::vector<at::Tensor> outs;
   outs.reserve(plan->outputs.size());
   try {
@@ -403,11 +410,6 @@ PyObject* replayer_call(PyObject* obj, PyObject* const* args, size_t nargsf, PyO
   } catch (const std::exception& e) {
     PyErr_SetString(PyExc_RuntimeError, e.what());
     return nullptr;
-  }
-  std::vector<const at::Tensor*> pool;
-  pool.reserve(n + outs.size());
-  for (Py_ssize_t i = 0; i < n; ++i) {
-    pool.push_back(sig[i].kind == kTensor ? &THPVariable_Unpack(args[i]) : nullptr);
   }
   for (const at::Tensor& t : outs) pool.push_back(&t);
 
@@ -598,7 +600,7 @@ PyObject* replayer_add(PyObject* obj, PyObject* args) {
   PyObject *inputs = nullptr, *outputs = nullptr, *launches = nullptr;
   int device = -1, single = 1;
   if (!PyArg_ParseTuple(args, "OiOOp", &inputs, &device, &outputs, &launches, &single)) return nullptr;
-  auto plan = std::make_unique<Plan>();
+  auto plan = std::make_shared<Plan>();
   plan->device = device;
   plan->single = single != 0;
 
