@@ -89,6 +89,7 @@ def softmax_rows(x: torch.Tensor) -> dict:
         "torch.softmax": lambda: torch.softmax(x, -1),
         "K.softmax (functional, launch plan)": lambda: K.softmax(x),
         "K.softmax (plan replayed in Python)": python_plans(sm.softmax_eager, lambda: K.softmax(x)),
+        "C++ replayer call alone": lambda: cpp_replayer(sm.softmax_eager, (x,)),
         "K.softmax (plans off, fast launch)": without_plans(lambda: K.softmax(x)),
         "launch plan alone (LaunchPlans call)": lambda: sm.softmax_eager.plans(sm._softmax, (x,)),
         "op body (fast launch)": body,
@@ -114,6 +115,14 @@ def python_plans(op, fn):
     return call
 
 
+def cpp_replayer(op, inputs: tuple):
+    """The op's C++ replayer called directly (what a call costs below the functional layer); the op's
+    Python path where the extension took no plan (the probe's first line says whether it built)."""
+    replayer = op.plans.native
+    out = replayer(*inputs) if replayer is not None else None
+    return out if out is not None else op(*inputs)
+
+
 def without_plans(fn):
     def call():
         replay.LAUNCH_PLANS = False
@@ -132,6 +141,7 @@ def rmsnorm_rows(x: torch.Tensor) -> dict:
         "F.rms_norm": lambda: torch.nn.functional.rms_norm(x, (x.shape[-1],), w, 1e-6),
         "K.rmsnorm (launch plan)": lambda: K.rmsnorm(x, w, 1e-6),
         "K.rmsnorm (plan replayed in Python)": python_plans(rn.rmsnorm_eager, lambda: K.rmsnorm(x, w, 1e-6)),
+        "C++ replayer call alone (rmsnorm)": lambda: cpp_replayer(rn.rmsnorm_eager, (x, w, 1e-6)),
         "K.rmsnorm (plans off)": without_plans(lambda: K.rmsnorm(x, w, 1e-6)),
         "torch x + r, F.rms_norm": lambda: torch.nn.functional.rms_norm(x + r, (x.shape[-1],), w, 1e-6),
         "K.add_rmsnorm (launch plan)": lambda: K.add_rmsnorm(x, r, w, 1e-6),
