@@ -377,13 +377,15 @@ PyObject* replayer_call(PyObject* obj, PyObject* const* args, size_t nargsf, PyO
   if (plan == nullptr) Py_RETURN_NONE;
 
   const Driver* d = nullptr;
-  long stream = 0;
+  long stream = 0;  // (a plan over CPU tensors, which only tests make, launches on the null stream)
   if (g_dry_run == nullptr) {
     d = driver();
     if (d == nullptr) {
       PyErr_SetString(PyExc_RuntimeError, "squeezeserve replay: libcuda.so.1 could not be opened");
       return nullptr;
     }
+  }
+  if (d != nullptr && device >= 0) {
     PyObject* index = PyLong_FromLong(device);
     if (index == nullptr) return nullptr;
     stream = call_long(g_get_stream, index);

@@ -5,14 +5,20 @@ The extension is built here as on a GPU machine. Its launches go to a list inste
 kernels, compiled for sm_90 (kernels/ops/cross_compile.py), the parameters of a replay on new inputs are
 the ones the op body launches with on those inputs, and their sizes are the kernel's PTX ``.param`` list.
 The compiled checks run in a process of their own (this one runs Triton's interpreter, which compiles
-nothing). On a GPU, tests/kernels/test_launch_plans.py replays the same plans for real.
+nothing). Last, the launch path itself runs against a stand-in libcuda (``data/fake_libcuda.c``) that notes
+what ``cuLaunchKernel`` and ``cuTensorMapEncodeTiled`` receive, read through the parameter array as the
+driver reads it. On a GPU, tests/kernels/test_launch_plans.py and test_quant_matmul_gluon.py replay the
+same plans for real.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
 import struct
+import subprocess
 import sys
 
 import pytest
@@ -375,3 +381,61 @@ if __name__ == "__main__":
         except Exception as e:  # noqa: BLE001 - reported per case, the test names it
             out = {"case": case, "error": f"{type(e).__name__}: {e}"}
         print(json.dumps(out), flush=True)  # noqa: T201
+
+
+# ---- through the driver's entry points (a stand-in libcuda, in a process of its own) -------------------
+
+_THROUGH_DRIVER = r"""
+import ctypes, struct, sys
+import torch
+from squeezeserve.kernels.ops import native
+
+fake = ctypes.CDLL("libcuda.so.1")  # the stand-in (LD_LIBRARY_PATH): the one the extension opens
+fake.fake_param.restype = fake.fake_launch_arg.restype = ctypes.c_uint64
+module = native._import(native.build())
+x, w = torch.randn(4, 64), torch.randn(64)
+sig = [native.input_spec(a) for a in (x, w, 0.5)]
+tensor_map = ("m", 0, 128, 9, (64, 4), (256,), (32, 2), 3, 0)  # x from its second row: box 2 x 32
+params = (tensor_map, ("a", 3, 0), ("a", 1, 4), ("c", 4, 64), ("c", 2, 0x3800), ("c", 8, 0))
+replayer = module.Replayer()
+replayer.add(sig, -1, [((4, 64), torch.float32, -1)], [(0x1234, (2, 3, 1), 128, 4096, params)], True)
+maps = (ctypes.c_int * 1)(0)
+fake.fake_expect_params(len(params), maps, 1)
+x2, w2 = torch.randn(4, 64), torch.randn(64)
+out = replayer(x2, w2, 0.5)
+words = [fake.fake_param(0, i) for i in range(16)]
+checks = {
+    "launched once": fake.fake_launches() == 1,
+    "function, grid, block, shared, null stream": [fake.fake_launch_arg(i) for i in range(9)]
+    == [0x1234, 2, 3, 1, 128, 1, 1, 4096, 0],
+    "map: address, dtype, no interleave, L2 128B": words[:2] == [x2.data_ptr() + 128, 9 | (2 << 40)],
+    "map: rank, dims, strides, box (unit element strides)": (words[2], words[3:5], words[7:9], words[11:13])
+    == (2, [64, 4], [256, 0], [32 | (1 << 32), 2 | (1 << 32)]),
+    "map: swizzle, fill": words[15] == 3,
+    "addresses": [fake.fake_param(1, 0), fake.fake_param(2, 0)] == [out.data_ptr(), w2.data_ptr() + 4],
+    "constants": [fake.fake_param(i, 0) & m for i, m in ((3, 0xFFFFFFFF), (4, 0xFFFF), (5, 2**64 - 1))]
+    == [64, 0x3800, 0],
+}
+bad = module.Replayer()
+bad.add(sig, -1, [((4, 64), torch.float32, -1)], [(0xDEAD, (1, 1, 1), 32, 0, (("c", 8, 0),))], True)
+try:
+    bad(x2, w2, 0.5)
+    checks["a failed launch raises"] = False
+except RuntimeError as e:
+    checks["a failed launch raises"] = "CUDA error 700: fake illegal address" in str(e)
+print({k: v for k, v in checks.items() if not v} or "ok")
+"""
+
+
+def test_a_replay_hands_the_driver_its_parameters(tmp_path):
+    # What cuLaunchKernel and cuTensorMapEncodeTiled receive, read through the parameter array as the driver
+    # reads it; a launch the driver refuses raises with its error string.
+    cc = next((c for c in ("cc", "gcc", "clang") if shutil.which(c)), None)
+    if cc is None:
+        pytest.skip("no C compiler to build the stand-in driver")
+    source = os.path.join(os.path.dirname(__file__), "data", "fake_libcuda.c")
+    subprocess.run([cc, "-shared", "-fPIC", "-O1", source, "-o", str(tmp_path / "libcuda.so.1")], check=True)
+    env = dict(os.environ, LD_LIBRARY_PATH=f"{tmp_path}:{os.environ.get('LD_LIBRARY_PATH', '')}")
+    done = subprocess.run([sys.executable, "-c", _THROUGH_DRIVER], capture_output=True, text=True, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == "ok", done.stdout
