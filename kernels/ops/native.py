@@ -14,10 +14,10 @@ it has not yet run on a GPU (the fourteenth session had no device time). tests/k
 replays every plan through it on a GPU and ``tests/gpu/launch_probe.py`` times it; the default turns on
 once those have passed on the H100 (NOTES.md, fourteenth session).
 
-:func:`plan_spec` turns a recorded plan whose every launch is a compiled Triton kernel launched the way
-``cuLaunchKernel`` launches (one CTA a cluster, no programmatic dependent launch, no cooperative grid, no
-scratch buffers; TMA descriptors lowered to tensor maps, which the extension encodes for each call's
-addresses) into the extension's description; any other plan stays a Python one.
+:func:`launch_spec` (through ``replay._native_spec``) turns a recorded plan whose every launch is a compiled
+Triton kernel launched the way ``cuLaunchKernel`` launches (one CTA a cluster, no programmatic dependent
+launch, no cooperative grid, no scratch buffers; TMA descriptors lowered to tensor maps, which the extension
+encodes for each call's addresses) into the extension's description; any other plan stays a Python one.
 """
 
 from __future__ import annotations
@@ -145,9 +145,8 @@ def _constant(ty: str, value) -> tuple | None:
     if ty in _INT_TYPES:
         size, fmt = _INT_TYPES[ty]
         return ("c", size, int.from_bytes(struct.pack("<" + fmt, int(value)), "little"))
-    if ty == "bf16":  # Triton packs bf16 scalars as the fp32 bits' high half, rounded to nearest even
-        bits = int.from_bytes(struct.pack("<f", float(value)), "little")
-        return ("c", 2, ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) & 0xFFFF)
+    if ty == "bf16":  # Triton's launcher packs a bf16 scalar as the fp32 bits' high half, truncated
+        return ("c", 2, int.from_bytes(struct.pack("<f", float(value)), "little") >> 16)
     if ty in _FLOAT_TYPES:
         size, fmt = _FLOAT_TYPES[ty]
         return ("c", size, int.from_bytes(struct.pack("<" + fmt, float(value)), "little"))

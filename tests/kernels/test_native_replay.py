@@ -136,6 +136,7 @@ def test_scalar_parameters_are_packed_as_triton_s_launcher_packs_them():
     assert native._constant("fp32", 1.0) == ("c", 4, 0x3F800000)
     assert native._constant("fp16", 1.0) == ("c", 2, 0x3C00)
     assert native._constant("bf16", 1.0) == ("c", 2, 0x3F80)
+    assert native._constant("bf16", 1.005859375) == ("c", 2, 0x3F80)  # truncated (pack_bf16), not rounded
     assert native._constant("fp64", 0.5) == ("c", 8, 0x3FE0000000000000)
     assert native._constant("nvTmaDesc", 0) is None
 
