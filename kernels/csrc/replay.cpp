@@ -2,9 +2,9 @@
 //
 // replay.LaunchPlans records, once per input signature, which outputs an op body allocates and which compiled
 // kernels it launches with which arguments (each argument a constant, or an address at a byte offset into
-// one of the call's inputs or outputs). Replaying that from Python still costs ~10 us of host time a call
-// (signature tuple, allocation, Triton's launcher parsing its arguments): more than the GPU needs for a
-// decode-sized memory-bound kernel, and more than torch's own fused ops take (tests/benchmarks/NOTES.md).
+// one of the call's inputs or outputs). Replaying that from Python still costs the H100's host 11.8 us a call
+// (softmax 16x32768: signature tuple, allocation, Triton's launcher parsing its arguments), more than the GPU
+// needs for a decode-sized memory-bound kernel; torch's whole softmax call takes 9.9 (tests/benchmarks/NOTES.md).
 // A Replayer holds an op's plans in C++: a call hashes the inputs' signature, finds the plan, allocates the
 // outputs through ATen and launches each kernel through the CUDA driver (cuLaunchKernel), without a Python
 // object per argument. A call whose signature has no plan returns None, and Python takes its own path.
@@ -270,9 +270,10 @@ bool fill_params(Launch& l, const std::vector<const at::Tensor*>& pool, const Dr
   return true;
 }
 
-PyObject* dry_launch(const Launch& l, long stream) {
+// Append what the driver would be handed to the dry-run list; false with an exception set.
+bool dry_launch(const Launch& l, long stream) {
   PyObject* params = PyList_New(static_cast<Py_ssize_t>(l.params.size()));
-  if (params == nullptr) return nullptr;
+  if (params == nullptr) return false;
   for (size_t i = 0; i < l.params.size(); ++i) {
     const Param& p = l.params[i];
     PyObject* item = nullptr;
@@ -286,7 +287,7 @@ PyObject* dry_launch(const Launch& l, long stream) {
         Py_XDECREF(strides);
         Py_XDECREF(box);
         Py_DECREF(params);
-        return nullptr;
+        return false;
       }
       for (uint32_t j = 0; j < m.rank; ++j) {
         PyTuple_SET_ITEM(dims, j, PyLong_FromUnsignedLongLong(m.dims[j]));
@@ -301,17 +302,17 @@ PyObject* dry_launch(const Launch& l, long stream) {
     }
     if (item == nullptr) {
       Py_DECREF(params);
-      return nullptr;
+      return false;
     }
     PyList_SET_ITEM(params, i, item);
   }
   PyObject* record = Py_BuildValue("(K(III)IIlN)", static_cast<unsigned long long>(
                                        reinterpret_cast<uintptr_t>(l.function)),
                                    l.grid[0], l.grid[1], l.grid[2], l.block, l.shared, stream, params);
-  if (record == nullptr) return nullptr;
+  if (record == nullptr) return false;
   int rc = PyList_Append(g_dry_run, record);
   Py_DECREF(record);
-  return rc == 0 ? Py_None : nullptr;  // borrowed None: only a success flag
+  return rc == 0;
 }
 
 // ---- the Replayer type ---------------------------------------------------------------------------------
@@ -418,7 +419,7 @@ PyObject* replayer_call(PyObject* obj, PyObject* const* args, size_t nargsf, PyO
   for (Launch& l : plan->launches) {
     if (!fill_params(l, pool, d)) return nullptr;
     if (d == nullptr) {
-      if (dry_launch(l, stream) == nullptr) return nullptr;
+      if (!dry_launch(l, stream)) return nullptr;
       continue;
     }
     CUresult r = d->launch(l.function, l.grid[0], l.grid[1], l.grid[2], l.block, 1, 1, l.shared,

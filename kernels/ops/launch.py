@@ -144,6 +144,11 @@ class FastLaunch:
     def __getitem__(self, grid):
         return functools.partial(self.launch, grid)
 
+    def tail(self, positional: int, kwargs: dict) -> tuple:
+        """The kernel's parameters after its first ``positional`` ones, as its launcher takes them: each
+        from ``kwargs`` or its default, in signature order (constexprs included)."""
+        return tuple(kwargs[n] if n in kwargs else self.defaults[n] for n in self.names[positional:])
+
     def launch(self, grid, *args, **kwargs):
         if recording.captured is not None:
             return recording.captured.append((self.kernel, grid, args, kwargs))
@@ -168,7 +173,7 @@ class FastLaunch:
                 with _disable_current_modes():  # Triton's torch calls are not the recorded body's
                     compiled = launch_fitting(self.kernel, grid, args, kwargs)
             if key is not None and hasattr(compiled, "packed_metadata"):
-                tail = tuple(kwargs[n] if n in kwargs else self.defaults[n] for n in self.names[len(args) :])
+                tail = self.tail(len(args), kwargs)
                 entry = self.compiled[(device, key)] = (
                     compiled.run,
                     compiled.function,

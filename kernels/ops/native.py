@@ -1,7 +1,8 @@
 """Launch plans replayed in C++ (``kernels/csrc/replay.cpp``): building the extension, describing plans to it.
 
 ``replay.LaunchPlans`` records what an eager op call launches; replaying the record in Python still costs the
-host ~10 us a call more than torch's own fused ops (tests/benchmarks/NOTES.md, fourteenth session). The
+H100's host 11.8 us of a 15.5 us call (softmax 16x32768; torch.softmax takes 9.9: tests/benchmarks/NOTES.md,
+2026-11-24 and fourteenth session). The
 extension replays a plan without Python objects per argument: signature, allocation, kernel parameters and
 ``cuLaunchKernel`` in one C call. It is compiled on first use with the machine's C++ compiler against the
 installed torch (as Triton compiles its launchers), cached under ``$SQUEEZESERVE_HOME/native`` (default
@@ -37,6 +38,8 @@ from pathlib import Path
 
 import torch
 
+from squeezeserve.service import paths
+
 log = logging.getLogger(__name__)
 
 NATIVE_REPLAY = os.environ.get("SQUEEZESERVE_NATIVE_REPLAY", "0") == "1"
@@ -47,8 +50,7 @@ _loaded: list = []  # [module or None] once load() has run
 
 
 def cache_dir() -> Path:
-    home = os.environ.get("SQUEEZESERVE_HOME")
-    return (Path(home).expanduser() if home else Path.home() / ".cache" / "squeezeserve") / "native"
+    return paths.home() / "native"
 
 
 def _compiler() -> str | None:

@@ -23,10 +23,10 @@ through Triton's own dispatch).
 With ``SQUEEZESERVE_NATIVE_REPLAY=1`` and the C++ extension built (``kernels/ops/native.py``), a plan whose
 launches are all compiled kernels that ``cuLaunchKernel`` launches as Triton would is also handed to it, and
 later calls of its signature are replayed there: signature, allocation and launches in one C call, without
-the Python replay's signature tuple, ``torch.empty_like`` and Triton launcher (~10 of a call's ~15 us on
-the H100's host: tests/benchmarks/NOTES.md). Calls it has no plan for come back to Python. The same switch
-makes the Gluon kernel's launches (TMA descriptors) replayable, in C++ or in Python: both wait for their
-first measurement on a GPU (kernels/ops/native.py).
+the Python replay's signature tuple, ``torch.empty_like`` and Triton launcher (together 11.8 us of a 15.5 us
+softmax call on the H100's host: tests/benchmarks/NOTES.md). Calls it has no plan for come back to Python.
+The same switch makes the Gluon kernel's launches (TMA descriptors) replayable, in C++ or in Python: both
+wait for their first measurement on a GPU (kernels/ops/native.py).
 """
 
 from __future__ import annotations
@@ -191,6 +191,10 @@ def _build(inputs: tuple, result, launches: list, other_ops: list, persistent=()
             return None
     # An output is never inside an input (checked above): look there first, then in the inputs.
     order = [*range(len(inputs), len(pool)), *range(len(inputs))]
+
+    def home_of(address: int) -> int | None:
+        return next((i for i in order if extents[i] and _inside(address, extents[i])), None)
+
     plan_launches = []
     for run, args in launches:
         spec = []
@@ -199,7 +203,7 @@ def _build(inputs: tuple, result, launches: list, other_ops: list, persistent=()
                 if not (native.NATIVE_REPLAY and isinstance(run, launch.CompiledLaunch)):
                     return None  # (descriptor plans come with the C++ replay: module docstring)
                 address = a.base.data_ptr()
-                home = next((i for i in order if extents[i] and _inside(address, extents[i])), None)
+                home = home_of(address)
                 if home is None or pool[home].dtype != a.base.dtype:
                     return None  # (a descriptor over a buffer the body made, or a reinterpreted one)
                 spec.append((home, _DescriptorAt((address - extents[home][0], a))))
@@ -208,7 +212,7 @@ def _build(inputs: tuple, result, launches: list, other_ops: list, persistent=()
                 spec.append((None, a))
                 continue
             address = a.data_ptr()
-            home = next((i for i in order if extents[i] and _inside(address, extents[i])), None)
+            home = home_of(address)
             if home is None:
                 if any(_inside(address, _extent(p)) for p in persistent):
                     spec.append((None, a))  # a long-lived buffer: the same one on every replay
@@ -225,6 +229,15 @@ def _build(inputs: tuple, result, launches: list, other_ops: list, persistent=()
     return _Plan([_allocator(o, inputs) for o in outs], plan_launches, single)
 
 
+def _native_argument(index: int | None, where):
+    """A recorded launch argument as native.launch_spec takes it (``_Plan``'s ``(index, where)`` terms)."""
+    if index is None:
+        return where  # a constant
+    if type(where) is _DescriptorAt:
+        return native.TensorMapAt((index, *where))
+    return native.PoolAddress((index, where[0] if where else 0))
+
+
 def _native_spec(plan: _Plan, inputs: tuple, outs: list, device: int) -> tuple | None:
     """``Replayer.add``'s arguments for ``plan`` (recorded from ``inputs`` making ``outs`` on CUDA
     ``device``), or None where some launch is not one the extension makes (native.launch_spec)."""
@@ -235,14 +248,7 @@ def _native_spec(plan: _Plan, inputs: tuple, outs: list, device: int) -> tuple |
     for run, spec in plan.launches:
         if not isinstance(run, launch.CompiledLaunch):
             return None
-        args = [
-            value
-            if index is None
-            else native.TensorMapAt((index, *value))
-            if type(value) is _DescriptorAt
-            else native.PoolAddress((index, value[0] if value else 0))
-            for index, value in spec
-        ]
+        args = [_native_argument(index, value) for index, value in spec]
         described = native.launch_spec(run.compiled, run.function, (run.x, run.y, run.z), [*args, *run.tail])
         if described is None:
             return None
@@ -262,13 +268,13 @@ class LaunchPlans:
         self.native = None  # the extension's Replayer, made with the first plan it takes
 
     def __call__(self, body, inputs: tuple):
-        native_plans = self.native
-        if native_plans is not None and not launch.launch_hooks():
-            result = native_plans(*inputs)
+        hooks = launch.launch_hooks()
+        if self.native is not None and not hooks:
+            result = self.native(*inputs)
             if result is not None:
                 return result
         first = inputs[0]  # every op with plans takes a tensor first
-        if not (LAUNCH_PLANS and launch.FAST_LAUNCH) or use_reference(first) or launch.launch_hooks():
+        if not (LAUNCH_PLANS and launch.FAST_LAUNCH) or use_reference(first) or hooks:
             with direct_launches:
                 return body(*inputs)
         key = signature(inputs)

@@ -313,8 +313,7 @@ def _check(name: str) -> dict:
     recorded, sizes = [], []
     for kernel, grid, args, kwargs in launches:
         compiled = cross_compile.compile_for(kernel, args, kwargs)
-        fast = launch.FastLaunch(kernel)
-        tail = tuple(kwargs[n] if n in kwargs else fast.defaults[n] for n in fast.names[len(args) :])
+        tail = launch.FastLaunch(kernel).tail(len(args), kwargs)
         run = launch.CompiledLaunch((None, 1000 + len(recorded), None, tail, compiled), -1, grid)
         recorded.append((run, args))
     plan = replay._build(inputs, result, recorded, other, persistent())
@@ -346,8 +345,7 @@ def _check(name: str) -> dict:
     replay_outs = [replayed] if plan.single else list(replayed)
     params = []
     for (kernel, _, args, kwargs), (run, _), entry in zip(body_launches, plan.launches, log, strict=True):
-        fast = launch.FastLaunch(kernel)
-        tail = tuple(kwargs[n] if n in kwargs else fast.defaults[n] for n in fast.names[len(args) :])
+        tail = launch.FastLaunch(kernel).tail(len(args), kwargs)
 
         def replayed_address(address):
             for body_out, replay_out in zip(body_outs, replay_outs, strict=True):
