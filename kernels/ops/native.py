@@ -38,8 +38,6 @@ from pathlib import Path
 
 import torch
 
-from squeezeserve.service import paths
-
 log = logging.getLogger(__name__)
 
 NATIVE_REPLAY = os.environ.get("SQUEEZESERVE_NATIVE_REPLAY", "0") == "1"
@@ -50,7 +48,9 @@ _loaded: list = []  # [module or None] once load() has run
 
 
 def cache_dir() -> Path:
-    return paths.home() / "native"
+    # (service/paths.py's home(), written again: kernels import nothing of the service, tests/test_layers.py)
+    home = os.environ.get("SQUEEZESERVE_HOME")
+    return (Path(home).expanduser() if home else Path.home() / ".cache" / "squeezeserve") / "native"
 
 
 def _compiler() -> str | None:
