@@ -57,7 +57,15 @@ _ALLOWED = frozenset({
 
 
 class _OnlyViews(TorchDispatchMode):
-    """Notes whether any torch op other than an allocation or a view runs while it is active."""
+    """Notes whether any torch op other than an allocation or a view runs while it is active.
+
+    An op that returns one of its inputs unchanged did nothing either: inside a custom op (below autograd)
+    ``y.to(y.dtype)`` and ``x.contiguous()`` of a contiguous x reach this mode as ``aten.to`` /
+    ``aten.contiguous`` returning their input; outside one they resolve above it and are never seen. An
+    in-place op returns its input too, and is noted: it writes. (Noting them made every recording through
+    ``quant_matmul_opaque`` fail: vLLM's warm-up calls at load, the same signature in all 32 layers, used
+    up the recording attempts of the prompt sizes it warms, and those prompts' split-K calls then ran the
+    whole body on every call: the H100, 2026-11-25, fifteenth session.)"""
 
     observes_only = True  # runs every op as it is: registry.eager() does not count it as tracing
 
@@ -66,9 +74,12 @@ class _OnlyViews(TorchDispatchMode):
         self.other: list[str] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.overloadpacket not in _ALLOWED:
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket not in _ALLOWED and (
+            func._schema.is_mutable or not any(out is a for a in args)
+        ):
             self.other.append(str(func))
-        return func(*args, **(kwargs or {}))
+        return out
 
 
 def signature(inputs: tuple) -> tuple:

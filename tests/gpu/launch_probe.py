@@ -362,6 +362,55 @@ def quant_parts(m: int = 256, n: int = 4096, k: int = 4096) -> None:
         print(f"  {name:<48} {us:7.1f} us", flush=True)
 
 
+def plan_report() -> None:
+    """``--plans``: for quant_matmul's probe shapes, what a recording of the serving path sees (its launches,
+    torch ops other than views, aliasing) and whether it makes a plan; then whether the calls the probe's
+    rows make (the opaque op first) leave a plan or failed recordings in ``quant_matmul_eager``'s memo."""
+    qm = quant_matmul
+    assert qm.quant_matmul_opaque  # registers the op
+    opaque = torch.ops.squeezeserve.quant_matmul_opaque
+    for n, k in ((14336, 4096), (4096, 14336)):
+        t = quant_layout.pack_weight(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / 64, 4, 128)
+        qw, sc = t["weight_packed"], t["weight_scale"]
+        for m in (16, 256):
+            for attempt in range(2):
+                inputs = (torch.randn(m, k, device="cuda", dtype=torch.bfloat16), qw, sc, None, 128, 4)
+                launches: list = []
+                views = replay._OnlyViews()
+                launch.recording.launches = launches
+                try:
+                    with registry_direct(), views:
+                        result = qm._quant_matmul(*inputs)
+                finally:
+                    launch.recording.launches = None
+                plan = replay._build(inputs, result, launches, views.other, qm.workspace_buffers())
+                names = [None if e is None else e[0].compiled.name for e in launches]
+                print(
+                    f"{m}x{n}x{k} recording {attempt}: launches {names}, other ops {views.other}, "
+                    f"aliased {replay._aliased(inputs)}, plan {plan is not None}",
+                    flush=True,
+                )
+            args = (torch.randn(m, k, device="cuda", dtype=torch.bfloat16), qw, sc, None, 128, 4)
+            memo = qm.quant_matmul_eager.plans
+            key = (replay.signature(args), torch.cuda.current_device())
+            for name, fn in (("opaque", opaque), ("eager", qm.quant_matmul_eager)):
+                for _ in range(3):
+                    fn(*args)
+                state = memo.plans.get(key, "absent")
+                native_plans = len(memo.native) if memo.native is not None else None
+                print(
+                    f"  after 3 {name} calls: memo {'a plan' if type(state) is replay._Plan else state}, "
+                    f"C++ plans {native_plans}",
+                    flush=True,
+                )
+
+
+def registry_direct():
+    from squeezeserve.kernels.registry import direct_launches
+
+    return direct_launches
+
+
 def main() -> None:
     # Plans replayed in C++ where the extension builds ("launch plan" rows; "replayed in Python" rows without)
     native.NATIVE_REPLAY = True
@@ -369,6 +418,9 @@ def main() -> None:
         f"# {torch.cuda.get_device_name()}, torch {torch.__version__}; C++ replay: {native.load()}",
         flush=True,
     )
+    if sys.argv[1:] == ["--plans"]:
+        plan_report()
+        return
     if sys.argv[1:] == ["--quant"]:
         quant_host()
         quant_parts()

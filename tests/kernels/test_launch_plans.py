@@ -271,6 +271,53 @@ def test_quant_serving_plans_replay_split_k_through_the_workspace(m, device, mon
     assert all(not t.any() for t in qm.workspace_buffers()), "a replay left partial sums in the workspace"
 
 
+def test_calls_through_the_opaque_op_record_plans(device, monkeypatch):
+    # vLLM warms its prompt sizes through quant_matmul_opaque at load (the same signature in every layer),
+    # then runs prompts through quant_matmul_eager: both share one memo. Inside the custom op, the body's
+    # y.to(x.dtype) reaches the recorder as aten.to returning its input; counted as an op a replay would
+    # skip, it failed every recording there and left those prompt sizes on the whole body (the H100).
+    from squeezeserve.kernels.ops import quant_matmul as qm
+
+    monkeypatch.setattr(qm, "PREFILL", "triton")  # 70 rows, split along K: the workspace path
+    qweight, scales = _packed_weight(40, 256, 32, device)
+    x = torch.randn(70, 256, device=device).half()
+    args = (x, qweight, scales, None, 32, 4)
+    with torch.no_grad(), registry.direct_launches:
+        expected = qm._quant_matmul(*args)  # (the workspace made first, as above)
+    key = replay.signature(args)
+    if x.is_cuda:
+        key = (key, torch.cuda.current_device())
+    memo = qm.quant_matmul_eager.plans
+    memo.plans.pop(key, None)
+    with torch.no_grad():
+        for _ in range(2):
+            assert torch.equal(torch.ops.squeezeserve.quant_matmul_opaque(*args), expected)
+    assert type(memo.plans.get(key)) is replay._Plan
+
+
+def test_the_recorder_notes_writes_but_not_ops_that_return_their_input():
+    # (below autograd, as in a custom op's body, y.to(y.dtype) and y.contiguous() reach a dispatch mode)
+    noted = []
+
+    @torch.library.custom_op("squeezeserve_test::recorded_body", mutates_args=())
+    def body(x: torch.Tensor) -> torch.Tensor:
+        views = replay._OnlyViews()
+        with views:
+            y = torch.empty_like(x).view(-1)
+            y = y.to(y.dtype).contiguous()
+            noted.append(list(views.other))
+            y.fill_(1.0)  # writes (and returns its input)
+            noted.append(list(views.other))
+            z = y.to(torch.float64)  # a copy
+            noted.append(list(views.other))
+        return z
+
+    body(torch.randn(2, 3))
+    assert noted[0] == []
+    assert noted[1] == ["aten.fill_.Scalar"]
+    assert noted[2] == ["aten.fill_.Scalar", "aten.to.dtype"]
+
+
 def test_quant_serving_plans_skip_the_dequantize_path(device, monkeypatch):
     # Dequantize + matmul makes a dense weight the body does not return and runs a matmul: no plan, the
     # body on every call, the right product.

@@ -265,13 +265,16 @@ def test_a_kernel_that_does_not_build_falls_back(monkeypatch):
 @needs_hopper
 @pytest.mark.parametrize("cpp", [False, True], ids=["python-replay", "cpp-replay"])
 @pytest.mark.parametrize(
-    ("m", "n", "k", "zeros"),
-    [(32, 4096, 14336, False), (256, 6144, 4096, True), (128, 4096, 14336, True)],
+    ("m", "n", "k", "zeros", "exact"),
+    [(32, 4096, 14336, False, False), (256, 6144, 4096, True, True), (128, 4096, 14336, True, False)],
     ids=["decode", "prefill", "stream-k"],
 )
-def test_launch_plans_replay_the_gluon_kernel(m, n, k, zeros, cpp, monkeypatch):
+def test_launch_plans_replay_the_gluon_kernel(m, n, k, zeros, exact, cpp, monkeypatch):
     # Its TMA descriptors are made again over each call's tensors (in Python, or as tensor maps in C++):
-    # replays equal the body's own launch bit for bit, on inputs at other addresses, a 3-D x among them.
+    # replays equal the body's own launch on inputs at other addresses, a 3-D x among them: bit for bit where
+    # every output tile is one program's; within one bf16 rounding step where stream-K programs add their
+    # parts of a tile in fp32 atomics, whose order differs from run to run (two body runs differ as much;
+    # the H100, 2026-11-25).
     from squeezeserve.kernels import registry
     from squeezeserve.kernels.ops import native, replay
 
@@ -298,7 +301,10 @@ def test_launch_plans_replay_the_gluon_kernel(m, n, k, zeros, cpp, monkeypatch):
             got = plans(body, (x, qw, sc, zp, 128, 4))
             with registry.direct_launches:
                 expected = qm._quant_matmul(x, qw, sc, zp, 128, 4)
-            assert torch.equal(got, expected)
+            if exact:
+                assert torch.equal(got, expected)
+            else:
+                torch.testing.assert_close(got, expected, rtol=2**-7, atol=2**-7)
     assert len(runs) == 1, "the body ran again where the plan should have replayed"
     assert (plans.native is not None and len(plans.native) == 1) == cpp
     assert all(not t.any() for t in qm.workspace_buffers()), "a replay left partial sums in the workspace"
