@@ -1,7 +1,8 @@
 """Thin functional API over ``torch.ops.squeezeserve.*`` (autograd-aware; CPU tensors run the reference).
 
 Eager calls run the op bodies directly (``registry.EagerOp``: same kernels, same gradients, no dispatcher
-overhead); traced and compiled calls go through the registered ops.
+overhead), or first their launch plans replayed in C++ (``LaunchPlans.replayed``: no Python layer at all);
+traced and compiled calls go through the registered ops.
 """
 
 from __future__ import annotations
@@ -22,6 +23,9 @@ _ops = torch.ops.squeezeserve
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up."""
+    out = _swiglu.swiglu_eager.plans.replayed(gate, up)
+    if out is not None:
+        return out
     if registry.eager(gate, up):
         return _swiglu.swiglu_eager(gate, up)
     return _ops.swiglu(gate, up)
@@ -29,6 +33,9 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """[..., 2d] -> [..., d]: silu(x[..., :d]) * x[..., d:] (vLLM's packed form)."""
+    out = _swiglu.silu_and_mul_eager.plans.replayed(x)
+    if out is not None:
+        return out
     if registry.eager(x):
         return _swiglu.silu_and_mul_eager(x)
     return _ops.silu_and_mul(x)
@@ -36,6 +43,9 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 def swiglu_oai(x: torch.Tensor, y: torch.Tensor, alpha: float = 1.702, limit: float = 7.0) -> torch.Tensor:
     """gpt-oss: min(x, limit) * sigmoid(alpha * min(x, limit)) * (clamp(y, -limit, limit) + 1)."""
+    out = _swiglu.swiglu_oai_eager.plans.replayed(x, y, alpha, limit)
+    if out is not None:
+        return out
     if registry.eager(x, y):
         return _swiglu.swiglu_oai_eager(x, y, alpha, limit)
     return _ops.swiglu_oai(x, y, alpha, limit)
@@ -43,6 +53,9 @@ def swiglu_oai(x: torch.Tensor, y: torch.Tensor, alpha: float = 1.702, limit: fl
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """weight * x / sqrt(mean(x^2) + eps), statistics in fp32 (Hugging Face Llama's rounding)."""
+    out = _rmsnorm.rmsnorm_eager.plans.replayed(x, weight, eps)
+    if out is not None:
+        return out
     if registry.eager(x, weight):
         return _rmsnorm.rmsnorm_eager(x, weight, eps)
     return _ops.rmsnorm(x, weight, eps)
@@ -52,6 +65,9 @@ def add_rmsnorm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """h = x + residual; returns (rmsnorm(h, weight, eps), h)."""
+    out = _rmsnorm.add_rmsnorm_eager.plans.replayed(x, residual, weight, eps)
+    if out is not None:
+        return out
     if registry.eager(x, residual, weight):
         return _rmsnorm.add_rmsnorm_eager(x, residual, weight, eps)
     return _ops.add_rmsnorm(x, residual, weight, eps)
@@ -59,6 +75,9 @@ def add_rmsnorm(
 
 def softmax(x: torch.Tensor) -> torch.Tensor:
     """Softmax over the last dim (any width; rows wider than one block are split across programs)."""
+    out = _softmax.softmax_eager.plans.replayed(x)
+    if out is not None:
+        return out
     if registry.eager(x):
         return _softmax.softmax_eager(x)
     return _ops.softmax(x)

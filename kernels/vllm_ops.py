@@ -176,6 +176,9 @@ def quant_linear(
     _note("quant_matmul", x)
     group = scheme.group_size_for(x.shape[-1])
     args = (x, weight_packed, weight_scale, weight_zero_point, group, scheme.bits)
+    y = quant_matmul_eager.plans.replayed(*args)  # (its plan replayed in C++: no Python layer)
+    if y is not None:
+        return y + bias if bias is not None else y
     if eager(*args[:4]):
         # Nothing traces (vLLM's eager prompt forwards, decode graph captures): the op's body without torch's
         # dispatcher, with launch plans (quant_matmul_eager).

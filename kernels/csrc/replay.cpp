@@ -25,6 +25,9 @@
 #include <dlfcn.h>
 
 #include <ATen/ops/empty.h>
+#include <c10/core/GradMode.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <c10/core/impl/TorchDispatchModeTLS.h>
 #include <torch/csrc/Dtype.h>
 #include <torch/csrc/autograd/python_variable.h>
 
@@ -97,6 +100,16 @@ struct InputSig {
   int64_t int_value = 0;
   double float_value = 0.0;
 
+  void reset() {  // as a fresh InputSig, keeping the vectors' storage (calls reuse the scratch signature)
+    kind = kNone;
+    dtype = aligned = 0;
+    device = -1;
+    sizes.clear();
+    strides.clear();
+    int_value = 0;
+    float_value = 0.0;
+  }
+
   bool operator==(const InputSig& o) const {
     return kind == o.kind && dtype == o.dtype && aligned == o.aligned && device == o.device &&
            sizes == o.sizes && strides == o.strides && int_value == o.int_value &&
@@ -124,17 +137,43 @@ uint64_t hash_of(const std::vector<InputSig>& sig, int device) {
 }
 
 // The signature of a call's inputs; false when an input is of a kind no plan takes (a miss, not an error).
+PyTypeObject* g_parameter = nullptr;  // torch.nn.Parameter
+
+// A plain tensor: torch.Tensor or nn.Parameter exactly (registry.eager's _PLAIN); a subclass may mean
+// something else by its operations (a fake or wrapped tensor), and its calls take the Python path.
+bool plain_tensor(PyObject* a) {
+  if (Py_TYPE(a) == reinterpret_cast<PyTypeObject*>(THPVariableClass)) return true;
+  if (g_parameter == nullptr) {
+    PyObject* module = PyImport_ImportModule("torch.nn.parameter");
+    if (module == nullptr) {
+      PyErr_Clear();
+      return false;
+    }
+    g_parameter = reinterpret_cast<PyTypeObject*>(PyObject_GetAttrString(module, "Parameter"));
+    Py_DECREF(module);
+    if (g_parameter == nullptr) {
+      PyErr_Clear();
+      return false;
+    }
+  }
+  return Py_TYPE(a) == g_parameter;
+}
+
+// False where the call's signature has no plan form: then the caller goes the Python way (None). So do
+// calls that need gradients (grad mode on and an input requiring them): autograd records those.
 bool read_signature(PyObject* const* args, Py_ssize_t n, std::vector<InputSig>& sig) {
   sig.resize(n);
+  const bool grad = c10::GradMode::is_enabled();
   for (Py_ssize_t i = 0; i < n; ++i) {
     PyObject* a = args[i];
     InputSig& s = sig[i];
-    s = InputSig();
+    s.reset();
     if (a == Py_None) {
       s.kind = kNone;
     } else if (THPVariable_Check(a)) {
+      if (!plain_tensor(a)) return false;
       const at::Tensor& t = THPVariable_Unpack(a);
-      if (!t.defined() || t.layout() != at::kStrided) return false;
+      if (!t.defined() || t.layout() != at::kStrided || (grad && t.requires_grad())) return false;
       s.kind = kTensor;
       s.dtype = static_cast<int8_t>(t.scalar_type());
       const at::Device dev = t.device();
@@ -347,7 +386,8 @@ void replayer_dealloc(Replayer* self) {
   Py_TYPE(self)->tp_free(reinterpret_cast<PyObject*>(self));
 }
 
-// replayer(*inputs): the op's result from its plan for these inputs, or None when it has none.
+// replayer(*inputs): the op's result from its plan for these inputs, or None when it has none, the call
+// needs gradients, or something traces (then the Python path decides).
 PyObject* replayer_call(PyObject* obj, PyObject* const* args, size_t nargsf, PyObject* kwnames) {
   auto* self = reinterpret_cast<Replayer*>(obj);
   const Py_ssize_t n = PyVectorcall_NARGS(nargsf);
@@ -356,6 +396,13 @@ PyObject* replayer_call(PyObject* obj, PyObject* const* args, size_t nargsf, PyO
     return nullptr;
   }
   if (self->count == 0) Py_RETURN_NONE;
+  // Nothing may be tracing (registry.eager): a dispatch mode (fake tensors, make_fx, a recording) or a
+  // functorch transform sees every op, and a replay would hide the launches from it.
+  // (functorch includes its dynamic-layer key in the thread's dispatch keys while a transform runs)
+  if (c10::impl::TorchDispatchModeTLS::stack_len() > 0 ||
+      c10::impl::tls_is_dispatch_key_included(c10::DispatchKey::FuncTorchDynamicLayerFrontMode)) {
+    Py_RETURN_NONE;
+  }
   std::vector<InputSig>& sig = *self->scratch;
   if (!read_signature(args, n, sig)) Py_RETURN_NONE;
   int device = -1;

@@ -10,7 +10,7 @@ tensors in place of the recorded ones.
 
 A body is replayable when, recorded: every launch went through ``launch.FastLaunch``'s cached path (or the
 interpreter), every tensor a kernel received lies inside an input or an output (an offset into one is kept:
-``x[..., d:]``; with ``SQUEEZESERVE_NATIVE_REPLAY=1``, a TMA descriptor's tensor too, and a replay makes
+``x[..., d:]``; unless ``SQUEEZESERVE_NATIVE_REPLAY=0``, a TMA descriptor's tensor too, and a replay makes
 the descriptor again over the call's), the outputs are fresh contiguous tensors, and no torch op other than
 allocations and views ran (a copy, a fill or a scratch buffer would not be repeated by a replay). Anything
 else runs the body on every call, as do calls that need gradients, calls whose inputs share memory (they
@@ -20,13 +20,13 @@ quant_matmul's split-K workspace, which every kernel leaves zeroed): a plan hold
 ``SQUEEZESERVE_LAUNCH_PLANS=0`` turns plans off, as does ``SQUEEZESERVE_FAST_LAUNCH=0`` (every launch
 through Triton's own dispatch).
 
-With ``SQUEEZESERVE_NATIVE_REPLAY=1`` and the C++ extension built (``kernels/ops/native.py``), a plan whose
-launches are all compiled kernels that ``cuLaunchKernel`` launches as Triton would is also handed to it, and
-later calls of its signature are replayed there: signature, allocation and launches in one C call, without
-the Python replay's signature tuple, ``torch.empty_like`` and Triton launcher (together 11.8 us of a 15.5 us
-softmax call on the H100's host: tests/benchmarks/NOTES.md). Calls it has no plan for come back to Python.
-The same switch makes the Gluon kernel's launches (TMA descriptors) replayable, in C++ or in Python: both
-wait for their first measurement on a GPU (kernels/ops/native.py).
+Where the C++ extension builds (``kernels/ops/native.py``; ``SQUEEZESERVE_NATIVE_REPLAY=0`` turns it off), a
+plan whose launches are all compiled kernels that ``cuLaunchKernel`` launches as Triton would is also handed
+to it, and later calls of its signature are replayed there: signature, allocation and launches in one C call,
+without the Python replay's signature tuple, ``torch.empty_like`` and Triton launcher (together 11.8 us of a
+15.5 us softmax call on the H100's host: tests/benchmarks/NOTES.md). Calls it has no plan for come back to
+Python. The same switch makes the Gluon kernel's launches (TMA descriptors) replayable, in C++ or in Python
+(both measured on the H100: kernels/ops/native.py).
 """
 
 from __future__ import annotations
@@ -298,6 +298,18 @@ class LaunchPlans:
             with direct_launches:
                 return body(*inputs)
         return self._record(key, plan, body, inputs)
+
+    def replayed(self, *inputs):
+        """The call's result replayed in C++, or None (no extension, no plan for these inputs, gradients
+        needed, something tracing or hooked): then the caller takes its usual path. The functional ops try
+        this first: a hit skips ``registry.eager``, ``EagerOp`` and ``__call__``, whose Python layers cost
+        the H100's host 2.8 us of an 8.3 us softmax call (tests/gpu/launch_probe.py; NOTES.md, fifteenth
+        session). The extension's call itself refuses calls needing gradients, under a dispatch mode or a
+        functorch transform, and tensor subclasses; torch.compile and launch hooks are checked here."""
+        native = self.native
+        if native is None or torch.compiler.is_compiling() or launch.launch_hooks():
+            return None
+        return native(*inputs)
 
     def clear(self) -> None:
         """Forget every plan (Python's and the extension's)."""

@@ -74,10 +74,12 @@ def register() -> None:
     registered = vllm_ops.register_custom_ops(ops)
     if features["quant"]:
         vllm_ops.register_quantization()
+    import torch
+
     from squeezeserve.kernels.ops import native
 
-    if native.NATIVE_REPLAY:  # built here (10-20 s the first time on a machine), not in the first request
-        native.load()
+    if native.NATIVE_REPLAY and torch.cuda.is_available():
+        native.load()  # built here (10-20 s the first time on a machine), not in the first request
     if registered:
         log.info(
             "squeezeserve plugin (pid %d): replaced %s; quantization method %s",

@@ -98,6 +98,50 @@ def test_a_call_whose_signature_differs_anywhere_is_a_miss(planned):
     assert replayer(x, w, 1e-6) is not None and len(log) == 1
 
 
+def test_calls_that_need_gradients_or_are_traced_take_the_python_path(planned):
+    # (registry.eager's conditions, checked in the C call: the Python path then decides what to do)
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    replayer, log, x, w = planned
+
+    class Sub(torch.Tensor):
+        pass
+
+    class Mode(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    assert replayer(x.clone().requires_grad_(), w, 1e-6) is None
+    with torch.no_grad():
+        assert replayer(x.clone().requires_grad_(), w, 1e-6) is not None
+    assert replayer(x.as_subclass(Sub), w, 1e-6) is None
+    assert replayer(x, torch.nn.Parameter(w, requires_grad=False), 1e-6) is not None  # (a module's weight)
+    with Mode():
+        assert replayer(x, w, 1e-6) is None
+    inside_vmap = []
+    torch.vmap(lambda row: inside_vmap.append(replayer(x, w, 1e-6)) or row)(torch.randn(2))
+    assert inside_vmap == [None]
+    assert len(log) == 2
+
+
+def test_functional_calls_try_the_cpp_replay_first(planned, monkeypatch):
+    from triton import knobs
+
+    from squeezeserve.kernels.ops import replay
+
+    replayer, log, x, w = planned
+    plans = replay.LaunchPlans()
+    assert plans.replayed(x, w, 1e-6) is None  # no extension yet: the usual path
+    plans.native = replayer
+    assert plans.replayed(x, w, 1e-6).shape == x.shape and len(log) == 1
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert plans.replayed(x, w, 1e-6) is None
+    monkeypatch.undo()
+    monkeypatch.setattr(knobs.runtime, "launch_enter_hook", lambda *a: None)  # a profiler's hook
+    assert plans.replayed(x, w, 1e-6) is None
+    assert len(log) == 1
+
+
 def test_the_memo_starts_over_when_full_and_clears(ext):
     module, _ = ext
     replayer = module.Replayer(2)
@@ -167,6 +211,7 @@ CASES = [
     "swiglu 16x14336",
     "silu_and_mul 16x28672",
     "softmax 16x32768",
+    "softmax 16x131072",  # split rows: their scratch is the long-lived workspace (constants in the plan)
     "quant_matmul 1x14336x4096 int4 g128",
     "quant_matmul 16x14336x4096 int4 g128",
     "quant_matmul 16x4096x14336 int4 g32 zp",
@@ -250,7 +295,7 @@ def _case(name: str):
         "softmax": (softmax._softmax, lambda: (t(rows, cols),)),
     }
     body, make = makes[name.split()[0]]
-    return body, make, lambda: ()
+    return body, make, softmax.workspace_buffers if name.startswith("softmax") else lambda: ()
 
 
 def _captured(body, inputs):
