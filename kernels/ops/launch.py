@@ -369,3 +369,34 @@ def rows_2d(x: torch.Tensor) -> torch.Tensor:
     if x.stride(-1) != 1:
         x = x.contiguous()
     return x.reshape(-1, x.shape[-1])
+
+
+class Workspace:
+    """Long-lived scratch tensors, one set per device, that the kernels using them leave zero (so no call
+    fills them, and a launch plan holds them as constants): ``workspace(device, *numels)`` returns tensors of
+    at least those sizes, of the dtypes and minimum sizes given as ``(dtype, minimum)`` pairs. Grown on
+    demand; a replaced set is kept alive, as plans and CUDA graphs made earlier still point at it. Kernels on
+    one stream run one after another; two streams using one device's set at once would share it (serving
+    engines use one)."""
+
+    def __init__(self, *specs: tuple[torch.dtype, int]) -> None:
+        self.specs = specs
+        self.current: dict[tuple[str, int | None], tuple[torch.Tensor, ...]] = {}
+        self.retired: list[tuple[torch.Tensor, ...]] = []
+
+    def __call__(self, device: torch.device, *numels: int) -> tuple[torch.Tensor, ...]:
+        key = (device.type, device.index)
+        tensors = self.current.get(key)
+        if tensors is None or any(t.numel() < n for t, n in zip(tensors, numels, strict=True)):
+            if tensors is not None:
+                self.retired.append(tensors)
+            tensors = tuple(
+                torch.zeros(max(n, minimum), dtype=dtype, device=device)
+                for (dtype, minimum), n in zip(self.specs, numels, strict=True)
+            )
+            self.current[key] = tensors
+        return tensors
+
+    def buffers(self) -> list[torch.Tensor]:
+        """Every tensor of every set, current and replaced (all kept alive and zero)."""
+        return [t for group in (*self.current.values(), *self.retired) for t in group]

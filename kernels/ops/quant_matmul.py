@@ -25,7 +25,7 @@ from triton.runtime import errors as triton_errors
 
 from squeezeserve.kernels import quant_layout, reference
 from squeezeserve.kernels.ops import launch
-from squeezeserve.kernels.ops.launch import cdiv, next_power_of_2, sm_count, traceable, wgmma
+from squeezeserve.kernels.ops.launch import Workspace, cdiv, next_power_of_2, sm_count, traceable, wgmma
 from squeezeserve.kernels.ops.quant_matmul_kernels import (
     _dequantize_kernel,
     _gemv_int4_kernel,
@@ -134,29 +134,11 @@ def check_inputs(
         )
 
 
-_WORKSPACES: dict[tuple[str, int | None], tuple[torch.Tensor, torch.Tensor]] = {}
-_RETIRED: list[tuple[torch.Tensor, torch.Tensor]] = []
-
-
-def _workspace(device: torch.device, numel: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The device's split-K workspace (fp32 partial sums, int32 tile counters), zero between calls: every
-    kernel zeroes what it used (``_write_tile`` MODE 2). Grown on demand; a replaced one is kept alive,
-    as CUDA graphs captured earlier still point at it. Kernels on one stream run one after another; two
-    streams running quant_matmul at once on one device would share it (serving engines use one)."""
-    key = (device.type, device.index)
-    ws, counts = _WORKSPACES.get(key, (None, None))
-    if ws is None or ws.numel() < numel or counts.numel() < tiles:
-        if ws is not None:
-            _RETIRED.append((ws, counts))
-        ws = torch.zeros(max(numel, 1 << 20), dtype=torch.float32, device=device)
-        counts = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
-        _WORKSPACES[key] = (ws, counts)
-    return ws, counts
-
-
-def workspace_buffers() -> list[torch.Tensor]:
-    """Every split-K workspace and counter tensor, current and replaced (all kept alive and zeroed)."""
-    return [t for pair in (*_WORKSPACES.values(), *_RETIRED) for t in pair]
+# The device's split-K workspace: fp32 partial sums, int32 tile counters; every kernel zeroes what it used
+# (``_write_tile`` MODE 2). ``_workspace(device, partials, tiles)``.
+_workspace = Workspace((torch.float32, 1 << 20), (torch.int32, 4096))
+_WORKSPACES = _workspace.current
+workspace_buffers = _workspace.buffers
 
 
 def _tile_k(group_size: int, k_in: int, bits: int) -> tuple[int, bool]:

@@ -14,7 +14,9 @@ paths:
   (:func:`_join_row`): no program waits unboundedly, and under the interpreter, which runs programs one at a
   time, every program but the last leaves. Waiting measured as fast as leaving at once, and its bytes do not
   depend on the left chunk still being in L2; the split path beat the online one at every width measured
-  (tests/benchmarks/NOTES.md).
+  (tests/benchmarks/NOTES.md). Eager calls keep the partials and state words in a long-lived per-device
+  workspace that the row's last program out zeroes again (:func:`_leave_row`), so a launch plan replays
+  them with no fill; calls torch may be tracing make theirs per call.
 - online, for wider rows: one program per row streams it once keeping a running max m and a running sum
   d = sum exp(x - m) (rescaled by exp(m_old - m_new) when the max grows), then reads it again and writes
   exp(x - m) / d: three passes over the row.
@@ -31,6 +33,7 @@ from torch.library import triton_op
 
 from squeezeserve.kernels import reference
 from squeezeserve.kernels.ops.launch import (
+    Workspace,
     block_rows,
     cdiv,
     next_power_of_2,
@@ -39,7 +42,7 @@ from squeezeserve.kernels.ops.launch import (
     traceable,
 )
 from squeezeserve.kernels.ops.replay import LaunchPlans
-from squeezeserve.kernels.registry import EagerOp, interpreting, use_reference
+from squeezeserve.kernels.registry import EagerOp, eager, interpreting, use_reference
 
 SINGLE_BLOCK_COLS = 65536
 ONLINE_BLOCK = 8192
@@ -94,6 +97,34 @@ def _join_row(state_ptr, chunk, n_chunks, SPINS: tl.constexpr):
         left = (prev == seen).to(tl.int32)
         seen = prev
     return left == 0, last, old >> 8
+
+
+@triton.jit
+def _leave_row(state_ptr, partials_ptr, n_partials, n_chunks, MAX_PARTIALS: tl.constexpr):
+    """Count this program out of its row (``state_ptr[1]``, the done count); the row's last program out
+    zeroes the row's state word, done count and ``n_partials`` partials, so the scratch is zero again for
+    the next launch (the long-lived workspace: :func:`_workspace`).
+
+    Called once a program reads neither the state word nor the partials again. Not the last arrival's job:
+    when it arrives, the row's other programs may still be polling the state word or about to
+    compare-and-swap their bit into it (:func:`_join_row`); zeroed under them, a poller would see too few
+    arrivals, swap its bit into the zero word and leave its chunk unwritten (and the word dirty). So every
+    program counts itself out after its last access to the state word (``_join_row``'s final atomic) and
+    its last load of the partials (the last arrival's loop over the left chunks then reads only x / dy, y
+    and m, d / dot from registers, so it counts itself out before that loop). The barrier orders every
+    thread's loads before the count, which one thread makes; the count releases them; the counts form one
+    release sequence, so the program whose count completes the row acquires every other program's: all
+    their state atomics and their partial stores and loads happen before its zeroing stores, and nothing of
+    this launch touches the row's words after. The next launch on the stream starts after this one ends.
+    Under the interpreter (one program at a time) the row's last arrival is also its last program out.
+    """
+    tl.debug_barrier()  # every thread's loads of the partials happen before the (releasing) count below
+    if tl.atomic_add(state_ptr + 1, 1, sem="acq_rel") == n_chunks - 1:
+        tl.debug_barrier()
+        tl.store(state_ptr, 0)
+        tl.store(state_ptr + 1, 0)
+        parts = tl.arange(0, MAX_PARTIALS)
+        tl.store(partials_ptr + parts, tl.zeros([MAX_PARTIALS], tl.float32), mask=parts < n_partials)
 
 
 @triton.jit
@@ -178,8 +209,8 @@ def _softmax_bwd(
 def _softmax_fwd_split(
     x_ptr,  # [rows, n] input
     y_ptr,  # [rows, n] out: softmax(x)
-    stats_ptr,  # [rows, n_chunks, 2] fp32 scratch: each chunk's (m_c, d_c)
-    state_ptr,  # [rows] int32, zeroed: arrivals and left chunks of each row (_join_row)
+    stats_ptr,  # [rows, n_chunks, 2] fp32 scratch, left zero: each chunk's (m_c, d_c)
+    state_ptr,  # [rows, 2] int32, zero and left zero: each row's state word (_join_row) and done count
     x_row_stride,
     y_row_stride,
     n_cols,
@@ -207,13 +238,16 @@ def _softmax_fwd_split(
     tl.store(stats, m_c)
     tl.store(stats + 1, d_c)
     tl.debug_barrier()  # every thread's stores happen before the (releasing) count below
-    write_own, last, left = _join_row(state_ptr + row, chunk, n_chunks, SPINS)
+    write_own, last, left = _join_row(state_ptr + row * 2, chunk, n_chunks, SPINS)
+    parts = tl.arange(0, MAX_CHUNKS)
+    row_stats = stats_ptr + (row * n_chunks + parts) * 2
+    mine = parts < n_chunks * write_own  # (a program that left reads none)
+    # .cg: read the siblings' statistics from L2 (L1 is not coherent across SMs). Read before counting out:
+    # the row's last program out zeroes them.
+    m_all = tl.load(row_stats, mask=mine, other=-float("inf"), cache_modifier=".cg")
+    d_all = tl.load(row_stats + 1, mask=mine, other=0.0, cache_modifier=".cg")
+    _leave_row(state_ptr + row * 2, stats_ptr + row * n_chunks * 2, n_chunks * 2, n_chunks, MAX_CHUNKS * 2)
     if write_own:
-        parts = tl.arange(0, MAX_CHUNKS)
-        row_stats = stats_ptr + (row * n_chunks + parts) * 2
-        # .cg: read the siblings' statistics from L2 (L1 is not coherent across SMs).
-        m_all = tl.load(row_stats, mask=parts < n_chunks, other=-float("inf"), cache_modifier=".cg")
-        d_all = tl.load(row_stats + 1, mask=parts < n_chunks, other=0.0, cache_modifier=".cg")
         m = tl.max(m_all, axis=0)
         d = tl.sum(d_all * tl.exp(m_all - m), axis=0)
         y_row = y_ptr + row * y_row_stride
@@ -231,8 +265,8 @@ def _softmax_bwd_split(
     dy_ptr,  # [rows, n] upstream gradient
     y_ptr,  # [rows, n] softmax output
     dx_ptr,  # [rows, n] out
-    partial_ptr,  # [rows, n_chunks] fp32 scratch: each chunk's sum(dy y)
-    state_ptr,  # [rows] int32, zeroed (_join_row)
+    partial_ptr,  # [rows, n_chunks] fp32 scratch, left zero: each chunk's sum(dy y)
+    state_ptr,  # [rows, 2] int32, zero and left zero: each row's state word (_join_row) and done count
     dy_row_stride,
     y_row_stride,
     dx_row_stride,
@@ -255,15 +289,13 @@ def _softmax_bwd_split(
     y = tl.load(y_row + chunk * CHUNK + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(partial_ptr + row * n_chunks + chunk, tl.sum(dy * y, axis=0))
     tl.debug_barrier()
-    write_own, last, left = _join_row(state_ptr + row, chunk, n_chunks, SPINS)
+    write_own, last, left = _join_row(state_ptr + row * 2, chunk, n_chunks, SPINS)
+    parts = tl.arange(0, MAX_CHUNKS)
+    mine = parts < n_chunks * write_own
+    p_all = tl.load(partial_ptr + row * n_chunks + parts, mask=mine, other=0.0, cache_modifier=".cg")
+    _leave_row(state_ptr + row * 2, partial_ptr + row * n_chunks, n_chunks, n_chunks, MAX_CHUNKS)
     if write_own:
-        parts = tl.arange(0, MAX_CHUNKS)
-        dot = tl.sum(
-            tl.load(
-                partial_ptr + row * n_chunks + parts, mask=parts < n_chunks, other=0.0, cache_modifier=".cg"
-            ),
-            axis=0,
-        )
+        dot = tl.sum(p_all, axis=0)
         dx_row = dx_ptr + row * dx_row_stride
         tl.store(dx_row + chunk * CHUNK + cols, (y * (dy - dot)).to(dx_row.dtype.element_ty), mask=mask)
         if last:
@@ -294,11 +326,21 @@ def launch_config(n_cols: int) -> tuple[int, bool, int]:
     return block, single, num_warps_for(block)
 
 
-def _split_scratch(rows: int, n_cols: int, per_chunk: int, device: torch.device):
-    """(n_chunks, fp32 partials [rows, n_chunks, per_chunk], zeroed int32 arrival counts [rows])."""
-    n_chunks = cdiv(n_cols, SPLIT_CHUNK)
-    partials = torch.empty((rows, n_chunks, per_chunk), dtype=torch.float32, device=device)
-    return n_chunks, partials, torch.zeros(rows, dtype=torch.int32, device=device)
+# The device's split-path scratch: fp32 partials, int32 row states [rows, 2]; every split kernel zeroes what
+# it used (:func:`_leave_row`), so eager calls need no fill and a launch plan can replay them.
+_workspace = Workspace((torch.float32, 1 << 16), (torch.int32, 1 << 13))
+workspace_buffers = _workspace.buffers
+
+
+def _split_scratch(inputs: tuple[torch.Tensor, ...], rows: int, n_chunks: int, per_chunk: int):
+    """(fp32 partials [rows, n_chunks, per_chunk], zero int32 row states [rows, 2]) for a split launch over
+    ``inputs``: the long-lived workspace on eager calls, else (torch may be tracing the launch, and the
+    workspace is state outside the op's inputs) made for the call."""
+    n_partials, device = rows * n_chunks * per_chunk, inputs[0].device
+    if eager(*inputs):
+        return _workspace(device, n_partials, rows * 2)
+    partials = torch.empty(n_partials, dtype=torch.float32, device=device)
+    return partials, torch.zeros(rows * 2, dtype=torch.int32, device=device)
 
 
 def _launch(split_kernel, row_kernel, inputs: tuple[torch.Tensor, ...], out: torch.Tensor, per_chunk: int):
@@ -311,9 +353,10 @@ def _launch(split_kernel, row_kernel, inputs: tuple[torch.Tensor, ...], out: tor
         return
     strides = [t.stride(0) for t in (*inputs, out)]
     if not single and _split(n):
-        n_chunks, partials, arrivals = _split_scratch(rows, n, per_chunk, out.device)
+        n_chunks = cdiv(n, SPLIT_CHUNK)
+        partials, state = _split_scratch(inputs, rows, n_chunks, per_chunk)
         traceable(split_kernel)[(rows * n_chunks,)](
-            *inputs, out, partials, arrivals, *strides, n, n_chunks,
+            *inputs, out, partials, state, *strides, n, n_chunks,
             CHUNK=SPLIT_CHUNK, MAX_CHUNKS=next_power_of_2(n_chunks), SPINS=_spins(), num_warps=SPLIT_WARPS,
         )  # fmt: skip
     else:
@@ -367,6 +410,11 @@ def _grad(ctx, grad, backward=softmax_backward):
 
 softmax.register_autograd(_grad, setup_context=_setup)
 # The same body and formula for eager calls, without the dispatcher (registry.EagerOp); calls without
-# gradients replay their recorded launches (replay.LaunchPlans; rows wider than one block allocate scratch
-# and run the body every call).
-softmax_eager = EagerOp(_softmax, _setup, partial(_grad, backward=_softmax_backward), plans=LaunchPlans())
+# gradients replay their recorded launches (replay.LaunchPlans), split rows included: their scratch is the
+# long-lived workspace, which a plan holds as a constant.
+softmax_eager = EagerOp(
+    _softmax,
+    _setup,
+    partial(_grad, backward=_softmax_backward),
+    plans=LaunchPlans(persistent=workspace_buffers),
+)

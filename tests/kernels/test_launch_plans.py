@@ -154,6 +154,26 @@ def test_functional_calls_without_gradients_go_through_the_plans(device, fresh_p
     assert len(softmax_op.softmax_eager.plans.plans) == 1
 
 
+def test_softmax_plans_replay_split_rows_through_the_workspace(device, fresh_plans):
+    # Rows wider than one block meet in the split path's long-lived workspace, which softmax_eager's plans
+    # hold as a constant: the body runs once, replays equal its launches bit for bit and leave it zero.
+    op = softmax_op.softmax_eager
+    body = Counting(op.forward)
+    shape = (2, softmax_op.SINGLE_BLOCK_COLS + 3616)  # 9 chunks, the last ragged
+    with torch.no_grad():
+        with registry.direct_launches:  # the workspace made first: making it is a fill, which no plan repeats
+            softmax_op._softmax(torch.randn(shape, device=device))
+        for _ in range(3):
+            x = torch.randn(shape, device=device)
+            got = op.plans(body, (x,))
+            with registry.direct_launches:
+                expected = softmax_op._softmax(x)
+            assert torch.equal(got, expected)
+    assert body.runs == 1, "the body ran again where the plan should have replayed"
+    assert isinstance(next(iter(op.plans.plans.values())), replay._Plan)
+    assert all(not t.any() for t in softmax_op.workspace_buffers()), "a replay left scratch in the workspace"
+
+
 def test_a_new_signature_records_a_new_plan(device, fresh_plans):
     op = rmsnorm_op.rmsnorm_eager
     w = torch.rand(32, device=device) + 0.5

@@ -1,5 +1,6 @@
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from squeezeserve.kernels import functional as K
 from squeezeserve.kernels import reference
@@ -35,6 +36,40 @@ def test_softmax_wide_row_paths(spins, max_chunks, device, check, monkeypatch):
     out = K.softmax(x)
     assert torch.all(out[0, : softmax_op.SPLIT_CHUNK + 5] == 0)
     check.close(out, reference.softmax(x), torch.float32)
+
+
+@pytest.mark.parametrize(
+    "n_cols",
+    # 9 chunks, the last of one column; 10 whole chunks; 17 chunks (of 32 the kernel reads), the last ragged
+    [softmax_op.SINGLE_BLOCK_COLS + 1, 10 * softmax_op.SPLIT_CHUNK, 2 * softmax_op.SINGLE_BLOCK_COLS + 100],
+)
+def test_split_rows_leave_the_workspace_zero(n_cols, device, check):
+    # Eager split calls meet in the long-lived workspace, which each launch's last program out zeroes again
+    # (state words, done counts, partials): call after call gives the right forward and backward.
+    assert softmax_op._split(n_cols)
+    for _ in range(3):
+        _check_softmax((2, n_cols), torch.float32, device, check)
+        assert softmax_op._workspace.current, "the eager split path did not take the workspace"
+        assert all(not t.any() for t in softmax_op.workspace_buffers()), "a split launch left scratch behind"
+
+
+def test_split_rows_take_per_call_scratch_when_torch_may_trace(device, check, monkeypatch):
+    # A dispatch mode other than a launch plan's recorder may be tracing: the workspace (state outside the
+    # op's inputs) stays out of the launch.
+    monkeypatch.setattr(softmax_op._workspace, "current", {})
+    monkeypatch.setattr(softmax_op._workspace, "retired", [])
+
+    class Tracing(TorchDispatchMode):  # (runs every op as it is, but is not a plan's recorder)
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    x = torch.randn(2, softmax_op.SINGLE_BLOCK_COLS + 3616, device=device)
+    with torch.no_grad(), Tracing():
+        out = softmax_op._softmax(x)
+        grad = softmax_op._softmax_backward(torch.ones_like(x), out)
+    assert not softmax_op.workspace_buffers()
+    check.close(out, reference.softmax(x), torch.float32)
+    check.close(grad, reference.softmax_backward(torch.ones_like(x), out), torch.float32)
 
 
 def _check_softmax(shape, dtype, device, check):
