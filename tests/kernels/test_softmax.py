@@ -60,6 +60,8 @@ def test_split_rows_take_per_call_scratch_when_torch_may_trace(device, check, mo
     monkeypatch.setattr(softmax_op._workspace, "retired", [])
 
     class Tracing(TorchDispatchMode):  # (runs every op as it is, but is not a plan's recorder)
+        supports_higher_order_operators = True  # (compiled, a launch is wrap_triton's operator)
+
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             return func(*args, **(kwargs or {}))
 
