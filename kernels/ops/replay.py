@@ -306,8 +306,10 @@ class LaunchPlans:
         the H100's host 2.8 us of an 8.3 us softmax call (tests/gpu/launch_probe.py; NOTES.md, fifteenth
         session). The extension's call itself refuses calls needing gradients, under a dispatch mode or a
         functorch transform, and tensor subclasses; torch.compile and launch hooks are checked here."""
+        if torch.compiler.is_compiling():  # first: dynamo then never reads (and guards on) ``native``
+            return None
         native = self.native
-        if native is None or torch.compiler.is_compiling() or launch.launch_hooks():
+        if native is None or launch.launch_hooks():
             return None
         return native(*inputs)
 

@@ -142,6 +142,31 @@ def test_functional_calls_try_the_cpp_replay_first(planned, monkeypatch):
     assert len(log) == 1
 
 
+def test_compiled_code_does_not_guard_on_the_replayer(planned):
+    # vLLM compiles its forward once; the replayer appears later, with an op's first plan. Compiled code must
+    # not have read it: a guard on it would recompile (or, where vLLM skips guards, keep a stale branch).
+    from squeezeserve.kernels.ops import replay
+
+    replayer, log, x, w = planned
+    plans = replay.LaunchPlans()
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    def f(t):
+        out = plans.replayed(t, w, 1e-6)
+        return t * 2 if out is None else out
+
+    torch._dynamo.reset()
+    compiled = torch.compile(f, backend=backend, fullgraph=True)
+    assert torch.equal(compiled(x), x * 2)
+    plans.native = replayer
+    assert torch.equal(compiled(x), x * 2) and len(graphs) == 1
+    assert plans.replayed(x, w, 1e-6) is not None and len(log) == 1  # (eagerly it replays)
+
+
 def test_the_memo_starts_over_when_full_and_clears(ext):
     module, _ = ext
     replayer = module.Replayer(2)
