@@ -3,7 +3,7 @@
 # package on top. `squeezeserve worker --engine vllm` execs `vllm serve`, and vLLM loads our kernels and
 # quantization method through the `vllm.general_plugins` entry point.
 # Build from the repository root:  docker build -f docker/worker-vllm.Dockerfile -t squeezeserve/worker-vllm:0.1.0 .
-# One stage: the base image is the runtime, and our package is pure Python (nothing to compile).
+# One stage: the base image is the runtime; our package is Python plus one C++ extension, built below.
 FROM vllm/vllm-openai:v0.26.0
 
 WORKDIR /opt/squeezeserve/src
@@ -15,6 +15,14 @@ COPY kernels ./kernels
 RUN python3 -m pip freeze --exclude-editable > /tmp/vllm-constraints.txt \
     && python3 -m pip install --no-cache-dir --constraint /tmp/vllm-constraints.txt . \
     && rm /tmp/vllm-constraints.txt
+# The C++ replay of our ops' launch plans (kernels/csrc/replay.cpp), built here against the image's torch: no
+# pod compiles it at start, nor needs a compiler or a writable cache for it (kernels/ops/native.py). A C++
+# compiler comes from the distribution only where the base image has none.
+ENV SQUEEZESERVE_NATIVE_DIR=/opt/squeezeserve/native
+# hadolint ignore=DL3008
+RUN (command -v c++ >/dev/null || (apt-get update && apt-get install -y --no-install-recommends g++ \
+        && rm -rf /var/lib/apt/lists/*)) \
+    && python3 -c "from squeezeserve.kernels.ops import native; print(native.build())"
 
 # vLLM's image runs as root; ours does not. HOME holds vLLM's and Triton's caches, SQUEEZESERVE_HOME the
 # model cache (a volume: compressed checkpoints and Hugging Face downloads survive restarts).

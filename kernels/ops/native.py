@@ -49,6 +49,10 @@ _loaded: list = []  # [module or None] once load() has run
 
 
 def cache_dir() -> Path:
+    """``$SQUEEZESERVE_NATIVE_DIR`` (an image's build, made at its build: docker/worker-vllm.Dockerfile), else
+    ``$SQUEEZESERVE_HOME/native``."""
+    if os.environ.get("SQUEEZESERVE_NATIVE_DIR"):
+        return Path(os.environ["SQUEEZESERVE_NATIVE_DIR"]).expanduser()
     # (service/paths.py's home(), written again: kernels import nothing of the service, tests/test_layers.py)
     home = os.environ.get("SQUEEZESERVE_HOME")
     return (Path(home).expanduser() if home else Path.home() / ".cache" / "squeezeserve") / "native"

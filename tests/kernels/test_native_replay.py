@@ -210,7 +210,15 @@ def test_scalar_parameters_are_packed_as_triton_s_launcher_packs_them():
     assert native._constant("nvTmaDesc", 0) is None
 
 
-def test_off_unless_asked_for(monkeypatch):
+def test_the_build_goes_where_the_environment_says(monkeypatch, tmp_path):
+    monkeypatch.delenv("SQUEEZESERVE_NATIVE_DIR", raising=False)
+    monkeypatch.setenv("SQUEEZESERVE_HOME", str(tmp_path / "home"))
+    assert native.cache_dir() == tmp_path / "home" / "native"
+    monkeypatch.setenv("SQUEEZESERVE_NATIVE_DIR", str(tmp_path / "image"))  # (an image's build)
+    assert native.cache_dir() == tmp_path / "image"
+
+
+def test_off_when_switched_off(monkeypatch):  # (SQUEEZESERVE_NATIVE_REPLAY=0)
     monkeypatch.setattr(native, "_loaded", [])
     monkeypatch.setattr(native, "NATIVE_REPLAY", False)
     assert native.load() is None
