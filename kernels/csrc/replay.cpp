@@ -136,7 +136,6 @@ uint64_t hash_of(const std::vector<InputSig>& sig, int device) {
   return h;
 }
 
-// The signature of a call's inputs; false when an input is of a kind no plan takes (a miss, not an error).
 PyTypeObject* g_parameter = nullptr;  // torch.nn.Parameter
 
 // A plain tensor: torch.Tensor or nn.Parameter exactly (registry.eager's _PLAIN); a subclass may mean
@@ -159,8 +158,9 @@ bool plain_tensor(PyObject* a) {
   return Py_TYPE(a) == g_parameter;
 }
 
-// False where the call's signature has no plan form: then the caller goes the Python way (None). So do
-// calls that need gradients (grad mode on and an input requiring them): autograd records those.
+// The signature of a call's inputs; false when an input is of a kind no plan takes (a miss, not an error:
+// the caller goes the Python way), and for calls that need gradients (grad mode on and an input requiring
+// them), which autograd records.
 bool read_signature(PyObject* const* args, Py_ssize_t n, std::vector<InputSig>& sig) {
   sig.resize(n);
   const bool grad = c10::GradMode::is_enabled();
