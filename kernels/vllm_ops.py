@@ -177,13 +177,11 @@ def quant_linear(
     group = scheme.group_size_for(x.shape[-1])
     args = (x, weight_packed, weight_scale, weight_zero_point, group, scheme.bits)
     y = quant_matmul_eager.plans.replayed(*args)  # (its plan replayed in C++: no Python layer)
-    if y is not None:
-        return y + bias if bias is not None else y
-    if eager(*args[:4]):
+    if y is None and eager(*args[:4]):
         # Nothing traces (vLLM's eager prompt forwards, decode graph captures): the op's body without torch's
         # dispatcher, with launch plans (quant_matmul_eager).
         y = quant_matmul_eager(*args)
-    else:
+    elif y is None:
         # The opaque op: vLLM compiles one graph for all batch sizes, and a traced-through quant_matmul would
         # keep the kernel choice of the size it was traced at.
         y = torch.ops.squeezeserve.quant_matmul_opaque(*args)

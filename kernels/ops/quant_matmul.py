@@ -137,7 +137,6 @@ def check_inputs(
 # The device's split-K workspace: fp32 partial sums, int32 tile counters; every kernel zeroes what it used
 # (``_write_tile`` MODE 2). ``_workspace(device, partials, tiles)``.
 _workspace = Workspace((torch.float32, 1 << 20), (torch.int32, 4096))
-_WORKSPACES = _workspace.current
 workspace_buffers = _workspace.buffers
 
 

@@ -56,7 +56,7 @@ def _rel(y: torch.Tensor, y_ref: torch.Tensor) -> float:
 def _check(x: torch.Tensor, idx: torch.Tensor, cb: torch.Tensor, bits: int, dense: torch.Tensor) -> None:
     """codebook_matmul against x @ W.T; on a mismatch, what tells a wrong kernel from a race or a split-K
     workspace left dirty: the error per row, two more runs of the same call, and the workspace's state."""
-    dirty = any(ws.any().item() or c.any().item() for ws, c in quant_matmul._WORKSPACES.values())
+    dirty = any(ws.any().item() or c.any().item() for ws, c in quant_matmul._workspace.current.values())
     y_ref = x @ dense.t()
     err = _rel(K.codebook_matmul(x, idx, cb, 0, bits), y_ref)
     if err < 1e-2:

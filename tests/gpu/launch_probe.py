@@ -366,6 +366,8 @@ def plan_report() -> None:
     """``--plans``: for quant_matmul's probe shapes, what a recording of the serving path sees (its launches,
     torch ops other than views, aliasing) and whether it makes a plan; then whether the calls the probe's
     rows make (the opaque op first) leave a plan or failed recordings in ``quant_matmul_eager``'s memo."""
+    from squeezeserve.kernels.registry import direct_launches
+
     qm = quant_matmul
     assert qm.quant_matmul_opaque  # registers the op
     opaque = torch.ops.squeezeserve.quant_matmul_opaque
@@ -379,7 +381,7 @@ def plan_report() -> None:
                 views = replay._OnlyViews()
                 launch.recording.launches = launches
                 try:
-                    with registry_direct(), views:
+                    with direct_launches, views:
                         result = qm._quant_matmul(*inputs)
                 finally:
                     launch.recording.launches = None
@@ -403,12 +405,6 @@ def plan_report() -> None:
                     f"C++ plans {native_plans}",
                     flush=True,
                 )
-
-
-def registry_direct():
-    from squeezeserve.kernels.registry import direct_launches
-
-    return direct_launches
 
 
 def main() -> None:

@@ -64,7 +64,7 @@ def test_word_wise_lut_kernel_matches_lookup_then_matmul(m, n, k, group, bits, c
     rel = ((y.float().cpu() - expected).norm() / expected.norm()).item()
     assert y.dtype == torch.bfloat16 and y.shape == (m, n)
     assert rel < 1e-2, rel
-    for ws, counts in qm._WORKSPACES.values():
+    for ws, counts in qm._workspace.current.values():
         assert not ws.any() and not counts.any()
 
 
@@ -80,7 +80,7 @@ def test_split_k_partials_meet_and_leave_the_workspace_clean(traced, device, mon
         y = K.codebook_matmul(x, indices, codebook, 0, 4)
         expected = x.cpu().float() @ dense.T
         assert ((y.cpu().float() - expected).norm() / expected.norm()).item() < 2e-3
-    for ws, counts in qm._WORKSPACES.values():
+    for ws, counts in qm._workspace.current.values():
         assert not ws.any() and not counts.any()
 
 
@@ -146,7 +146,7 @@ def test_fma_kernel_matches_lookup_then_matmul(n, k, group, block_k, split, dtyp
     rel = ((y.float().cpu() - expected).norm() / expected.norm()).item()
     assert y.dtype == dtype and y.shape == (1, n)
     assert rel < (1e-2 if dtype == torch.bfloat16 else 2e-3), rel
-    for ws, counts in qm._WORKSPACES.values():
+    for ws, counts in qm._workspace.current.values():
         assert not ws.any() and not counts.any()
 
 
@@ -252,7 +252,7 @@ def test_codebook_matmul_in_the_gpus_configuration(k, bits, cfg, dtype, device):
         expected = x.cpu().float() @ dense.T
         rel = ((y.float().cpu() - expected).norm() / expected.norm()).item()
         assert rel < (1e-2 if dtype == torch.bfloat16 else 2e-3), (m, rel)
-    for ws, counts in qm._WORKSPACES.values():
+    for ws, counts in qm._workspace.current.values():
         assert not ws.any() and not counts.any()
 
 

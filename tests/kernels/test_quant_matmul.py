@@ -88,7 +88,7 @@ def test_fma_kernel_at_the_gpus_deep_tiles(m, k, group, split, symmetric, dtype,
     )
     rel = ((y.float() - ref).norm() / ref.norm()).item()
     assert rel < (1e-2 if dtype == torch.bfloat16 else 2e-3), rel
-    for ws, counts in qm._WORKSPACES.values():
+    for ws, counts in qm._workspace.current.values():
         assert not ws.any() and not counts.any()
 
 
@@ -106,7 +106,7 @@ def test_split_k_partials_meet_and_leave_the_workspace_clean(traced, device, mon
         y = K.quant_matmul(x, tensors["weight_packed"], tensors["weight_scale"], None, group, 4)
         ref = _dense_reference(x, tensors, (n, k), group, 4)
         assert ((y.float() - ref).norm() / ref.norm()).item() < 2e-3
-    for ws, counts in qm._WORKSPACES.values():
+    for ws, counts in qm._workspace.current.values():
         assert not ws.any() and not counts.any()
 
 
