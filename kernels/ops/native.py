@@ -12,9 +12,11 @@ cannot be built (no compiler, no headers) the Python replay runs, as before, and
 On by default; ``SQUEEZESERVE_NATIVE_REPLAY=0`` turns it off, and with it the Gluon kernel's descriptor plans.
 CI checks on CPU, byte for byte, that a replay passes our kernels (compiled for sm_90) what their op bodies
 pass them (tests/kernels/test_native_replay.py). On the H100 (2026-11-25, fifteenth session) every plan of
-tests/kernels/test_launch_plans.py and test_quant_matmul_gluon.py replayed through it equal to the op bodies,
-and ``tests/gpu/launch_probe.py`` timed an eager ``K.rmsnorm`` of 16x4096 at 8.7 us (15.7 replayed in Python;
-``F.rms_norm`` 9.3) and a 256-row ``quant_matmul_eager`` at 7.7-8.5 us (28-29 in Python; the body 84).
+tests/kernels/test_launch_plans.py and test_quant_matmul_gluon.py replayed through it equal to the op bodies
+(the stream-K launches within one bf16 rounding step, as the body against itself), and
+``tests/gpu/launch_probe.py`` timed an eager ``K.rmsnorm`` of 16x4096 at 8.7 us (15.7 replayed in Python;
+``F.rms_norm`` 9.3); at the session's final code a 256-row ``quant_matmul_eager`` call took 7.2-7.4 us of host
+time (18-26 replayed in Python; its body 64-78).
 
 :func:`launch_spec` (through ``replay._native_spec``) turns a recorded plan whose every launch is a compiled
 Triton kernel launched the way ``cuLaunchKernel`` launches (one CTA a cluster, no programmatic dependent

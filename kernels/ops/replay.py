@@ -302,10 +302,11 @@ class LaunchPlans:
     def replayed(self, *inputs):
         """The call's result replayed in C++, or None (no extension, no plan for these inputs, gradients
         needed, something tracing or hooked): then the caller takes its usual path. The functional ops try
-        this first: a hit skips ``registry.eager``, ``EagerOp`` and ``__call__``, whose Python layers cost
-        the H100's host 2.8 us of an 8.3 us softmax call (tests/gpu/launch_probe.py; NOTES.md, fifteenth
-        session). The extension's call itself refuses calls needing gradients, under a dispatch mode or a
-        functorch transform, and tensor subclasses; torch.compile and launch hooks are checked here."""
+        this first: a hit skips ``registry.eager``, ``EagerOp`` and ``__call__``, whose Python layers cost the
+        H100's host 3.2 us of an 8.3 us softmax 1x4096 call, the replayer alone 5.1
+        (tests/gpu/launch_probe.py; NOTES.md, fifteenth session). The extension's call itself refuses calls
+        needing gradients, under a dispatch mode or a functorch transform, and tensor subclasses;
+        torch.compile and launch hooks are checked here."""
         if torch.compiler.is_compiling():  # first: dynamo then never reads (and guards on) ``native``
             return None
         native = self.native
