@@ -46,6 +46,7 @@ from typing import Any
 import torch
 
 from squeezeserve.kernels import functional
+from squeezeserve.kernels.ops import quant_matmul
 from squeezeserve.kernels.ops.quant_matmul import quant_matmul_eager
 from squeezeserve.kernels.registry import eager
 
@@ -192,9 +193,10 @@ def quant_linear(
 # its decode sizes into CUDA graphs, but prompt chunks run eagerly, and each prefill path of quant_matmul
 # (the Triton GEMM's row-count tilings, dequantize + cuBLAS) is compiled on its first call. 128, 256 and 512
 # rows reach every kernel of quant_matmul.prefill_tuning that the "auto" rule runs (a tiling with and without
-# K splits: fill_split's count changes with the row tiles), 2048 the dequantize kernel; Triton compiles a row
-# count that is not a multiple of 16 separately (127, 255, 511). A compile in a running server stalls every
-# sequence in flight (vLLM's JIT monitor logged one in synth run 23).
+# K splits: fill_split's count changes with the row tiles), 2048 the dequantize kernel (narrow outputs take it
+# only inside CUDA graphs: it is compiled here for those); Triton compiles a row count that is not a multiple
+# of 16 separately (127, 255, 511). A compile in a running server stalls every sequence in flight (vLLM's JIT
+# monitor logged one in synth run 23).
 PREFILL_WARM_ROWS = (127, 128, 255, 256, 511, 512, 2048)
 
 
@@ -202,12 +204,13 @@ def warm_prefill(layer: torch.nn.Module, scheme: WeightOnlyScheme, dtype: torch.
     """Run the layer's prefill kernels once on zeros (each distinct kernel compiles once per process). Not
     through quant_linear: the op probe (_note) counts serving calls only."""
     k_in = layer.input_size_per_partition
-    zero = getattr(layer, "weight_zero_point", None)
+    weight = (layer.weight_packed, layer.weight_scale, getattr(layer, "weight_zero_point", None))
+    group = scheme.group_size_for(k_in)
     for rows in PREFILL_WARM_ROWS:
         x = torch.zeros(rows, k_in, dtype=dtype, device=layer.weight_packed.device)
-        torch.ops.squeezeserve.quant_matmul_opaque(
-            x, layer.weight_packed, layer.weight_scale, zero, scheme.group_size_for(k_in), scheme.bits
-        )
+        torch.ops.squeezeserve.quant_matmul_opaque(x, *weight, group, scheme.bits)
+    if layer.weight_packed.shape[0] < quant_matmul.TRITON_PREFILL_MIN_N_ANY:
+        quant_matmul.dequantize(*weight, k_in, group, scheme.bits, dtype)
 
 
 # --- on vLLM's CPU backend: the packed CPU forms torch has matmuls for -------------------------------------

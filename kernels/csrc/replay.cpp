@@ -26,6 +26,7 @@
 
 #include <ATen/ops/empty.h>
 #include <c10/core/GradMode.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/core/impl/TorchDispatchModeTLS.h>
 #include <torch/csrc/Dtype.h>
@@ -278,6 +279,49 @@ bool cuda_functions() {
   return true;
 }
 
+// The CUDA device-guard implementation torch registers when its CUDA library loads (null in a CPU build):
+// the current device and stream through it cost no Python call (on the H100's host the two Python calls
+// above took about 0.5 us of a replay).
+const c10::impl::DeviceGuardImplInterface* cuda_guard() {
+  return c10::impl::device_guard_impl_registry[static_cast<size_t>(c10::DeviceType::CUDA)].load();
+}
+
+// triton.knobs.runtime (set_launch_hooks), whose launch hooks a replay must not skip: a profiler (proton)
+// sees launches through them, so a call with one installed goes the Python way, which runs them.
+PyObject* g_runtime_knobs = nullptr;
+PyObject* g_hook_names[2] = {nullptr, nullptr};
+PyObject* g_calls_name = nullptr;
+
+// launch.launch_hooks() in C: true where either hook is set (Triton 3.6 keeps empty HookChains: their
+// `calls` list decides; older releases a callable or None).
+bool launch_hooked() {
+  if (g_runtime_knobs == nullptr) return false;
+  for (PyObject* name : g_hook_names) {
+    PyObject* hook = PyObject_GetAttr(g_runtime_knobs, name);
+    if (hook == nullptr) {
+      PyErr_Clear();
+      continue;
+    }
+    if (hook == Py_None) {
+      Py_DECREF(hook);
+      continue;
+    }
+    PyObject* calls = PyObject_GetAttr(hook, g_calls_name);
+    Py_DECREF(hook);
+    if (calls == nullptr) {
+      PyErr_Clear();
+      return true;  // a plain callable
+    }
+    const int set = PyObject_IsTrue(calls);
+    Py_DECREF(calls);
+    if (set != 0) {
+      PyErr_Clear();  // (-1: undecidable, taken as set)
+      return true;
+    }
+  }
+  return false;
+}
+
 long call_long(PyObject* fn, PyObject* arg) {  // -1 with an exception set on failure
   PyObject* r = arg == nullptr ? PyObject_CallNoArgs(fn) : PyObject_CallOneArg(fn, arg);
   if (r == nullptr) return -1;
@@ -395,7 +439,7 @@ PyObject* replayer_call(PyObject* obj, PyObject* const* args, size_t nargsf, PyO
     PyErr_SetString(PyExc_TypeError, "Replayer takes the op's inputs by position");
     return nullptr;
   }
-  if (self->count == 0) Py_RETURN_NONE;
+  if (self->count == 0 || launch_hooked()) Py_RETURN_NONE;
   // Nothing may be tracing (registry.eager): a dispatch mode (fake tensors, make_fx, a recording) or a
   // functorch transform sees every op, and a replay would hide the launches from it.
   // (functorch includes its dynamic-layer key in the thread's dispatch keys while a transform runs)
@@ -406,10 +450,21 @@ PyObject* replayer_call(PyObject* obj, PyObject* const* args, size_t nargsf, PyO
   std::vector<InputSig>& sig = *self->scratch;
   if (!read_signature(args, n, sig)) Py_RETURN_NONE;
   int device = -1;
+  const c10::impl::DeviceGuardImplInterface* guard = nullptr;
   if (n > 0 && sig[0].kind == kTensor && sig[0].device >= 0 && g_dry_run == nullptr) {
-    if (!cuda_functions()) return nullptr;
-    device = static_cast<int>(call_long(g_get_device, nullptr));
-    if (device < 0 && PyErr_Occurred()) return nullptr;
+    guard = cuda_guard();
+    if (guard != nullptr) {
+      try {
+        device = guard->getDevice().index();
+      } catch (const std::exception& e) {
+        PyErr_SetString(PyExc_RuntimeError, e.what());
+        return nullptr;
+      }
+    } else {
+      if (!cuda_functions()) return nullptr;
+      device = static_cast<int>(call_long(g_get_device, nullptr));
+      if (device < 0 && PyErr_Occurred()) return nullptr;
+    }
   } else if (n > 0 && sig[0].kind == kTensor) {
     device = sig[0].device;  // dry run: the first input's device stands for the current one
   }
@@ -433,7 +488,15 @@ PyObject* replayer_call(PyObject* obj, PyObject* const* args, size_t nargsf, PyO
       return nullptr;
     }
   }
-  if (d != nullptr && device >= 0) {
+  if (d != nullptr && device >= 0 && guard != nullptr) {
+    try {
+      const c10::Device here(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(device));
+      stream = reinterpret_cast<long>(guard->getStreamNativeHandle(guard->getStream(here)));
+    } catch (const std::exception& e) {
+      PyErr_SetString(PyExc_RuntimeError, e.what());
+      return nullptr;
+    }
+  } else if (d != nullptr && device >= 0) {
     PyObject* index = PyLong_FromLong(device);
     if (index == nullptr) return nullptr;
     stream = call_long(g_get_stream, index);
@@ -751,9 +814,24 @@ PyObject* set_dry_run(PyObject*, PyObject* arg) {
   Py_RETURN_NONE;
 }
 
+PyObject* set_launch_hooks(PyObject*, PyObject* arg) {
+  if (g_calls_name == nullptr) {
+    g_hook_names[0] = PyUnicode_InternFromString("launch_enter_hook");
+    g_hook_names[1] = PyUnicode_InternFromString("launch_exit_hook");
+    g_calls_name = PyUnicode_InternFromString("calls");
+    if (g_hook_names[0] == nullptr || g_hook_names[1] == nullptr || g_calls_name == nullptr) return nullptr;
+  }
+  Py_XDECREF(g_runtime_knobs);
+  g_runtime_knobs = arg == Py_None ? nullptr : arg;
+  Py_XINCREF(g_runtime_knobs);
+  Py_RETURN_NONE;
+}
+
 PyMethodDef module_methods[] = {
     {"set_dry_run", set_dry_run, METH_O,
      "set_dry_run(list | None): while a list is set, launches append what they would pass the driver to it"},
+    {"set_launch_hooks", set_launch_hooks, METH_O,
+     "set_launch_hooks(triton.knobs.runtime | None): replays refuse calls while it has a launch hook set"},
     {nullptr, nullptr, 0, nullptr},
 };
 

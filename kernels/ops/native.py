@@ -40,6 +40,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+from triton import knobs
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +123,7 @@ def _import(path: Path):
     spec = importlib.util.spec_from_file_location(MODULE, str(path), loader=loader)
     module = importlib.util.module_from_spec(spec)
     loader.exec_module(module)
+    module.set_launch_hooks(knobs.runtime)  # (launch.launch_hooks's check, made by each replay in C)
     return module
 
 

@@ -48,7 +48,14 @@ SKINNY_MAX_M = 64
 # dequantize + cuBLAS (0.77-0.81x at 1024 rows and 0.84-1.0x from 2048, where the Triton GEMM reaches
 # 0.64-0.80x).
 # Outputs narrower than TRITON_PREFILL_MIN_N_ANY (the bundled model's, 576-3072) leave most SMs idle in the
-# Triton GEMM while their dense weights cost cuBLAS little (int4-serve run f: c=64 0.86x Marlin's tokens/s).
+# Triton GEMM while their dense weights cost cuBLAS little: inside a CUDA graph (GPU time only) they take
+# dequantize + cuBLAS (H100, fp16 g32, 128-2048 rows: 4.9-15.6 us against the Triton GEMM's 12.0-30.2);
+# outside one, up to TRITON_PREFILL_NARROW_MAX_M rows, the Triton GEMM, whose call its launch plan replays
+# (host 6.9-13.3 us against 55.9-58.7 for dequantize + cuBLAS, whose matmul no plan holds:
+# `launch_probe.py --quant-shapes`, results/quant_host_bundled_h100_2026-11-26.log). Before the C++ replay,
+# the Triton GEMM's Python launches cost more than cuBLAS's GPU time saved (int4-serve run f: c=64 0.86x
+# Marlin's tokens/s); with it, the bundled g32 model's prompts were host-bound on dequantize + cuBLAS (TTFT
+# at c=1 34.4 ms against Marlin's 21.9; NOTES.md, sixteenth session).
 PREFILL = "auto"
 # On Hopper, "auto" runs the Gluon GEMM (quant_matmul_gluon.py: dequantization overlapped with the tensor
 # cores' products, a loading warp of its own) where it takes the inputs and was measured faster than the paths
@@ -85,6 +92,7 @@ GLUON_DECODE_BLOCK_K, GLUON_DECODE_MIN_GROUP, GLUON_DECODE_SMALL_GROUP = 256, 12
 GLUON_DECODE_MIN_WEIGHT, GLUON_DECODE_MIN_WEIGHT_WIDE, GLUON_DECODE_WIDE_MIN_M = 1 << 27, 1 << 25, 17
 TRITON_PREFILL_MAX_M, TRITON_PREFILL_WIDE_MAX_M = 256, 512
 TRITON_PREFILL_MIN_N, TRITON_PREFILL_MIN_N_ANY, TRITON_PREFILL_MIN_K = 8192, 4096, 8192
+TRITON_PREFILL_NARROW_MAX_M = 2048
 # Rows up to which the FMA kernel beats the tensor-core one where groups align to its GEMV_BLOCK_K tiles and
 # hold at most GEMV_ROWS_MAX_GROUP values (g32_probe.py --sweep-gemv-rows, H100: g32 1.0-1.4x faster at 2
 # rows, slower at 4); other groups one row. Since the tensor-core kernel reads int32 words, 2 rows of g128 run
@@ -93,6 +101,18 @@ TRITON_PREFILL_MIN_N, TRITON_PREFILL_MIN_N_ANY, TRITON_PREFILL_MIN_K = 8192, 409
 GEMV_MAX_M = 2
 GEMV_ROWS_MAX_GROUP = 64
 GEMV_BLOCK_K = 512  # the FMA kernel's K tile where groups align to it (g32_probe.py --sweep-gemv-narrow)
+# Row split: past ROW_SPLIT_TILE rows, a remainder of at most SKINNY_MAX_M rows over whole tiles costs the
+# prefill GEMMs a tile row of their own (256-row tiles: 288 rows cost what 512 do), so those rows run as a
+# decode into the output's last rows ("auto": on Hopper, for the weights where that was measured faster:
+# outputs of at least TRITON_PREFILL_MIN_N or K at least TRITON_PREFILL_MIN_K, up to ROW_SPLIT_MAX_M rows;
+# "on": wherever the rows allow, "off": never). vLLM's mixed steps at c=64 are such rows: a 256-token prompt
+# and the running decodes. H100, g128 (g32), 288 / 320 rows (tests/gpu/gluon_prefill_probe.py --ms
+# 32,64,256,288,320, results/rows_h100_2026-11-26.log): 28672 x 4096 259.6 / 246.2 us as one GEMM, 256 rows
+# 100.3 (115.3) and 32 / 64 decode rows 37.0 / 50.6 (52.1 / 66.0) apart; 4096 x 14336 109.6 / 111.0 against
+# 72.1 + 22.6 / 29.9; 14336^2 414.2 / 400.8 against 173.6 + 57.3 / 78.9. The 4096- and 6144-wide weights
+# with K = 4096 were as fast or faster as one GEMM (4096^2 31.7 at 320 rows against 31.0 + 16.1).
+ROW_SPLIT = "auto"
+ROW_SPLIT_TILE, ROW_SPLIT_MAX_M = 256, 1024
 # bf16: 0x4300 is 128.0 with a 7-bit mantissa (integers 128..255 exact); fp16: 0x6400 is 1024.0 with a
 # 10-bit mantissa (1024..2047 exact).
 _MAGIC = {torch.bfloat16: (0x4300, 128.0, 7), torch.float16: (0x6400, 1024.0, 10)}
@@ -244,21 +264,56 @@ def _quant_matmul(
         x2 = x2.contiguous()
     m = x2.shape[0]
     qweight, scales = qweight.contiguous(), scales.contiguous()
-    zero_arg = zeros.contiguous() if zeros is not None else qweight
+    weight = (qweight, scales, zeros, zeros.contiguous() if zeros is not None else qweight, group_size, bits)
+    head = split_rows(x2, n_out, k_in)
+    if not head:
+        return _rows(x2, *weight, None).reshape(*x.shape[:-1], n_out)
+    y = torch.empty((m, n_out), dtype=x.dtype, device=x.device)
+    _rows(x2[:head], *weight, y[:head])
+    _rows(x2[head:], *weight, y[head:])
+    return y.reshape(*x.shape[:-1], n_out)
+
+
+def split_rows(x2: torch.Tensor, n_out: int, k_in: int) -> int:
+    """The rows that run as a prefill before the rest run as a decode (ROW_SPLIT's comment), or 0: one
+    GEMM. Eager calls only (the parts write into one output, which the traced paths' fp32 sums do not)."""
+    m = x2.shape[0]
+    rest = m % ROW_SPLIT_TILE
+    if ROW_SPLIT == "off" or m <= ROW_SPLIT_TILE or not 0 < rest <= SKINNY_MAX_M:
+        return 0
+    if ROW_SPLIT == "auto" and not (
+        m <= ROW_SPLIT_MAX_M
+        and (n_out >= TRITON_PREFILL_MIN_N or k_in >= TRITON_PREFILL_MIN_K)
+        and not interpreting()
+        and x2.is_cuda
+        and wgmma(x2.device)
+    ):
+        return 0
+    return m - rest if eager(x2) else 0
+
+
+def _rows(x2, qweight, scales, zeros, zero_arg, group_size, bits, out) -> torch.Tensor:
+    """x2 @ W.T, written into ``out`` where given (eager calls: split_rows), else into a new tensor."""
+    m, n_out, k_in = x2.shape[0], qweight.shape[0], x2.shape[1]
     if m > SKINNY_MAX_M:
         if _gluon_prefill(x2, qweight, scales, zeros, group_size, bits):
-            cfg = gluon_tiles(m, n_out, k_in, sm_count(x.device))
-            y = _gluon(x2, qweight, scales, zeros, group_size, cfg)
+            cfg = gluon_tiles(m, n_out, k_in, sm_count(x2.device))
+            y = _gluon(x2, qweight, scales, zeros, group_size, cfg, out)
             if y is not None:
-                return y.reshape(*x.shape[:-1], n_out)
-        if not (PREFILL == "triton" or (PREFILL == "auto" and prefill_in_triton(m, n_out, k_in, group_size))):
-            weight = dequantize(qweight, scales, zeros, k_in, group_size, bits, x.dtype)
-            return (x2 @ weight.t()).reshape(*x.shape[:-1], n_out)
-        return _prefill(x2, qweight, scales, zeros, zero_arg, group_size, bits).reshape(*x.shape[:-1], n_out)
+                return y
+        # (whether a CUDA graph is capturing decides only narrow outputs: asked for those alone)
+        graphed = n_out < TRITON_PREFILL_MIN_N_ANY and x2.is_cuda and torch.cuda.is_current_stream_capturing()
+        if not (
+            PREFILL == "triton"
+            or (PREFILL == "auto" and prefill_in_triton(m, n_out, k_in, group_size, graphed))
+        ):
+            weight = dequantize(qweight, scales, zeros, k_in, group_size, bits, x2.dtype)
+            return torch.matmul(x2, weight.t(), out=out)
+        return _prefill(x2, qweight, scales, zeros, zero_arg, group_size, bits, out)
     if _gluon_decode(x2, qweight, scales, zeros, group_size, bits):
-        y = _gluon(x2, qweight, scales, zeros, group_size, gluon_decode_tiles(m, sm_count(x.device)))
+        y = _gluon(x2, qweight, scales, zeros, group_size, gluon_decode_tiles(m, sm_count(x2.device)), out)
         if y is not None:
-            return y.reshape(*x.shape[:-1], n_out)
+            return y
     per16 = 16 // bits
     deep = GEMV_BLOCK_K % group_size == 0 or group_size % GEMV_BLOCK_K == 0  # whole groups a tile, or in one
     # The FMA kernel reads whole int32 words (groups of 8 values or more).
@@ -267,13 +322,13 @@ def _quant_matmul(
     if gemv:
         kernel, block_m, prescale = _gemv_int4_kernel, next_power_of_2(m), False
         block_k = GEMV_BLOCK_K if deep and not interpreting() else (256 if group_size % 256 == 0 else 128)
-        cfg = tuning("gemv", m, n_out, k_in, block_k, x.device, group_size < block_k, group_size=group_size)
+        cfg = tuning("gemv", m, n_out, k_in, block_k, x2.device, group_size < block_k, group_size=group_size)
         block_k = cfg.get("BLOCK_K", block_k)  # a probe's tiling (groups aligned to it, as above)
     else:
         kernel, block_m = _skinny_kernel, (16 if m <= 16 else (32 if m <= 32 else 64))
         block_k, prescale = _tile_k(group_size, k_in, bits)
-        cfg = tuning("mma", m, n_out, k_in, block_k, x.device, prescale, bits, zeros=zeros is not None)
-    magic, bias, mantissa = _MAGIC[x.dtype]
+        cfg = tuning("mma", m, n_out, k_in, block_k, x2.device, prescale, bits, zeros=zeros is not None)
+    magic, bias, mantissa = _MAGIC[x2.dtype]
     if bits >= mantissa:  # int8 values do not fit bf16's 7-bit mantissa: converted instead (BIAS 0)
         magic, bias = 0, 0.0
     tiles = cdiv(k_in, block_k)
@@ -282,10 +337,9 @@ def _quant_matmul(
     grid = (cdiv(n_out, cfg["BLOCK_N"]), cdiv(m, block_m), split)
     # Split-K partials meet in a self-cleaning workspace (one launch) unless torch may be tracing the
     # launch (the workspace is state outside the op's inputs): then in a zeroed fp32 y, cast afterwards.
-    mode = 0 if split == 1 else (2 if eager(x, qweight, scales, zeros) else 1)
-    y = (torch.zeros if mode == 1 else torch.empty)((m, n_out), dtype=torch.float32 if mode == 1 else x.dtype,
-                                                     device=x.device)  # fmt: skip
-    ws, counts = _workspace(x.device, m * n_out, grid[0] * grid[1]) if mode == 2 and m else (y, y)
+    mode = 0 if split == 1 else (2 if eager(x2, qweight, scales, zeros) else 1)
+    y = _output(m, n_out, x2, mode, out)
+    ws, counts = _workspace(x2.device, m * n_out, grid[0] * grid[1]) if mode == 2 and m else (y, y)
     if m:
         args = (
             x2, qweight, scales, zero_arg, y, ws, counts, m, n_out, k_in,
@@ -303,13 +357,28 @@ def _quant_matmul(
             meta |= {"STAGES": cfg["num_stages"], "GPT": _groups_per_tile(group_size, block_k, 8)}
         else:
             # NATIVE: the interpreter's bf16 arithmetic is wrong on the bitcast values, as its bf16 tl.dot is.
-            bf16_interpreted = interpreting() and x.dtype == torch.bfloat16
+            bf16_interpreted = interpreting() and x2.dtype == torch.bfloat16
             meta |= {"BITS": bits, "MAGIC": magic, "BIAS": bias, "PRESCALE": prescale,
-                     "NATIVE": scales.dtype == x.dtype and not bf16_interpreted,
+                     "NATIVE": scales.dtype == x2.dtype and not bf16_interpreted,
                      "GPT": _groups_per_tile(group_size, block_k, per16),
                      "DOT_FP32": bf16_interpreted}  # fmt: skip
         traceable(kernel)[grid](*args, **meta)
-    return y.to(x.dtype).reshape(*x.shape[:-1], n_out)
+    return _finish(y, out, x2.dtype)
+
+
+def _output(m: int, n_out: int, x2: torch.Tensor, mode: int, out: torch.Tensor | None) -> torch.Tensor:
+    """Where a kernel writes: ``out`` (or a new tensor) in the activations' dtype, or, where split parts meet
+    in it (mode 1), zeroed fp32 sums."""
+    if mode == 1:
+        return torch.zeros((m, n_out), dtype=torch.float32, device=x2.device)
+    return out if out is not None else torch.empty((m, n_out), dtype=x2.dtype, device=x2.device)
+
+
+def _finish(y: torch.Tensor, out: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """The result of a kernel that wrote ``y`` (_output): in ``dtype``, and in ``out`` where given."""
+    if out is None or y is out:
+        return y.to(dtype)
+    return out.copy_(y)
 
 
 # Why the Gluon kernel does not run in this process, once it could not: Gluon's Hopper API did not import,
@@ -427,13 +496,14 @@ def gluon_tiles(m: int, n_out: int, k_in: int, sms: int) -> dict:
     return cfg | ({"programs": sms} if cdiv(n_out, 128) * cdiv(m, block_m) < sms // 2 else {})
 
 
-def _gluon(x2, qweight, scales, zeros, group_size, cfg: dict) -> torch.Tensor | None:
-    """Launch the Gluon kernel at tiling ``cfg``; parts of tiles meet in the workspace (the caller checked
-    eager()). None where the kernel does not compile with this Triton: it is then off (GLUON_OFF)."""
+def _gluon(x2, qweight, scales, zeros, group_size, cfg: dict, out=None) -> torch.Tensor | None:
+    """Launch the Gluon kernel at tiling ``cfg`` (into ``out`` where given); parts of tiles meet in the
+    workspace (the caller checked eager()). None where the kernel does not compile with this Triton: it is
+    then off (GLUON_OFF)."""
     from squeezeserve.kernels.ops import quant_matmul_gluon
 
     m, n_out = x2.shape[0], qweight.shape[0]
-    y = torch.empty((m, n_out), dtype=x2.dtype, device=x2.device)
+    y = _output(m, n_out, x2, 2, out)
     tiles = cdiv(m, cfg["block_m"]) * cdiv(n_out, cfg.get("block_n", 128))
     ws, counts = _workspace(x2.device, m * n_out, tiles)
     zeros = zeros.contiguous() if zeros is not None else None  # (qweight and scales are, from the caller)
@@ -450,11 +520,12 @@ def _gluon(x2, qweight, scales, zeros, group_size, cfg: dict) -> torch.Tensor | 
     return y
 
 
-def prefill_in_triton(m: int, n_out: int, k_in: int, group_size: int) -> bool:
+def prefill_in_triton(m: int, n_out: int, k_in: int, group_size: int, graphed: bool = False) -> bool:
     """Whether ``PREFILL="auto"`` runs ``m`` rows of this weight on the Triton GEMM (else dequantize +
-    cuBLAS); the rule and its measurements are PREFILL's comment."""
+    cuBLAS), ``graphed``: inside a CUDA graph's capture; the rule and its measurements are PREFILL's
+    comment."""
     if n_out < TRITON_PREFILL_MIN_N_ANY:
-        return False
+        return not graphed and m <= TRITON_PREFILL_NARROW_MAX_M
     if n_out >= TRITON_PREFILL_MIN_N:
         wide_or_deep = group_size >= 64
     else:  # narrow: K splits fill the SMs (fill_split), which pays where K is long
@@ -506,8 +577,9 @@ def prefill_tiles(m: int, n_out: int, k_in: int, sms: int) -> dict:
             "SWIZZLE": 8}  # fmt: skip
 
 
-def _prefill(x2, qweight, scales, zeros, zero_arg, group_size, bits) -> torch.Tensor:
-    """Launch :func:`_prefill_kernel` over [M, N] tiles, split along K as the tuning says."""
+def _prefill(x2, qweight, scales, zeros, zero_arg, group_size, bits, out=None) -> torch.Tensor:
+    """Launch :func:`_prefill_kernel` over [M, N] tiles, split along K as the tuning says (into ``out`` where
+    given)."""
     m, k_in = x2.shape
     n_out = qweight.shape[0]
     cfg = prefill_tuning(m, n_out, k_in, group_size, bits, x2.device)
@@ -517,8 +589,7 @@ def _prefill(x2, qweight, scales, zeros, zero_arg, group_size, bits) -> torch.Te
     split = cdiv(tiles, tiles_per_split)
     grid = (cdiv(n_out, cfg["BLOCK_N"]) * cdiv(m, cfg["BLOCK_M"]), 1, split)
     mode = 0 if split == 1 else (2 if eager(x2, qweight, scales, zeros) else 1)
-    dtype = torch.float32 if mode == 1 else x2.dtype
-    y = (torch.zeros if mode == 1 else torch.empty)((m, n_out), dtype=dtype, device=x2.device)
+    y = _output(m, n_out, x2, mode, out)
     ws, counts = _workspace(x2.device, m * n_out, grid[0]) if mode == 2 else (y, y)
     magic, bias, mantissa = _MAGIC[x2.dtype]
     if bits >= mantissa:  # int8 values do not fit bf16's 7-bit mantissa: converted instead (BIAS 0)
@@ -535,7 +606,7 @@ def _prefill(x2, qweight, scales, zeros, zero_arg, group_size, bits) -> torch.Te
         DOT_FP32=bf16_interpreted, ASYNC_MMA=not interpreting() and wgmma(x2.device),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
-    return y.to(x2.dtype)
+    return _finish(y, out, x2.dtype)
 
 
 def dequantize(

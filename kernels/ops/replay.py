@@ -305,14 +305,12 @@ class LaunchPlans:
         this first: a hit skips ``registry.eager``, ``EagerOp`` and ``__call__``, whose Python layers cost the
         H100's host 3.2 us of an 8.3 us softmax 1x4096 call, the replayer alone 5.1
         (tests/gpu/launch_probe.py; NOTES.md, fifteenth session). The extension's call itself refuses calls
-        needing gradients, under a dispatch mode or a functorch transform, and tensor subclasses;
-        torch.compile and launch hooks are checked here."""
+        while a launch hook is set, calls needing gradients, under a dispatch mode or a functorch transform,
+        and tensor subclasses; torch.compile is checked here (kernels/functional.py inlines this)."""
         if torch.compiler.is_compiling():  # first: dynamo then never reads (and guards on) ``native``
             return None
         native = self.native
-        if native is None or launch.launch_hooks():
-            return None
-        return native(*inputs)
+        return None if native is None else native(*inputs)
 
     def clear(self) -> None:
         """Forget every plan (Python's and the extension's)."""

@@ -20,6 +20,11 @@ from squeezeserve.kernels.registry import EagerOp, use_reference
 
 # Columns per program; a 2-D grid of [rows, columns] tiles keeps each row contiguous for the packed form.
 BLOCK = 1024
+# Large shapes (at least BIG_GRID programs of one row each) take one row a program, up to BIG_BLOCK columns
+# (BIG_BLOCK_BWD in the backward), on 16 warps: at 16384 x 4096 and 16384 x 14336 (bf16, H100,
+# tests/gpu/swiglu_probe.py) the forward streams 2976-2988 GB/s against 2858-2913 on BLOCK-wide tiles of
+# two rows and 4 warps, the backward 2980-3039 against 2852-2897 (Liger's fwd+bwd: 2921-3005).
+BIG_GRID, BIG_BLOCK, BIG_BLOCK_BWD, BIG_WARPS = 1024, 8192, 16384, 16
 
 
 @triton.jit
@@ -105,10 +110,14 @@ def _check_pair(gate: torch.Tensor, up: torch.Tensor, op: str) -> None:
         )
 
 
-def _tiles(rows: int, d: int) -> tuple[int, int, tuple[int, int]]:
+def _tiles(rows: int, d: int, backward: bool = False) -> tuple[int, int, tuple[int, int], int]:
+    """(rows a tile, columns a tile, grid, warps) for ``rows`` x ``d``."""
+    big = min(BIG_BLOCK_BWD if backward else BIG_BLOCK, next_power_of_2(d))
+    if isinstance(rows, int) and rows * cdiv(d, big) >= BIG_GRID:  # (a traced row count: the tiles below)
+        return 1, big, (rows, cdiv(d, big)), BIG_WARPS
     block = min(BLOCK, next_power_of_2(d))
     rows_per_tile = block_rows(rows, block)
-    return rows_per_tile, block, (cdiv(rows, rows_per_tile), cdiv(d, block))
+    return rows_per_tile, block, (cdiv(rows, rows_per_tile), cdiv(d, block)), 4
 
 
 def _launch_fwd(
@@ -117,10 +126,10 @@ def _launch_fwd(
     rows, d = out2.shape
     if rows == 0 or d == 0:
         return
-    rows_per_tile, block, grid = _tiles(rows, d)
+    rows_per_tile, block, grid, warps = _tiles(rows, d)
     traceable(_swiglu_fwd)[grid](
         gate2, up2, out2, gate2.stride(0), up2.stride(0), out2.stride(0), d, alpha, limit, rows,
-        BLOCK_R=rows_per_tile, BLOCK=block, OAI=oai,
+        BLOCK_R=rows_per_tile, BLOCK=block, OAI=oai, num_warps=warps,
     )  # fmt: skip
 
 
@@ -128,11 +137,11 @@ def _launch_bwd(g2, gate2, up2, dgate2, dup2, alpha: float, limit: float, oai: b
     rows, d = g2.shape
     if rows == 0 or d == 0:
         return
-    rows_per_tile, block, grid = _tiles(rows, d)
+    rows_per_tile, block, grid, warps = _tiles(rows, d, backward=True)
     traceable(_swiglu_bwd)[grid](
         g2, gate2, up2, dgate2, dup2,
         g2.stride(0), gate2.stride(0), up2.stride(0), dgate2.stride(0), dup2.stride(0),
-        d, alpha, limit, rows, BLOCK_R=rows_per_tile, BLOCK=block, OAI=oai,
+        d, alpha, limit, rows, BLOCK_R=rows_per_tile, BLOCK=block, OAI=oai, num_warps=warps,
     )  # fmt: skip
 
 

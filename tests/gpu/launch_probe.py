@@ -17,7 +17,7 @@ graphs) at prompt sizes, which vLLM runs eagerly (its CUDA graphs hold decode st
 enqueue time of 200 calls without a sync (the GPU work, 20-130 us a call, would otherwise be timed), against
 the call's GPU time (CUDA graph replay) and torch's bf16 matmul (cuBLAS, all C++).
 
-    python3 tests/gpu/launch_probe.py [--quant]
+    python3 tests/gpu/launch_probe.py [--quant | --quant-shapes N:K,... GROUP M,... [float16]]
 """
 
 from __future__ import annotations
@@ -238,12 +238,12 @@ def enqueue_us(fn, calls: int = 200) -> float:
     return host
 
 
-def _direct(body, x, qweight, scales):
+def _direct(body, x, qweight, scales, group=128):
     """``body`` as the opaque op runs it: kernels launched directly, not through torch's wrap_triton."""
     from squeezeserve.kernels.registry import direct_launches
 
     with direct_launches:
-        return body(x, qweight, scales, None, 128, 4)
+        return body(x, qweight, scales, None, group, 4)
 
 
 def _dispatched(fn, *args):
@@ -255,35 +255,59 @@ def _dispatched(fn, *args):
         launch.FAST_LAUNCH = True
 
 
-def quant_host() -> None:
+def _prefill_forced(path: str, fn, *args):
+    """``fn(*args)`` with quant_matmul.PREFILL set to ``path`` (plans are per signature, not per path: the
+    caller's plans must be cleared around it)."""
+    saved, quant_matmul.PREFILL = quant_matmul.PREFILL, path
+    try:
+        return fn(*args)
+    finally:
+        quant_matmul.PREFILL = saved
+
+
+def quant_host(shapes=((14336, 4096), (4096, 14336), (6144, 4096)), group=128, ms=(16, 128, 256, 512, 2048),
+               dtype=torch.bfloat16) -> None:  # fmt: skip
     from triton.testing import do_bench_cudagraph
 
     assert quant_matmul.quant_matmul_opaque  # registers the op
     opaque = torch.ops.squeezeserve.quant_matmul_opaque  # what our vLLM method calls
-    for n, k in ((14336, 4096), (4096, 14336), (6144, 4096)):
-        t = quant_layout.pack_weight(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / 64, 4, 128)
-        qw, sc = t["weight_packed"], t["weight_scale"]
-        dense = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
-        for m in (16, 128, 256, 512, 2048):
-            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    eager = quant_matmul.quant_matmul_eager
+    for n, k in shapes:
+        t = quant_layout.pack_weight(torch.randn(n, k, device="cuda", dtype=dtype) / 64, 4, group)
+        qw, sc = t["weight_packed"], t["weight_scale"].to(dtype)
+        dense = torch.randn(n, k, device="cuda", dtype=dtype)
+        for m in ms:
+            x = torch.randn(m, k, device="cuda", dtype=dtype)
             rows = {
-                "quant_matmul_opaque": lambda x=x, q=qw, s=sc: opaque(x, q, s, None, 128, 4),
-                "quant_matmul_eager": lambda x=x, q=qw, s=sc: quant_matmul.quant_matmul_eager(
-                    x, q, s, None, 128, 4
-                ),
+                "quant_matmul_opaque": lambda x=x, q=qw, s=sc: opaque(x, q, s, None, group, 4),
+                "quant_matmul_eager": lambda x=x, q=qw, s=sc: eager(x, q, s, None, group, 4),
                 "quant_matmul_eager, plan replayed in Python": python_plans(
-                    quant_matmul.quant_matmul_eager,
-                    lambda x=x, q=qw, s=sc: quant_matmul.quant_matmul_eager(x, q, s, None, 128, 4),
+                    eager, lambda x=x, q=qw, s=sc: eager(x, q, s, None, group, 4)
                 ),
-                "K.quant_matmul": lambda x=x, q=qw, s=sc: K.quant_matmul(x, q, s, None, 128, 4),
+                "K.quant_matmul": lambda x=x, q=qw, s=sc: K.quant_matmul(x, q, s, None, group, 4),
                 "K.quant_matmul, Triton's dispatch": lambda x=x, q=qw, s=sc: _dispatched(
-                    K.quant_matmul, x, q, s, None, 128, 4
+                    K.quant_matmul, x, q, s, None, group, 4
                 ),
                 "its body (_quant_matmul)": lambda x=x, q=qw, s=sc: _direct(
-                    quant_matmul._quant_matmul, x, q, s
+                    quant_matmul._quant_matmul, x, q, s, group
                 ),
-                "torch bf16 x @ w.t()": lambda x=x, d=dense: x @ d.t(),
+                "torch x @ w.t()": lambda x=x, d=dense: x @ d.t(),
             }
+            if m > quant_matmul.SKINNY_MAX_M:  # each prefill path, its plan recorded and replayed
+                for path in ("triton", "dequantize"):
+                    timed = {}
+                    for name, fn in (("host", enqueue_us), ("GPU", None)):
+                        eager.plans.clear()
+                        run = lambda x=x, q=qw, s=sc, p=path: _prefill_forced(  # noqa: E731
+                            p, eager, x, q, s, None, group, 4
+                        )
+                        for _ in range(20):
+                            run()
+                        timed[name] = (min(fn(run) for _ in range(ROUNDS)) if fn else
+                                       do_bench_cudagraph(run, rep=20) * 1e3)  # fmt: skip
+                    print(f"{m}x{n}x{k} g{group}: quant_matmul_eager, PREFILL={path}: "
+                          f"host {timed['host']:.1f} us, GPU {timed['GPU']:.1f} us", flush=True)  # fmt: skip
+                eager.plans.clear()
             for fn in rows.values():
                 for _ in range(20):
                     fn()
@@ -420,6 +444,11 @@ def main() -> None:
     if sys.argv[1:] == ["--quant"]:
         quant_host()
         quant_parts()
+        return
+    if sys.argv[1:2] == ["--quant-shapes"]:  # --quant-shapes N:K,... GROUP M,... [float16]: those only
+        shapes = [tuple(int(v) for v in s.split(":")) for s in sys.argv[2].split(",")]
+        dtype = getattr(torch, sys.argv[5]) if len(sys.argv) > 5 else torch.bfloat16
+        quant_host(shapes, int(sys.argv[3]), [int(v) for v in sys.argv[4].split(",")], dtype)
         return
     for shape in ((16, 32768), (1, 4096)):
         print(f"softmax {shape}:")

@@ -125,11 +125,13 @@ def test_the_cpp_replay_equals_the_registered_op(name, device, fresh_plans, cpp_
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the C++ replay launches on a GPU")
-@pytest.mark.parametrize("m", [1, 5, 70], ids=["fma", "skinny-split", "prefill-split"])
+@pytest.mark.parametrize("m", [1, 5, 70, 264], ids=["fma", "skinny-split", "prefill-split", "row-split"])
 def test_the_cpp_replay_of_quant_matmul_equals_its_body(m, device, monkeypatch, cpp_replay):
+    # (row-split: the prefill writes the output's first 256 rows, a decode kernel the rest: one plan)
     from squeezeserve.kernels.ops import quant_matmul as qm
 
     monkeypatch.setattr(qm, "PREFILL", "triton")
+    monkeypatch.setattr(qm, "ROW_SPLIT", "on")
     plans = replay.LaunchPlans(persistent=qm.workspace_buffers)
     qweight, scales = _packed_weight(40, 256, 32, device)
     with torch.no_grad():

@@ -142,6 +142,30 @@ def test_functional_calls_try_the_cpp_replay_first(planned, monkeypatch):
     assert len(log) == 1
 
 
+def test_the_replayer_refuses_calls_while_a_launch_hook_is_set(planned):
+    # The check is the extension's own (no Python frame a call): Triton's hook chains, added to and removed
+    # from as proton does, and a hook assigned outright, as older code does.
+    from triton import knobs
+
+    replayer, log, x, w = planned
+    seen = []
+    for name in ("launch_enter_hook", "launch_exit_hook"):
+        chain = getattr(knobs.runtime, name)
+        chain.add(seen.append)
+        try:
+            assert replayer(x, w, 1e-6) is None
+        finally:
+            chain.remove(seen.append)
+        assert replayer(x, w, 1e-6) is not None
+    saved = knobs.runtime.launch_exit_hook
+    knobs.runtime.launch_exit_hook = seen.append
+    try:
+        assert replayer(x, w, 1e-6) is None
+    finally:
+        knobs.runtime.launch_exit_hook = saved
+    assert replayer(x, w, 1e-6) is not None and len(log) == 3
+
+
 def test_compiled_code_does_not_guard_on_the_replayer(planned):
     # vLLM compiles its forward once; the replayer appears later, with an op's first plan. Compiled code must
     # not have read it: a guard on it would recompile (or, where vLLM skips guards, keep a stale branch).

@@ -3,7 +3,7 @@ import dataclasses
 import pytest
 import torch
 
-from squeezeserve.kernels import QuantLinear
+from squeezeserve.kernels import QuantLinear, registry
 from squeezeserve.kernels import functional as K
 from squeezeserve.kernels import quant_layout as ql
 from squeezeserve.kernels.ops import quant_matmul as qm
@@ -305,8 +305,7 @@ def test_prefill_tiles_measured_choices():
 def test_auto_prefill_rule():
     # Measured on the H100 (tests/benchmarks/NOTES.md, 2026-11-25): the Triton GEMM up to 256 rows of
     # outputs 4096 wide or more; at 512 rows where outputs are 8192 wide in groups of 64 or more, or
-    # narrower over a K of 8192 or more; dequantize + cuBLAS from 1024 rows and for the bundled model's
-    # narrow outputs.
+    # narrower over a K of 8192 or more; dequantize + cuBLAS from 1024 rows.
     rule = qm.prefill_in_triton
     assert rule(128, 4096, 4096, 32) and rule(256, 14336, 4096, 32) and rule(256, 4096, 14336, 128)
     assert rule(512, 14336, 4096, 128) and rule(512, 4096, 14336, 32)
@@ -314,7 +313,56 @@ def test_auto_prefill_rule():
         not rule(512, 14336, 4096, 32) and not rule(512, 14336, 14336, 32) and not rule(512, 4096, 4096, 128)
     )
     assert not any(rule(1024, n, k, 128) for n in (4096, 14336) for k in (4096, 14336))
-    assert not any(rule(m, n, 576, 32) for m in (65, 128, 256) for n in (576, 1536, 3072))
+    # The bundled model's narrow outputs: the Triton GEMM outside CUDA graphs (its launch plan's host time),
+    # dequantize + cuBLAS inside them (GPU time), and past 2048 rows.
+    assert all(rule(m, n, 576, 32) for m in (65, 128, 256, 2048) for n in (576, 1536, 3072))
+    assert not any(rule(m, n, 576, 32, graphed=True) for m in (65, 128, 256) for n in (576, 1536, 3072))
+    assert not rule(2049, 576, 576, 32)
+
+
+@pytest.mark.parametrize("path", ["triton", "dequantize"])
+def test_row_split_writes_each_part_into_the_output(path, device, monkeypatch):
+    # 256 + 8 rows: the prefill writes the first 256 rows of the output, a decode kernel the last 8; each part
+    # equals the same rows' product computed alone, bit for bit (the parts write slices of one tensor).
+    monkeypatch.setattr(qm, "ROW_SPLIT", "on")
+    monkeypatch.setattr(qm, "PREFILL", path)
+    n, k, group = 24, 256, 32
+    tensors = {name: t.to(device) for name, t in ql.pack_weight(torch.randn(n, k), 4, group).items()}
+    weight = (tensors["weight_packed"], tensors["weight_scale"], None, group, 4)
+    x = torch.randn(2, 132, k, device=device).to(torch.float16)  # 264 rows over two leading dims
+    assert qm.split_rows(x.reshape(-1, k), n, k) == 256
+    with torch.no_grad(), registry.direct_launches:  # the op body (no launch plan of another PREFILL)
+        y = qm._quant_matmul(x, *weight)
+        rows = x.reshape(-1, k)
+        head, rest = (qm._quant_matmul(part, *weight) for part in (rows[:256], rows[256:]))
+    assert y.shape == (2, 132, n)
+    assert torch.equal(y.reshape(-1, n)[:256], head) and torch.equal(y.reshape(-1, n)[256:], rest)
+    ref = _dense_reference(rows, tensors, (n, k), group, 4)
+    assert ((y.reshape(-1, n).float() - ref).norm() / ref.norm()).item() < 2e-3
+    for ws, counts in qm._workspace.current.values():
+        assert not ws.any() and not counts.any()
+
+
+def test_row_split_rule(device, monkeypatch):
+    # A remainder of 1-64 rows past whole 256-row tiles; "auto" only on Hopper, for the large weights it was
+    # measured on, up to 1024 rows; never where torch may trace (the parts need one output in its dtype).
+    rows = lambda m: torch.empty(m, 8, device=device)  # noqa: E731
+    monkeypatch.setattr(qm, "ROW_SPLIT", "on")
+    assert [qm.split_rows(rows(m), 8, 8) for m in (256, 257, 320, 321, 512, 530, 600)] == [
+        0, 256, 256, 0, 0, 512, 0
+    ]  # fmt: skip
+    monkeypatch.setattr(qm, "eager", lambda *tensors: False)
+    assert qm.split_rows(rows(300), 8, 8) == 0
+    monkeypatch.undo()
+    monkeypatch.setattr(qm, "ROW_SPLIT", "off")
+    assert qm.split_rows(rows(300), 8, 8) == 0
+    monkeypatch.setattr(qm, "ROW_SPLIT", "auto")
+    monkeypatch.setattr(qm, "wgmma", lambda device: True)
+    monkeypatch.setattr(qm, "interpreting", lambda: False)
+    hopper = device == "cuda"
+    assert qm.split_rows(rows(300), 28672, 4096) == (256 if hopper else 0)  # (a CPU tensor: never)
+    assert qm.split_rows(rows(300), 4096, 14336) == (256 if hopper else 0)
+    assert qm.split_rows(rows(300), 6144, 4096) == 0 and qm.split_rows(rows(1030), 28672, 4096) == 0
 
 
 @pytest.mark.parametrize("op_name", ["quant_matmul_opaque", "codebook_matmul_opaque"])

@@ -57,6 +57,46 @@ def test_swiglu_oai_matches_reference(dtype, device, check):
     check.close(y.grad, dy, dtype)
 
 
+@pytest.fixture
+def big_tiles(monkeypatch):
+    """The large-shape tiling (one row a program, 16 warps) at test sizes, narrower than a row so that the
+    column masks and the packed form's strides are crossed; no launch plan of the other tiling replays."""
+    from squeezeserve.kernels.ops import swiglu as sw
+
+    monkeypatch.setattr(sw, "BIG_GRID", 1)
+    monkeypatch.setattr(sw, "BIG_BLOCK", 128)
+    monkeypatch.setattr(sw, "BIG_BLOCK_BWD", 256)
+    eager_ops = (sw.swiglu_eager, sw.silu_and_mul_eager, sw.swiglu_oai_eager)
+    for op in eager_ops:
+        op.plans.clear()
+    assert sw._tiles(6, 213) == (1, 128, (6, 2), 16) and sw._tiles(6, 213, backward=True)[:2] == (1, 256)
+    yield
+    for op in eager_ops:
+        op.plans.clear()
+
+
+@pytest.mark.parametrize("form", ["swiglu", "silu_and_mul", "swiglu_oai"])
+def test_large_shape_tiling_matches_reference(form, big_tiles, device, check):
+    dtype = torch.bfloat16
+    if form == "silu_and_mul":
+        inputs = _leaves((6, 2 * 213), dtype, device, n=1)
+        fn, ref_fn = K.silu_and_mul, reference.silu_and_mul
+    elif form == "swiglu":
+        inputs = _leaves((6, 213), dtype, device)
+        fn, ref_fn = K.swiglu, reference.swiglu
+    else:
+        inputs = _leaves((6, 213), dtype, device, scale=6.0)
+        fn = lambda a, b: K.swiglu_oai(a, b, 1.702, 4.0)  # noqa: E731
+        ref_fn = lambda a, b: reference.swiglu_oai(a, b, 1.702, 4.0)  # noqa: E731
+    out = fn(*inputs)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    ref, ref_grads = _grads_fp32(ref_fn, inputs, grad)
+    check.close(out, ref, dtype)
+    for t, expected in zip(inputs, ref_grads, strict=True):
+        check.close(t.grad, expected, dtype)
+
+
 def test_swiglu_rejects_mismatched_inputs(device):
     with pytest.raises(ValueError, match="gate and up must match"):
         K.swiglu(torch.randn(2, 3, device=device), torch.randn(2, 4, device=device))
