@@ -24,8 +24,9 @@ every process that builds a model. What it installs:
   ``vllm_lowrank_codebook.py``.
 
 Every eager call of a replacement is counted per process (:func:`call_counts`); with
-``SQUEEZESERVE_VLLM_PROBE=<file>`` the 1st, 2nd, 4th, 8th ... call of each op appends a line
-``pid=<pid> op=<op> call=<n> shape=<shape> dtype=<dtype>``. Under torch.compile the compiled graph
+``SQUEEZESERVE_VLLM_PROBE=<file>`` the 1st, 2nd, 4th, 8th ... call of each op at each row count appends a
+line ``pid=<pid> op=<op> call=<n> shape=<shape> dtype=<dtype>`` (so the file also tells how often eager
+steps of each size ran, to a factor of two). Under torch.compile the compiled graph
 launches our Triton kernels without running this Python: there a profiler trace is the proof
 (tests/gpu/vllm_ab.py counts the kernels by name).
 
@@ -55,6 +56,7 @@ PROBE_ENV = "SQUEEZESERVE_VLLM_PROBE"
 CUSTOM_OPS = ("silu_and_mul", "rms_norm")
 
 _calls: collections.Counter[str] = collections.Counter()
+_calls_by_rows: collections.Counter[tuple[str, int]] = collections.Counter()
 
 
 def call_counts() -> dict[str, int]:
@@ -68,9 +70,13 @@ def _note(op: str, x: torch.Tensor) -> None:
         # break the graph). Compiled runs are proven by the kernels a profiler sees launched.
         return
     _calls[op] += 1
-    n = _calls[op]
     path = os.environ.get(PROBE_ENV)
-    if path and n & (n - 1) == 0:
+    if not path:
+        return
+    rows = math.prod(x.shape[:-1])
+    _calls_by_rows[op, rows] += 1
+    n = _calls_by_rows[op, rows]
+    if n & (n - 1) == 0:
         with open(path, "a") as f:
             f.write(f"pid={os.getpid()} op={op} call={n} shape={tuple(x.shape)} dtype={x.dtype}\n")
 

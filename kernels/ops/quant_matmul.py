@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
 
 import torch
 import triton
@@ -105,13 +106,20 @@ GEMV_BLOCK_K = 512  # the FMA kernel's K tile where groups align to it (g32_prob
 # prefill GEMMs a tile row of their own (256-row tiles: 288 rows cost what 512 do), so those rows run as a
 # decode into the output's last rows ("auto": on Hopper, for the weights where that was measured faster:
 # outputs of at least TRITON_PREFILL_MIN_N or K at least TRITON_PREFILL_MIN_K, up to ROW_SPLIT_MAX_M rows;
-# "on": wherever the rows allow, "off": never). vLLM's mixed steps at c=64 are such rows: a 256-token prompt
-# and the running decodes. H100, g128 (g32), 288 / 320 rows (tests/gpu/gluon_prefill_probe.py --ms
-# 32,64,256,288,320, results/rows_h100_2026-11-26.log): 28672 x 4096 259.6 / 246.2 us as one GEMM, 256 rows
-# 100.3 (115.3) and 32 / 64 decode rows 37.0 / 50.6 (52.1 / 66.0) apart; 4096 x 14336 109.6 / 111.0 against
-# 72.1 + 22.6 / 29.9; 14336^2 414.2 / 400.8 against 173.6 + 57.3 / 78.9. The 4096- and 6144-wide weights
-# with K = 4096 were as fast or faster as one GEMM (4096^2 31.7 at 320 rows against 31.0 + 16.1).
-ROW_SPLIT = "auto"
+# "on": wherever the rows allow, "off": never; SQUEEZESERVE_ROW_SPLIT sets it). vLLM runs such steps when a
+# prompt joins running decodes (synth: 257-319 rows, a few a run). H100, g128 (g32), 288 / 320 rows
+# (tests/gpu/gluon_prefill_probe.py --ms 32,64,256,288,320, results/rows_h100_2026-11-26.log): 28672 x 4096
+# 259.6 / 246.2 us as one GEMM, 256 rows 100.3 (115.3) and 32 / 64 decode rows 37.0 / 50.6 (52.1 / 66.0)
+# apart; 4096 x 14336 109.6 / 111.0 against 72.1 + 22.6 / 29.9; 14336^2 414.2 / 400.8 against 173.6 + 57.3 /
+# 78.9. The 4096- and 6144-wide weights with K = 4096 were as fast or faster as one GEMM (4096^2 31.7 at 320
+# rows against 31.0 + 16.1). Past 1024 rows g32 runs dequantize + cuBLAS, which wastes no tile: split there,
+# its head took the Gluon GEMM and was slower (1030 x 4096 x 14336 237.5 against 219.1 us;
+# results/rows_1030_h100_2026-11-26_split_off_on.log). Split as shipped
+# (results/rows_split_h100_2026-11-26.log), g128 at 288 / 320 rows: 28672 x 4096 138.5 / 152.5 us (cuBLAS bf16
+# 140.4 / 123.6), 4096 x 14336 95.0 / 103.0 (74.0 / 65.6), 14336^2 229.0 / 258.9 (207.3 / 221.3).
+ROW_SPLIT = os.environ.get("SQUEEZESERVE_ROW_SPLIT", "auto")  # (for A/B runs of a server)
+if ROW_SPLIT not in ("auto", "on", "off"):
+    raise ValueError(f"SQUEEZESERVE_ROW_SPLIT must be auto, on or off, got {ROW_SPLIT!r}")
 ROW_SPLIT_TILE, ROW_SPLIT_MAX_M = 256, 1024
 # bf16: 0x4300 is 128.0 with a 7-bit mantissa (integers 128..255 exact); fp16: 0x6400 is 1024.0 with a
 # 10-bit mantissa (1024..2047 exact).
