@@ -273,7 +273,7 @@ def _quant_matmul(
     m = x2.shape[0]
     qweight, scales = qweight.contiguous(), scales.contiguous()
     weight = (qweight, scales, zeros, zeros.contiguous() if zeros is not None else qweight, group_size, bits)
-    head = split_rows(x2, n_out, k_in)
+    head = split_rows(x2, n_out, k_in, (qweight, scales, zeros))
     if not head:
         return _rows(x2, *weight, None).reshape(*x.shape[:-1], n_out)
     y = torch.empty((m, n_out), dtype=x.dtype, device=x.device)
@@ -282,9 +282,10 @@ def _quant_matmul(
     return y.reshape(*x.shape[:-1], n_out)
 
 
-def split_rows(x2: torch.Tensor, n_out: int, k_in: int) -> int:
+def split_rows(x2: torch.Tensor, n_out: int, k_in: int, weight: tuple = ()) -> int:
     """The rows that run as a prefill before the rest run as a decode (ROW_SPLIT's comment), or 0: one
-    GEMM. Eager calls only (the parts write into one output, which the traced paths' fp32 sums do not)."""
+    GEMM. Eager calls only (the parts write into one output, which the traced paths' fp32 sums do not):
+    ``weight``'s tensors are checked with ``x2``."""
     m = x2.shape[0]
     rest = m % ROW_SPLIT_TILE
     if ROW_SPLIT == "off" or m <= ROW_SPLIT_TILE or not 0 < rest <= SKINNY_MAX_M:
@@ -297,7 +298,7 @@ def split_rows(x2: torch.Tensor, n_out: int, k_in: int) -> int:
         and wgmma(x2.device)
     ):
         return 0
-    return m - rest if eager(x2) else 0
+    return m - rest if eager(x2, *weight) else 0
 
 
 def _rows(x2, qweight, scales, zeros, zero_arg, group_size, bits, out) -> torch.Tensor:
