@@ -20,7 +20,8 @@ from squeezeserve.kernels.ops import swiglu as _swiglu
 registry.load()
 _ops = torch.ops.squeezeserve
 # Each op's launch plans: a call tries their C++ replay first, inlined below (``LaunchPlans.replayed`` without
-# its frame: on the H100's host a Python frame is a tenth of a softmax 1x4096 call's margin over torch's).
+# its frame; the H100's host, tests/gpu/launch_probe.py: a softmax 1x4096 call took 7.0 us through that frame
+# with the hook, device and stream checks in Python, 6.4 inlined with them in C++; torch.softmax 6.6 and 6.4).
 # torch.compile is checked before the replayer is read: dynamo then never guards on it.
 _swiglu_plans = _swiglu.swiglu_eager.plans
 _silu_and_mul_plans = _swiglu.silu_and_mul_eager.plans

@@ -372,22 +372,16 @@ def _rows(x2, qweight, scales, zeros, zero_arg, group_size, bits, out) -> torch.
                      "GPT": _groups_per_tile(group_size, block_k, per16),
                      "DOT_FP32": bf16_interpreted}  # fmt: skip
         traceable(kernel)[grid](*args, **meta)
-    return _finish(y, out, x2.dtype)
+    return y.to(x2.dtype)
 
 
 def _output(m: int, n_out: int, x2: torch.Tensor, mode: int, out: torch.Tensor | None) -> torch.Tensor:
     """Where a kernel writes: ``out`` (or a new tensor) in the activations' dtype, or, where split parts meet
-    in it (mode 1), zeroed fp32 sums."""
+    in it (mode 1: traced calls, which split_rows never gives an ``out``), zeroed fp32 sums."""
     if mode == 1:
+        assert out is None, "split parts meet in fp32 only where nothing writes into a given output"
         return torch.zeros((m, n_out), dtype=torch.float32, device=x2.device)
     return out if out is not None else torch.empty((m, n_out), dtype=x2.dtype, device=x2.device)
-
-
-def _finish(y: torch.Tensor, out: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-    """The result of a kernel that wrote ``y`` (_output): in ``dtype``, and in ``out`` where given."""
-    if out is None or y is out:
-        return y.to(dtype)
-    return out.copy_(y)
 
 
 # Why the Gluon kernel does not run in this process, once it could not: Gluon's Hopper API did not import,
@@ -615,7 +609,7 @@ def _prefill(x2, qweight, scales, zeros, zero_arg, group_size, bits, out=None) -
         DOT_FP32=bf16_interpreted, ASYNC_MMA=not interpreting() and wgmma(x2.device),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
-    return _finish(y, out, x2.dtype)
+    return y.to(x2.dtype)
 
 
 def dequantize(

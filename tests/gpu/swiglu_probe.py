@@ -20,6 +20,7 @@ import torch
 
 import squeezeserve.kernels as K
 from squeezeserve.kernels.ops import swiglu as sw
+from squeezeserve.kernels.ops.launch import cdiv, next_power_of_2
 
 ROUNDS, CALLS = 5, 20
 
@@ -93,9 +94,9 @@ def kernel_sweep(x: torch.Tensor, y: torch.Tensor, g: torch.Tensor) -> dict:
     sweep = {}
     for elements, rows, warps in itertools.product((2048, 4096, 8192, 16384), (1, 2, 4, 8), (4, 8, 16)):
         block = elements // rows
-        if block > 16384 or block < 512 or block > triton_next_pow2(n) or warps * 32 * 4 > elements:
+        if block > 16384 or block < 512 or block > next_power_of_2(n) or warps * 32 * 4 > elements:
             continue
-        grid = (triton_cdiv(m, rows), triton_cdiv(n, block))
+        grid = (cdiv(m, rows), cdiv(n, block))
         meta = {"BLOCK_R": rows, "BLOCK": block, "OAI": False, "num_warps": warps}
         fwd = sw._swiglu_fwd[grid]
         bwd = sw._swiglu_bwd[grid]
@@ -106,14 +107,6 @@ def kernel_sweep(x: torch.Tensor, y: torch.Tensor, g: torch.Tensor) -> dict:
             bwd, g, x, y, da, db, n, n, n, n, n, n, 0.0, 0.0, m, **meta
         )
     return sweep
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def triton_next_pow2(n: int) -> int:
-    return 1 << (n - 1).bit_length()
 
 
 if __name__ == "__main__":
