@@ -11,6 +11,13 @@ For a run against one endpoint where ``squeezeserve validate`` needs a baseline 
 Rows (p20/p50/p80 of TTFT and TPOT in ms, output tokens/s and requests/s over the level's wall time) are
 appended to ``--csv`` with the label, model, device and versions.
 
+Where the server (or ``--metrics-root``) exposes vLLM's Prometheus ``/metrics``, each level also prints
+where the server's own time went: its histograms are read after the level's warm-up and after its last
+request, and the differences give the level's means (``server_line``): vLLM's TTFT (from the request's
+arrival in its front end), the time its requests waited for the scheduler and spent in prefill, and the
+tokens an engine step ran. A client TTFT well above vLLM's is the client's or the network's; a vLLM TTFT
+well above queue + prefill is its front end's (request handling, output streaming) on the CPUs it has.
+
     python3 tests/benchmarks/bench_serving.py --base-url http://127.0.0.1:8000 --model m --label bf16 \\
         --concurrency 1 16 64 --csv results.csv
 """
@@ -20,10 +27,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import csv
+import dataclasses
 import datetime
 import os
 import random
+from functools import partial
 from pathlib import Path
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from squeezeserve.service.validate import latency
 
@@ -33,6 +45,56 @@ FIELDS = [
     "output_tok_per_s", "requests_per_s", "errors", "device", "versions", "date",
 ]  # fmt: skip
 QUANTILES = (20, 50, 80)
+# vLLM's histograms a level's server line reads (their _sum and _count samples, summed over label sets).
+SERVER_HISTOGRAMS = {
+    "ttft": "vllm:time_to_first_token_seconds",
+    "queue": "vllm:request_queue_time_seconds",
+    "prefill": "vllm:request_prefill_time_seconds",
+    "step_tokens": "vllm:iteration_tokens_total",
+}
+
+
+def scrape(root: str) -> dict[str, float] | None:
+    """The _sum and _count of each SERVER_HISTOGRAMS entry on ``root``/metrics (summed over label sets), or
+    None where the server has no such endpoint (not vLLM, or metrics off)."""
+    try:
+        response = httpx.get(f"{root}/metrics", timeout=10.0)
+        response.raise_for_status()
+    except httpx.HTTPError:
+        return None
+    wanted = {name: key for key, name in SERVER_HISTOGRAMS.items()}
+    totals: dict[str, float] = {}
+    for family in text_string_to_metric_families(response.text):
+        key = wanted.get(family.name)
+        if key is None:
+            continue
+        for sample in family.samples:
+            for suffix in ("_sum", "_count"):
+                if sample.name == family.name + suffix:
+                    totals[key + suffix] = totals.get(key + suffix, 0.0) + sample.value
+    return totals or None
+
+
+def _scrape_into(found: list, root: str, *_level) -> None:
+    found.append(scrape(root))
+
+
+def server_line(before: dict[str, float] | None, after: dict[str, float] | None) -> str | None:
+    """The level's server-side means from two scrapes (module docstring), or None without both."""
+    if before is None or after is None:
+        return None
+    means = {}
+    for key in SERVER_HISTOGRAMS:
+        count = after.get(key + "_count", 0.0) - before.get(key + "_count", 0.0)
+        total = after.get(key + "_sum", 0.0) - before.get(key + "_sum", 0.0)
+        means[key] = total / count if count > 0 else None
+    if any(means[k] is None for k in ("ttft", "queue", "prefill")):
+        return None
+    line = (f"vLLM TTFT mean {1000 * means['ttft']:.1f} ms (queue {1000 * means['queue']:.1f} + prefill "
+            f"{1000 * means['prefill']:.1f})")  # fmt: skip
+    if means["step_tokens"] is not None:
+        line += f", {means['step_tokens']:.0f} tokens a step"
+    return line
 
 
 def random_prompts(length: int, vocab: int, seed: int):
@@ -89,6 +151,11 @@ def main() -> None:
     parser.add_argument("--output-tokens", type=int, default=128)
     parser.add_argument("--vocab", type=int, default=49152, help="prompt ids are drawn below this")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--metrics-root",
+        help="where vLLM's /metrics is read (default: the server's root; behind a gateway, "
+        "the vLLM server's own)",
+    )
     parser.add_argument("--csv", type=Path, required=True)
     parser.add_argument("--device", default=os.environ.get("BENCH_DEVICE", ""))
     parser.add_argument("--versions", default=os.environ.get("BENCH_VERSIONS", ""))
@@ -109,10 +176,18 @@ def main() -> None:
     base = args.base_url.rstrip("/")
     base = base if base.endswith("/v1") else base + "/v1"
     prompts = random_prompts(args.prompt_tokens, args.vocab, args.seed)
-    levels = asyncio.run(latency.sweep_levels(base, args.model, None, prompts, settings))
+    root = (args.metrics_root or base.removesuffix("/v1")).rstrip("/")
+    levels, servers = [], []
+    for concurrency in args.concurrency:  # one level at a time: the server's histograms are read around it
+        scrapes: list[dict[str, float] | None] = []  # (after the warm-up: sweep_levels' on_level)
+        one = dataclasses.replace(settings, concurrency=[concurrency])
+        levels += asyncio.run(
+            latency.sweep_levels(base, args.model, None, prompts, one, partial(_scrape_into, scrapes, root))
+        )
+        servers.append(server_line(scrapes[0], scrape(root)))
     date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
     rows = []
-    for level in levels:
+    for level, server in zip(levels, servers, strict=True):
         row = {
             "run": args.run, "label": args.label, "model": args.model, **level_row(level),
             "prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens,
@@ -124,6 +199,8 @@ def main() -> None:
             f"{row['tpot_ms_p50']:.2f} ms, {row['output_tok_per_s']:.0f} tok/s, errors {row['errors']}",
             flush=True,
         )
+        if server is not None:
+            print(f"{args.run} {args.label} c={level.concurrency} server: {server}", flush=True)
     append_rows(args.csv, rows)
 
 

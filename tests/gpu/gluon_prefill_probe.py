@@ -4,7 +4,11 @@ the Triton GEMM or dequantize + cuBLAS), the Gluon kernel forced at quant_matmul
 quant_matmul's auto choice. Correctness first (every tiling, tails, groups, zero points, fp16), then GPU
 time of cold weights in CUDA graphs, as bench_quant_matmul.py times them.
 
-    python tests/gpu/gluon_prefill_probe.py [--check-only] [--ms 128,512] [--tiles 128:4:1,256:4:p132]
+    python tests/gpu/gluon_prefill_probe.py [--check-only] [--ms 128,512] [--tiles 128:4:1,256:4:p132] \\
+        [--machete]
+
+``--machete`` adds vLLM's Machete W4A16 GEMM (what vLLM runs for compressed-tensors W4A16 on an H100; vLLM
+staged) on the same weights, re-quantized to its symmetric format, beside each row.
 
 A tiling is BLOCK_M:STAGES:SPLIT[:BLOCK_N[:BLOCK_K[:WARPS]]]; SPLIT ``pN`` shares the work among N programs
 (stream-K, N // 132 an SM) instead of splitting each tile's K. Tilings run through ``prefill()`` (parts of
@@ -101,12 +105,29 @@ def tiling(spec: str) -> dict:
     return out | {"split": int(split)}
 
 
+def machete(dense, group):
+    """Callables x -> vLLM's Machete GEMM of ``dense`` re-quantized (symmetric, ``group``), one a copy."""
+    from vllm import _custom_ops as ops
+    from vllm.model_executor.layers.quantization.utils.quant_utils import pack_rows, quantize_weights
+    from vllm.scalar_type import scalar_types
+
+    n, k = dense.shape
+    wtype = scalar_types.uint4b8
+    _, w_q, w_s, _ = quantize_weights(dense.t().contiguous(), wtype, group)
+    b = ops.machete_prepack_B(pack_rows(w_q, 4, k, n).t().contiguous().t(), dense.dtype, wtype, dense.dtype)
+    copies = [(b, w_s)] + [(b.clone(), w_s.clone()) for _ in range(math.ceil(COLD_BYTES / b.nbytes) - 1)]
+    return [
+        lambda x, c=c: ops.machete_mm(a=x, b_q=c[0], b_type=wtype, b_group_scales=c[1], b_group_size=group)
+        for c in copies[:64]
+    ]
+
+
 def cycle(fns):
     it = itertools.cycle(fns)
     return lambda: next(it)()
 
 
-def bench(ms, groups, tiles, zeros_too):
+def bench(ms, groups, tiles, zeros_too, with_machete=False):
     for group, (n, k) in itertools.product(groups, SHAPES):
         for zeros in (False, True) if zeros_too else (False,):
             qw, sc, zp, dense = packed(n, k, group, zeros)
@@ -114,6 +135,7 @@ def bench(ms, groups, tiles, zeros_too):
             packs = [(qw, sc, zp)] + [(qw.clone(), sc.clone(), zp) for _ in range(copies - 1)]
             dcopies = max(1, min(64, math.ceil(COLD_BYTES / (dense.numel() * 2))))
             denses = [dense] + [dense.clone() for _ in range(dcopies - 1)]
+            peer = machete(dense, group) if with_machete and not zeros else []
             for m in ms:
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
                 t_bf16 = do_bench_cudagraph(cycle([lambda d=d, x=x: x @ d.t() for d in denses]), rep=40)
@@ -128,6 +150,9 @@ def bench(ms, groups, tiles, zeros_too):
                 qm.PREFILL = "auto"
                 t_auto = do_bench_cudagraph(cycle(ship), rep=40)
                 row = []
+                if peer:
+                    t = do_bench_cudagraph(cycle([lambda f=f, x=x: f(x) for f in peer]), rep=40)
+                    row.append(f"machete {t * 1e3:.1f}us {t_bf16 / t:.2f}x")
                 for spec, kw in tiles:
                     bm = kw["block_m"]
                     if bm > 2 * max(m, 8) or 4 * bm < min(m, 256):
@@ -146,7 +171,7 @@ def bench(ms, groups, tiles, zeros_too):
                     f"m={m} n={n} k={k} g={group} zp={int(zeros)}: bf16 {t_bf16 * 1e3:.1f}us | shipped "
                     f"{t_ship * 1e3:.1f}us {t_bf16 / t_ship:.2f}x | forced {t_forced * 1e3:.1f}us "
                     f"{t_bf16 / t_forced:.2f}x | auto {t_auto * 1e3:.1f}us "
-                    f"{t_bf16 / t_auto:.2f}x | gluon " + "; ".join(row),
+                    f"{t_bf16 / t_auto:.2f}x | " + "; ".join(row),
                     flush=True,
                 )
 
@@ -159,6 +184,7 @@ def main():
     p.add_argument("--tiles", default="128:4:1,256:4:1", help="tilings (the module doc)")
     p.add_argument("--shapes", default="", help="N:K,... (default: the 8B model's and 14336^2)")
     p.add_argument("--zeros", action="store_true", help="also time asymmetric weights")
+    p.add_argument("--machete", action="store_true", help="also time vLLM's Machete (module doc)")
     a = p.parse_args()
     print(torch.cuda.get_device_name(), torch.__version__, flush=True)
     check()
@@ -167,7 +193,7 @@ def main():
     tiles = [(t, tiling(t)) for t in a.tiles.split(",")] if a.tiles else []
     if a.shapes:
         SHAPES[:] = [tuple(int(v) for v in s.split(":")) for s in a.shapes.split(",")]
-    bench([int(v) for v in a.ms.split(",")], [int(g) for g in a.groups.split(",")], tiles, a.zeros)
+    bench([int(v) for v in a.ms.split(",")], [int(g) for g in a.groups.split(",")], tiles, a.zeros, a.machete)
 
 
 if __name__ == "__main__":

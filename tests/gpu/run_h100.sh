@@ -67,7 +67,7 @@ MODELS=/tmp/model
 DATA=$MODELS/data
 GW=http://127.0.0.1:8100
 
-declare -A PID PORT T0
+declare -A PID PORT T0 CPUS
 start_server() {  # label cpus port model [vLLM args...]; served as $NAME or <label>; GPUS=0,1 picks GPUs
   local label=$1 cpus=$2 port=$3 model=$4; shift 4
   [ -f "$model/config.json" ] || { note "$label: no checkpoint at $model, skipped"; return 1; }
@@ -76,16 +76,25 @@ start_server() {  # label cpus port model [vLLM args...]; served as $NAME or <la
   [ -n "${CACHES:-}" ] && cache=$CACHES/$label
   CUDA_VISIBLE_DEVICES=${GPUS:-0} VLLM_CACHE_ROOT=$cache setsid taskset -c "$cpus" $SQ worker --engine vllm --model "$model" --served-model-name "${NAME:-$label}" \
     --port "$port" -- "$@" > "$LOGS/worker-$label.log" 2>&1 &
-  PID[$label]=$!; PORT[$label]=$port; T0[$label]=$SECONDS; STARTED+=("$!")
+  PID[$label]=$!; PORT[$label]=$port; T0[$label]=$SECONDS; CPUS[$label]=$cpus; STARTED+=("$!")
+}
+
+pin() {  # label cpus: every thread of every process of the label's server onto cpus
+  local proc
+  for proc in $(pgrep -g "${PID[$1]}"); do taskset -a -p -c "$2" "$proc" > /dev/null 2>&1; done
 }
 
 bench_alone() {  # run csv label...: each label's server measured alone (the others idle) at c=1 and c=64
+  # WIDE_CPUS (e.g. 0-11): the measured server runs on those CPUs for its measurement, then back on its own
+  # (its front end, engine and our ops' host work otherwise share the 3 CPUs it was started on)
   local run=$1 csv=$2; shift 2
   for label in "$@"; do
+    [ -n "${WIDE_CPUS:-}" ] && pin "$label" "$WIDE_CPUS"
     timeout "$(cap 90)" taskset -c 12-15 python3 tests/benchmarks/bench_serving.py \
       --base-url "http://127.0.0.1:${PORT[$label]}" --model "$label" --run "$run" --label "$label" \
       --vocab 49152 --concurrency 1 64 --prompt-tokens 256 --output-tokens 128 --csv "$csv" 2>&1 \
       | tee -a "$SUMMARY"
+    [ -n "${WIDE_CPUS:-}" ] && pin "$label" "${CPUS[$label]}"
   done
 }
 
@@ -320,7 +329,7 @@ synth|synth-compiled)
     gateway_serves "$label" || continue
     timeout "$(cap 150)" taskset -c 14-15 python3 tests/benchmarks/bench_serving.py --base-url $GW --model "$label" \
       --run "${RUN:-run2}" --label "$label" --vocab 49152 --concurrency 1 16 64 --prompt-tokens 256 --output-tokens 64 \
-      --csv "$OUT/vllm_serving.csv" 2>&1 | tee -a "$SUMMARY"
+      --metrics-root "http://127.0.0.1:${PORT[$label]}" --csv "$OUT/vllm_serving.csv" 2>&1 | tee -a "$SUMMARY"
     grep -E "Using .* for CompressedTensorsWNA16|squeezeserve plugin" "$LOGS/worker-$label.log" | head -3 | tee -a "$SUMMARY"
   done
   # TTFT at c=1 from 8 requests a server swung 26-57 ms for bf16 across runs 16-27: a second pass measures it
@@ -453,6 +462,8 @@ int4-serve)
     note "$label: $(grep -m1 -oE 'Using [A-Za-z0-9]+LinearKernel' "$LOGS/worker-$label.log" || echo 'no kernel line')"
   done
   bench_alone int4-serve "$OUT/int4_serve.csv" "${up[@]}"
+  # INT4_WIDE=1: again with each server on 12 CPUs while measured (bench_alone's WIDE_CPUS)
+  [ -n "${INT4_WIDE:-}" ] && WIDE_CPUS=0-11 bench_alone int4-serve-wide "$OUT/int4_serve.csv" "${up[@]}"
   ;;
 int8)
   # Issue 19.5 on the whole wikitext-2 test file: sample:int8-gptq (GPTQ per channel) and the same recipe
