@@ -56,7 +56,20 @@ SKINNY_MAX_M = 64
 # `launch_probe.py --quant-shapes`, results/quant_host_bundled_h100_2026-11-26.log). Before the C++ replay,
 # the Triton GEMM's Python launches cost more than cuBLAS's GPU time saved (int4-serve run f: c=64 0.86x
 # Marlin's tokens/s); with it, the bundled g32 model's prompts were host-bound on dequantize + cuBLAS (TTFT
-# at c=1 34.4 ms against Marlin's 21.9; NOTES.md, sixteenth session).
+# at c=1 34.4 ms against Marlin's 21.9; NOTES.md, sixteenth session). vLLM's prompt steps reach 8192 rows
+# (its max_num_batched_tokens): up to 2048 on the Triton GEMM, the rest on dequantize + cuBLAS, vLLM's own
+# prefill time at c=64 was 1.43-1.90x Marlin's in four passes; up to 8192, 0.80-1.31x in six (its
+# /metrics; results/int4_serve_h100_2026-11-26_narrow_8192.txt, NOTES.md, seventeenth session).
+#
+# Dequantize + cuBLAS expands DEQUANT_SLICE_ROWS rows of W at a time into one reused buffer from
+# DEQUANT_SLICE_MIN_M rows of x: the slice (16 MB at K = 4096) stays in the L2 for its product instead of
+# the whole dense weight going out to DRAM and back (dequantize_matmul). H100, bf16, cold weights
+# (tests/gpu/gluon_prefill_probe.py --slices, results/slices_h100_2026-11-26.log), whole -> in slices:
+# 4096 rows of 6144 x 4096 320.0 -> 305.0 us, of 28672 x 4096 1468.6 -> 1425.2 (cuBLAS bf16 1387.0), g32
+# 1499.4 -> 1433.9; 8192 rows of 6144 x 4096 650.6 -> 605.9; 2048 rows of 28672 x 4096 g32 840.7 -> 770.5;
+# K = 14336 within 1% either way. At 512 rows the slices' products are too small to fill the SMs
+# (28672 x 4096: 280.4 -> 354.3 us); at 1024 they are no slower (469.4 -> 435.2). The buffer is also all
+# the transient memory the path takes (16 MB where 28672 x 4096 dense is 235 MB).
 PREFILL = "auto"
 # On Hopper, "auto" runs the Gluon GEMM (quant_matmul_gluon.py: dequantization overlapped with the tensor
 # cores' products, a loading warp of its own) where it takes the inputs and was measured faster than the paths
@@ -93,7 +106,8 @@ GLUON_DECODE_BLOCK_K, GLUON_DECODE_MIN_GROUP, GLUON_DECODE_SMALL_GROUP = 256, 12
 GLUON_DECODE_MIN_WEIGHT, GLUON_DECODE_MIN_WEIGHT_WIDE, GLUON_DECODE_WIDE_MIN_M = 1 << 27, 1 << 25, 17
 TRITON_PREFILL_MAX_M, TRITON_PREFILL_WIDE_MAX_M = 256, 512
 TRITON_PREFILL_MIN_N, TRITON_PREFILL_MIN_N_ANY, TRITON_PREFILL_MIN_K = 8192, 4096, 8192
-TRITON_PREFILL_NARROW_MAX_M = 2048
+TRITON_PREFILL_NARROW_MAX_M = 8192
+DEQUANT_SLICE_ROWS, DEQUANT_SLICE_MIN_M = 2048, 1024
 # Rows up to which the FMA kernel beats the tensor-core one where groups align to its GEMV_BLOCK_K tiles and
 # hold at most GEMV_ROWS_MAX_GROUP values (g32_probe.py --sweep-gemv-rows, H100: g32 1.0-1.4x faster at 2
 # rows, slower at 4); other groups one row. Since the tensor-core kernel reads int32 words, 2 rows of g128 run
@@ -316,8 +330,8 @@ def _rows(x2, qweight, scales, zeros, zero_arg, group_size, bits, out) -> torch.
             PREFILL == "triton"
             or (PREFILL == "auto" and prefill_in_triton(m, n_out, k_in, group_size, graphed))
         ):
-            weight = dequantize(qweight, scales, zeros, k_in, group_size, bits, x2.dtype)
-            return torch.matmul(x2, weight.t(), out=out)
+            slice_rows = DEQUANT_SLICE_ROWS if m >= DEQUANT_SLICE_MIN_M else 0
+            return dequantize_matmul(x2, qweight, scales, zeros, k_in, group_size, bits, slice_rows, out)
         return _prefill(x2, qweight, scales, zeros, zero_arg, group_size, bits, out)
     if _gluon_decode(x2, qweight, scales, zeros, group_size, bits):
         y = _gluon(x2, qweight, scales, zeros, group_size, gluon_decode_tiles(m, sm_count(x2.device)), out)
@@ -620,10 +634,12 @@ def dequantize(
     group_size: int,
     bits: int,
     dtype: torch.dtype,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The dense [N, K] weight in ``dtype``, expanded by :func:`_dequantize_kernel` (bit-exact)."""
+    """The dense [N, K] weight in ``dtype``, expanded by :func:`_dequantize_kernel` (bit-exact), into
+    ``out`` (contiguous [N, K]) where given."""
     n_out = qweight.shape[0]
-    weight = torch.empty((n_out, k_in), dtype=dtype, device=qweight.device)
+    weight = torch.empty((n_out, k_in), dtype=dtype, device=qweight.device) if out is None else out
     zero_arg = zeros if zeros is not None else qweight
     block_n, block_k = (16, 64) if interpreting() else (32, 256)
     grid = (cdiv(n_out, block_n), cdiv(k_in, block_k))
@@ -634,6 +650,30 @@ def dequantize(
         GPT=_groups_per_tile(group_size, block_k, 32 // bits),
     )  # fmt: skip
     return weight
+
+
+def dequantize_matmul(
+    x2, qweight, scales, zeros, k_in, group_size, bits, slice_rows, out=None
+) -> torch.Tensor:
+    """x2 @ W.T by dequantize + cuBLAS, ``slice_rows`` rows of W at a time (0: all at once) through one
+    reused buffer, each slice's product written into its columns of the output (``out`` where given)."""
+    n_out = qweight.shape[0]
+    if not slice_rows or slice_rows >= n_out:
+        return torch.matmul(
+            x2, dequantize(qweight, scales, zeros, k_in, group_size, bits, x2.dtype).t(), out=out
+        )
+    per_word = 32 // bits  # (zero points are packed along N: a slice starts on a whole word)
+    if slice_rows % per_word:
+        raise ValueError(f"slice_rows must be a multiple of {per_word}, got {slice_rows}")
+    y = out if out is not None else x2.new_empty((x2.shape[0], n_out))
+    buffer = x2.new_empty((slice_rows, k_in))
+    for start in range(0, n_out, slice_rows):
+        end = min(start + slice_rows, n_out)
+        z = zeros[start // per_word : cdiv(end, per_word)] if zeros is not None else None
+        w = dequantize(qweight[start:end], scales[start:end], z, k_in, group_size, bits, x2.dtype,
+                       buffer[: end - start])  # fmt: skip
+        torch.matmul(x2, w.t(), out=y[:, start:end])
+    return y
 
 
 quant_matmul = triton_op("squeezeserve::quant_matmul", _quant_matmul, mutates_args=())

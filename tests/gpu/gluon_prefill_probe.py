@@ -127,7 +127,7 @@ def cycle(fns):
     return lambda: next(it)()
 
 
-def bench(ms, groups, tiles, zeros_too, with_machete=False):
+def bench(ms, groups, tiles, zeros_too, with_machete=False, slices=()):
     for group, (n, k) in itertools.product(groups, SHAPES):
         for zeros in (False, True) if zeros_too else (False,):
             qw, sc, zp, dense = packed(n, k, group, zeros)
@@ -153,6 +153,15 @@ def bench(ms, groups, tiles, zeros_too, with_machete=False):
                 if peer:
                     t = do_bench_cudagraph(cycle([lambda f=f, x=x: f(x) for f in peer]), rep=40)
                     row.append(f"machete {t * 1e3:.1f}us {t_bf16 / t:.2f}x")
+                for rows in slices:  # dequantize + cuBLAS a slice of W's rows at a time
+                    fn = cycle(
+                        [
+                            lambda p=p, x=x, r=rows, k=k, g=group: qm.dequantize_matmul(x, *p, k, g, 4, r)
+                            for p in packs
+                        ]
+                    )
+                    t = do_bench_cudagraph(fn, rep=40)
+                    row.append(f"slice {rows} {t * 1e3:.1f}us {t_bf16 / t:.2f}x")
                 for spec, kw in tiles:
                     bm = kw["block_m"]
                     if bm > 2 * max(m, 8) or 4 * bm < min(m, 256):
@@ -185,6 +194,9 @@ def main():
     p.add_argument("--shapes", default="", help="N:K,... (default: the 8B model's and 14336^2)")
     p.add_argument("--zeros", action="store_true", help="also time asymmetric weights")
     p.add_argument("--machete", action="store_true", help="also time vLLM's Machete (module doc)")
+    p.add_argument(
+        "--slices", default="", help="also dequantize + cuBLAS this many rows of W at a time, e.g. 4096"
+    )
     a = p.parse_args()
     print(torch.cuda.get_device_name(), torch.__version__, flush=True)
     check()
@@ -193,7 +205,14 @@ def main():
     tiles = [(t, tiling(t)) for t in a.tiles.split(",")] if a.tiles else []
     if a.shapes:
         SHAPES[:] = [tuple(int(v) for v in s.split(":")) for s in a.shapes.split(",")]
-    bench([int(v) for v in a.ms.split(",")], [int(g) for g in a.groups.split(",")], tiles, a.zeros, a.machete)
+    bench(
+        [int(v) for v in a.ms.split(",")],
+        [int(g) for g in a.groups.split(",")],
+        tiles,
+        a.zeros,
+        a.machete,
+        [int(v) for v in a.slices.split(",") if v],
+    )
 
 
 if __name__ == "__main__":

@@ -313,11 +313,52 @@ def test_auto_prefill_rule():
         not rule(512, 14336, 4096, 32) and not rule(512, 14336, 14336, 32) and not rule(512, 4096, 4096, 128)
     )
     assert not any(rule(1024, n, k, 128) for n in (4096, 14336) for k in (4096, 14336))
-    # The bundled model's narrow outputs: the Triton GEMM outside CUDA graphs (its launch plan's host time),
-    # dequantize + cuBLAS inside them (GPU time), and past 2048 rows.
-    assert all(rule(m, n, 576, 32) for m in (65, 128, 256, 2048) for n in (576, 1536, 3072))
+    # The bundled model's narrow outputs: the Triton GEMM outside CUDA graphs (its launch plan's host time)
+    # up to vLLM's largest prompt step, dequantize + cuBLAS inside them (GPU time), and past 8192 rows.
+    assert all(rule(m, n, 576, 32) for m in (65, 128, 256, 2048, 4097, 8192) for n in (576, 1536, 3072))
     assert not any(rule(m, n, 576, 32, graphed=True) for m in (65, 128, 256) for n in (576, 1536, 3072))
-    assert not rule(2049, 576, 576, 32)
+    assert not rule(8193, 576, 576, 32)
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("slice_rows", [0, 16, 24, 40, 64])
+def test_sliced_dequantize_matmul_is_the_whole_product(slice_rows, symmetric, device):
+    # A slice of W's rows at a time through one buffer, each product written into its columns of the output
+    # (40 rows: a last slice of 24 of the 64, whose zero points start mid-tensor on a whole word), is the
+    # same product as the whole weight dequantized at once, bit for bit; 64 or 0: the whole weight.
+    n, k, group = 64, 256, 32
+    tensors = {
+        name: t.to(device) for name, t in ql.pack_weight(torch.randn(n, k), 4, group, symmetric).items()
+    }
+    packed = (tensors["weight_packed"], tensors["weight_scale"].half(), tensors.get("weight_zero_point"))
+    x = torch.randn(5, k, device=device).half()
+    whole = x @ qm.dequantize(*packed, k, group, 4, torch.float16).t()
+    assert torch.equal(qm.dequantize_matmul(x, *packed, k, group, 4, slice_rows), whole)
+    out = torch.full((7, n), float("nan"), device=device).half()
+    assert qm.dequantize_matmul(x, *packed, k, group, 4, slice_rows, out[1:6]).data_ptr() == out[1].data_ptr()
+    assert torch.equal(out[1:6], whole) and out[0].isnan().all() and out[6].isnan().all()
+    with pytest.raises(ValueError, match="multiple of 8"):
+        qm.dequantize_matmul(x, *packed, k, group, 4, 12)
+
+
+def test_dequantize_path_slices_the_weight_from_its_row_count(device, monkeypatch):
+    # quant_matmul's dequantize + cuBLAS slices W from DEQUANT_SLICE_MIN_M rows of x (fewer: one slice).
+    monkeypatch.setattr(qm, "PREFILL", "dequantize")
+    monkeypatch.setattr(qm, "DEQUANT_SLICE_ROWS", 16)
+    monkeypatch.setattr(qm, "DEQUANT_SLICE_MIN_M", 72)
+    seen = []
+    real = qm.dequantize_matmul
+    monkeypatch.setattr(qm, "dequantize_matmul", lambda *a: seen.append(a[7]) or real(*a))
+    n, k, group = 40, 128, 32
+    tensors = {name: t.to(device) for name, t in ql.pack_weight(torch.randn(n, k), 4, group).items()}
+    packed = (tensors["weight_packed"], tensors["weight_scale"].half(), None)
+    for m in (70, 80):
+        x = torch.randn(m, k, device=device).half()
+        with torch.no_grad(), registry.direct_launches:
+            y = qm._quant_matmul(x, *packed, group, 4)
+        ref = _dense_reference(x, tensors, (n, k), group, 4)
+        assert ((y.float() - ref).norm() / ref.norm()).item() < 2e-3
+    assert seen == [0, 16]  # (the real function ran: the products above are checked)
 
 
 @pytest.mark.parametrize("path", ["triton", "dequantize"])
