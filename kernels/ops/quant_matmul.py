@@ -58,8 +58,8 @@ SKINNY_MAX_M = 64
 # Marlin's tokens/s); with it, the bundled g32 model's prompts were host-bound on dequantize + cuBLAS (TTFT
 # at c=1 34.4 ms against Marlin's 21.9; NOTES.md, sixteenth session). vLLM's prompt steps reach 8192 rows
 # (its max_num_batched_tokens): up to 2048 on the Triton GEMM, the rest on dequantize + cuBLAS, vLLM's own
-# prefill time at c=64 was 1.43-1.90x Marlin's in four passes; up to 8192, 0.80-1.31x in six (its
-# /metrics; results/int4_serve_h100_2026-11-26_narrow_8192.txt, NOTES.md, seventeenth session).
+# prefill time at c=64 was 1.74-1.90x Marlin's in two runs; up to 8192, 0.80-1.17x in three (its /metrics;
+# results/int4_serve_h100_2026-11-26_narrow_8192.txt, NOTES.md, seventeenth session).
 #
 # Dequantize + cuBLAS expands DEQUANT_SLICE_ROWS rows of W at a time into one reused buffer from
 # DEQUANT_SLICE_MIN_M rows of x: the slice (16 MB at K = 4096) stays in the L2 for its product instead of

@@ -86,14 +86,17 @@ pin() {  # label cpus: every thread of every process of the label's server onto 
 
 bench_alone() {  # run csv label...: each label's server measured alone (the others idle) at c=1 and c=64
   # WIDE_CPUS (e.g. 0-11): the measured server runs on those CPUs for its measurement, then back on its own
-  # (its front end, engine and our ops' host work otherwise share the 3 CPUs it was started on)
+  # (its front end, engine and our ops' host work otherwise share the 3 CPUs it was started on). BENCH_SEED:
+  # the prompts' seed; a second pass over the same servers needs another, or vLLM's prefix cache holds every
+  # prompt of the first (seventeenth session's int4-serve j-k: a pass at c=1 ran 1 token a step, its prompts
+  # cached, against 3 in the first)
   local run=$1 csv=$2; shift 2
   for label in "$@"; do
     [ -n "${WIDE_CPUS:-}" ] && pin "$label" "$WIDE_CPUS"
     timeout "$(cap 90)" taskset -c 12-15 python3 tests/benchmarks/bench_serving.py \
       --base-url "http://127.0.0.1:${PORT[$label]}" --model "$label" --run "$run" --label "$label" \
-      --vocab 49152 --concurrency 1 64 --prompt-tokens 256 --output-tokens 128 --csv "$csv" 2>&1 \
-      | tee -a "$SUMMARY"
+      --vocab 49152 --concurrency 1 64 --prompt-tokens 256 --output-tokens 128 --seed "${BENCH_SEED:-0}" \
+      --csv "$csv" 2>&1 | tee -a "$SUMMARY"
     [ -n "${WIDE_CPUS:-}" ] && pin "$label" "${CPUS[$label]}"
   done
 }
@@ -463,7 +466,7 @@ int4-serve)
   done
   bench_alone int4-serve "$OUT/int4_serve.csv" "${up[@]}"
   # INT4_WIDE=1: again with each server on 12 CPUs while measured (bench_alone's WIDE_CPUS)
-  [ -n "${INT4_WIDE:-}" ] && WIDE_CPUS=0-11 bench_alone int4-serve-wide "$OUT/int4_serve.csv" "${up[@]}"
+  [ -n "${INT4_WIDE:-}" ] && WIDE_CPUS=0-11 BENCH_SEED=1 bench_alone int4-serve-wide "$OUT/int4_serve.csv" "${up[@]}"
   ;;
 int8)
   # Issue 19.5 on the whole wikitext-2 test file: sample:int8-gptq (GPTQ per channel) and the same recipe
