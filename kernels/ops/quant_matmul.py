@@ -330,7 +330,10 @@ def _rows(x2, qweight, scales, zeros, zero_arg, group_size, bits, out) -> torch.
             PREFILL == "triton"
             or (PREFILL == "auto" and prefill_in_triton(m, n_out, k_in, group_size, graphed))
         ):
-            slice_rows = DEQUANT_SLICE_ROWS if m >= DEQUANT_SLICE_MIN_M else 0
+            # (slices on eager calls only: traced, each slice's writes into the buffer and the output would
+            # become copies)
+            sliced = m >= DEQUANT_SLICE_MIN_M and eager(x2, qweight, scales, zeros)
+            slice_rows = DEQUANT_SLICE_ROWS if sliced else 0
             return dequantize_matmul(x2, qweight, scales, zeros, k_in, group_size, bits, slice_rows, out)
         return _prefill(x2, qweight, scales, zeros, zero_arg, group_size, bits, out)
     if _gluon_decode(x2, qweight, scales, zeros, group_size, bits):

@@ -342,7 +342,8 @@ def test_sliced_dequantize_matmul_is_the_whole_product(slice_rows, symmetric, de
 
 
 def test_dequantize_path_slices_the_weight_from_its_row_count(device, monkeypatch):
-    # quant_matmul's dequantize + cuBLAS slices W from DEQUANT_SLICE_MIN_M rows of x (fewer: one slice).
+    # quant_matmul's dequantize + cuBLAS slices W from DEQUANT_SLICE_MIN_M rows of x (fewer: one slice), on
+    # eager calls.
     monkeypatch.setattr(qm, "PREFILL", "dequantize")
     monkeypatch.setattr(qm, "DEQUANT_SLICE_ROWS", 16)
     monkeypatch.setattr(qm, "DEQUANT_SLICE_MIN_M", 72)
@@ -359,6 +360,10 @@ def test_dequantize_path_slices_the_weight_from_its_row_count(device, monkeypatc
         ref = _dense_reference(x, tensors, (n, k), group, 4)
         assert ((y.float() - ref).norm() / ref.norm()).item() < 2e-3
     assert seen == [0, 16]  # (the real function ran: the products above are checked)
+    monkeypatch.setattr(qm, "eager", lambda *tensors: False)  # traced: one slice (the row split's rule too)
+    with torch.no_grad(), registry.direct_launches:
+        qm._quant_matmul(x, *packed, group, 4)
+    assert seen == [0, 16, 0]
 
 
 @pytest.mark.parametrize("path", ["triton", "dequantize"])
