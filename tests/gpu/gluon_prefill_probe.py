@@ -122,12 +122,34 @@ def machete(dense, group):
     ]
 
 
+def overlapped(x2, qweight, scales, zeros, k_in, group, slice_rows, side, buffers, events):
+    """Dequantize + cuBLAS in slices with slice i+1 dequantized on ``side`` while slice i's product runs
+    (two buffers): the trial behind ``--overlap``."""
+    main = torch.cuda.current_stream()
+    n_out = qweight.shape[0]
+    y = x2.new_empty((x2.shape[0], n_out))
+    side.wait_stream(main)
+    for i, start in enumerate(range(0, n_out, slice_rows)):
+        end = min(start + slice_rows, n_out)
+        buf = buffers[i % 2][: end - start]
+        z = zeros[start // 8 : (end + 7) // 8] if zeros is not None else None
+        with torch.cuda.stream(side):
+            if i >= 2:
+                side.wait_event(events[i % 2][1])  # the product two slices back has read this buffer
+            qm.dequantize(qweight[start:end], scales[start:end], z, k_in, group, 4, x2.dtype, buf)
+            events[i % 2][0].record(side)
+        main.wait_event(events[i % 2][0])
+        torch.matmul(x2, buf.t(), out=y[:, start:end])
+        events[i % 2][1].record(main)
+    return y
+
+
 def cycle(fns):
     it = itertools.cycle(fns)
     return lambda: next(it)()
 
 
-def bench(ms, groups, tiles, zeros_too, with_machete=False, slices=()):
+def bench(ms, groups, tiles, zeros_too, with_machete=False, slices=(), overlap=()):
     for group, (n, k) in itertools.product(groups, SHAPES):
         for zeros in (False, True) if zeros_too else (False,):
             qw, sc, zp, dense = packed(n, k, group, zeros)
@@ -162,6 +184,25 @@ def bench(ms, groups, tiles, zeros_too, with_machete=False, slices=()):
                     )
                     t = do_bench_cudagraph(fn, rep=40)
                     row.append(f"slice {rows} {t * 1e3:.1f}us {t_bf16 / t:.2f}x")
+                for rows in overlap:  # the same with the next slice dequantized on a side stream
+                    side = torch.cuda.Stream()
+                    bufs = [torch.empty(rows, k, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+                    evs = [[torch.cuda.Event(), torch.cuda.Event()] for _ in range(2)]
+                    fn = cycle(
+                        [
+                            lambda p=p, x=x, r=rows, k=k, g=group, s=side, b=bufs, e=evs: overlapped(
+                                x, *p, k, g, r, s, b, e
+                            )
+                            for p in packs
+                        ]
+                    )
+                    ref = x @ dense.t()
+                    got = overlapped(x, *packs[0], k, group, rows, side, bufs, evs)
+                    torch.cuda.synchronize()
+                    err = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
+                    assert err < 1e-3, f"overlapped slices: rel err {err}"
+                    t = do_bench_cudagraph(fn, rep=40)
+                    row.append(f"overlap {rows} {t * 1e3:.1f}us {t_bf16 / t:.2f}x")
                 for spec, kw in tiles:
                     bm = kw["block_m"]
                     if bm > 2 * max(m, 8) or 4 * bm < min(m, 256):
@@ -197,6 +238,7 @@ def main():
     p.add_argument(
         "--slices", default="", help="also dequantize + cuBLAS this many rows of W at a time, e.g. 4096"
     )
+    p.add_argument("--overlap", default="", help="also slices with the next dequantized on a side stream")
     a = p.parse_args()
     print(torch.cuda.get_device_name(), torch.__version__, flush=True)
     check()
@@ -212,6 +254,7 @@ def main():
         a.zeros,
         a.machete,
         [int(v) for v in a.slices.split(",") if v],
+        [int(v) for v in a.overlap.split(",") if v],
     )
 
 
