@@ -66,10 +66,14 @@ SKINNY_MAX_M = 64
 # the whole dense weight going out to DRAM and back (dequantize_matmul). H100, bf16, cold weights
 # (tests/gpu/gluon_prefill_probe.py --slices, results/slices_h100_2026-11-26.log), whole -> in slices:
 # 4096 rows of 6144 x 4096 320.0 -> 305.0 us, of 28672 x 4096 1468.6 -> 1425.2 (cuBLAS bf16 1387.0), g32
-# 1499.4 -> 1433.9; 8192 rows of 6144 x 4096 650.6 -> 605.9; 2048 rows of 28672 x 4096 g32 840.7 -> 770.5;
-# K = 14336 within 1% either way. At 512 rows the slices' products are too small to fill the SMs
-# (28672 x 4096: 280.4 -> 354.3 us); at 1024 they are no slower (469.4 -> 435.2). The buffer is also all
-# the transient memory the path takes (16 MB where 28672 x 4096 dense is 235 MB).
+# 1499.4 -> 1433.9; 8192 rows of 6144 x 4096 650.6 -> 605.9; 2048 rows of 28672 x 4096 g32 840.7 -> 770.5.
+# At 512 rows the slices' products are too small to fill the SMs (28672 x 4096: 280.4 -> 354.3 us); at 1024
+# they are no slower (469.4 -> 435.2). Reductions of DEQUANT_SLICE_MAX_K or deeper keep the whole weight:
+# 4096 x 14336 was within 1% either way there, and 3.6-5% slower at 3072 rows on another lease
+# (results/slices_three_h100_2026-11-26.log, whole / in slices: g128 558.3 / 578.4, g32 564.2 / 592.6 us;
+# at K = 4096 that run had 4096 rows of 6144 x 4096 323.2 / 308.0 and of 28672 x 4096 1499.6 / 1431.8, 3072
+# rows within 2% either way). The buffer is also all the transient memory the path takes (16 MB where
+# 28672 x 4096 dense is 235 MB).
 PREFILL = "auto"
 # On Hopper, "auto" runs the Gluon GEMM (quant_matmul_gluon.py: dequantization overlapped with the tensor
 # cores' products, a loading warp of its own) where it takes the inputs and was measured faster than the paths
@@ -107,7 +111,7 @@ GLUON_DECODE_MIN_WEIGHT, GLUON_DECODE_MIN_WEIGHT_WIDE, GLUON_DECODE_WIDE_MIN_M =
 TRITON_PREFILL_MAX_M, TRITON_PREFILL_WIDE_MAX_M = 256, 512
 TRITON_PREFILL_MIN_N, TRITON_PREFILL_MIN_N_ANY, TRITON_PREFILL_MIN_K = 8192, 4096, 8192
 TRITON_PREFILL_NARROW_MAX_M = 8192
-DEQUANT_SLICE_ROWS, DEQUANT_SLICE_MIN_M = 2048, 1024
+DEQUANT_SLICE_ROWS, DEQUANT_SLICE_MIN_M, DEQUANT_SLICE_MAX_K = 2048, 1024, 8192
 # Rows up to which the FMA kernel beats the tensor-core one where groups align to its GEMV_BLOCK_K tiles and
 # hold at most GEMV_ROWS_MAX_GROUP values (g32_probe.py --sweep-gemv-rows, H100: g32 1.0-1.4x faster at 2
 # rows, slower at 4); other groups one row. Since the tensor-core kernel reads int32 words, 2 rows of g128 run
@@ -332,7 +336,9 @@ def _rows(x2, qweight, scales, zeros, zero_arg, group_size, bits, out) -> torch.
         ):
             # (slices on eager calls only: traced, each slice's writes into the buffer and the output would
             # become copies)
-            sliced = m >= DEQUANT_SLICE_MIN_M and eager(x2, qweight, scales, zeros)
+            sliced = (
+                m >= DEQUANT_SLICE_MIN_M and k_in < DEQUANT_SLICE_MAX_K and eager(x2, qweight, scales, zeros)
+            )
             slice_rows = DEQUANT_SLICE_ROWS if sliced else 0
             return dequantize_matmul(x2, qweight, scales, zeros, k_in, group_size, bits, slice_rows, out)
         return _prefill(x2, qweight, scales, zeros, zero_arg, group_size, bits, out)

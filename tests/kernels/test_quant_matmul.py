@@ -343,7 +343,7 @@ def test_sliced_dequantize_matmul_is_the_whole_product(slice_rows, symmetric, de
 
 def test_dequantize_path_slices_the_weight_from_its_row_count(device, monkeypatch):
     # quant_matmul's dequantize + cuBLAS slices W from DEQUANT_SLICE_MIN_M rows of x (fewer: one slice), on
-    # eager calls.
+    # eager calls, over reductions shallower than DEQUANT_SLICE_MAX_K.
     monkeypatch.setattr(qm, "PREFILL", "dequantize")
     monkeypatch.setattr(qm, "DEQUANT_SLICE_ROWS", 16)
     monkeypatch.setattr(qm, "DEQUANT_SLICE_MIN_M", 72)
@@ -364,6 +364,15 @@ def test_dequantize_path_slices_the_weight_from_its_row_count(device, monkeypatc
     with torch.no_grad(), registry.direct_launches:
         qm._quant_matmul(x, *packed, group, 4)
     assert seen == [0, 16, 0]
+    monkeypatch.undo()  # (the spy too: set again below)
+    monkeypatch.setattr(qm, "PREFILL", "dequantize")
+    monkeypatch.setattr(qm, "DEQUANT_SLICE_ROWS", 16)
+    monkeypatch.setattr(qm, "DEQUANT_SLICE_MIN_M", 72)
+    monkeypatch.setattr(qm, "DEQUANT_SLICE_MAX_K", k)  # a reduction this deep keeps the whole weight
+    monkeypatch.setattr(qm, "dequantize_matmul", lambda *a: seen.append(a[7]) or real(*a))
+    with torch.no_grad(), registry.direct_launches:
+        qm._quant_matmul(x, *packed, group, 4)
+    assert seen == [0, 16, 0, 0]
 
 
 @pytest.mark.parametrize("path", ["triton", "dequantize"])
