@@ -268,6 +268,7 @@ def _write(
     count_ptr,
     tile,
     whole,
+    late,
     units,
     k_units,
     off_m,
@@ -283,7 +284,14 @@ def _write(
     """Store a tile's products (``whole``: all of K), or add a part of them (``units`` of the tile's
     ``k_units``) to the tile's sum as MODE says: 1, fp32 atomics into y (zero beforehand); 2, into the
     workspace, where the part that completes the count stores the sum in y and leaves the workspace and the
-    count zero (as ``_write_tile``'s MODE 2)."""
+    count zero (as ``_write_tile``'s MODE 2).
+
+    MODE 2, ``late`` (a part likely to be its tile's last: see the caller): first read the count; where the
+    other parts have all added theirs (each adds its sum to the workspace before its units to the count),
+    this part adds the workspace's sum to its own in registers and stores the tile, without adding its own
+    to the workspace and the count. That spares the last part a round trip to L2 (the fence that waits for
+    its atomics, then the count's), which ends the kernel's critical path (tests/gpu/decode_stream_probe.py:
+    NOTES.md, "eighteenth session"). Where they have not, it adds its part as every part does."""
     out_layout: gl.constexpr = gl.BlockedLayout([8, 1], [16, 2], [1, num_warps], [0, 1])
     rows_n = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, out_layout))
     rows_m = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, out_layout))
@@ -295,15 +303,25 @@ def _write(
     elif MODE == 1:
         gl.atomic_add(y_ptr + at, out, mask=mask, sem="relaxed")
     elif MODE == 2:
-        gl.atomic_add(ws_ptr + at, out, mask=mask, sem="relaxed")
-        _cta_barrier()  # every thread's partial is in before the (releasing) count below
-        if gl.atomic_add(count_ptr + tile, units, sem="acq_rel") + units == k_units:
+        zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, out_layout)
+        others = -units  # (not the others' count: the usual way below)
+        if late:
+            others = gl.atomic_add(count_ptr + tile, 0, sem="acquire")
+        if others + units == k_units:  # every other part's sum is in the workspace
             _cta_barrier()
-            zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, out_layout)
-            total = gl.atomic_add(ws_ptr + at, zero, mask=mask, sem="relaxed")  # strong reads, at L2
+            total = gl.load(ws_ptr + at, mask=mask, other=0.0, cache_modifier=".cg") + out  # (at L2)
             gl.store(y_ptr + at, total.to(y_ptr.dtype.element_ty), mask=mask)
             gl.store(ws_ptr + at, zero, mask=mask)
             gl.store(count_ptr + tile, 0)
+        else:
+            gl.atomic_add(ws_ptr + at, out, mask=mask, sem="relaxed")
+            _cta_barrier()  # every thread's partial is in before the (releasing) count below
+            if gl.atomic_add(count_ptr + tile, units, sem="acq_rel") + units == k_units:
+                _cta_barrier()
+                total = gl.atomic_add(ws_ptr + at, zero, mask=mask, sem="relaxed")  # strong reads, at L2
+                gl.store(y_ptr + at, total.to(y_ptr.dtype.element_ty), mask=mask)
+                gl.store(ws_ptr + at, zero, mask=mask)
+                gl.store(count_ptr + tile, 0)
 
 
 @gluon.jit
@@ -405,6 +423,7 @@ def _compute_partition(
     units_per_split,
     MODE: gl.constexpr,
     STREAM_K: gl.constexpr,
+    LATE_FIRST: gl.constexpr,
     GROUP: gl.constexpr,
     HAS_ZERO: gl.constexpr,
     MAGIC_F: gl.constexpr,
@@ -471,8 +490,11 @@ def _compute_partition(
         acc, a0, a1 = warpgroup_mma_wait(num_outstanding=0, deps=[acc, a0, a1])
         g += n_local
         mbarrier.arrive(empty.index((g + STAGES - 1) % STAGES))
-        _write(acc, y_ptr, ws_ptr, count_ptr, tile, units == k_units, units, k_units, off_m, off_n, M, N,
-               y_row_stride, MODE, BLOCK_M, BLOCK_N, num_warps)  # fmt: skip
+        # A run's part of a tile is likely its tile's last where it ends the run and starts the tile after
+        # other work of the run: the tile's other parts began other runs, as all the programs began.
+        late = (u0 == 0) & (unit > start) & (unit + units == end) & LATE_FIRST
+        _write(acc, y_ptr, ws_ptr, count_ptr, tile, units == k_units, late, units, k_units, off_m, off_n, M,
+               N, y_row_stride, MODE, BLOCK_M, BLOCK_N, num_warps)  # fmt: skip
         unit += units
 
 
@@ -494,6 +516,7 @@ def _wgmma_kernel(
     units_per_split,  # split mode: K units (two K tiles each) a program_id(1)
     MODE: gl.constexpr,  # how parts of a tile meet: 0 never split, 1 fp32 atomics into y, 2 workspace
     STREAM_K: gl.constexpr,  # the programs share the (tile, K unit) pairs evenly, in order
+    LATE_FIRST: gl.constexpr,  # MODE 2: a tile's likely last part reads the count first (_write's ``late``)
     GROUP: gl.constexpr,
     HAS_ZERO: gl.constexpr,
     MAGIC_F: gl.constexpr,  # 128.0 (bf16) or 1024.0 (fp16): the value of the bits OR-ed over each q
@@ -516,8 +539,8 @@ def _wgmma_kernel(
         [
             (_compute_partition, (x_smem, w_smem, ready, empty, scale_ptr, zero_ptr, y_ptr, ws_ptr, count_ptr,
                                   M, N, K, scale_row_stride, zero_row_stride, y_row_stride, units_per_split,
-                                  MODE, STREAM_K, GROUP, HAS_ZERO, MAGIC_F, BLOCK_M, BLOCK_N, BLOCK_K, STAGES,
-                                  num_warps)),
+                                  MODE, STREAM_K, LATE_FIRST, GROUP, HAS_ZERO, MAGIC_F, BLOCK_M, BLOCK_N,
+                                  BLOCK_K, STAGES, num_warps)),
             (_load_partition, (x_desc, w_desc, x_smem, w_smem, ready, empty, M, N, K, units_per_split,
                                STREAM_K, BLOCK_M, BLOCK_N, BLOCK_K, STAGES)),
         ],
@@ -603,13 +626,15 @@ def launch_args(
     stages=4,
     num_warps=8,
     occupancy=1,
+    late_first=True,
 ) -> tuple[tuple, tuple, dict]:
     """The grid, arguments and keywords of the Gluon kernel's launch for y [M, N] = x2 [M, K] @
     dequantize(W).T: each output tile's K split ``split`` ways, or, with ``programs``, all (tile, K unit)
     pairs shared evenly by that many programs (stream-K). Parts of a tile meet as ``mode`` says, in ``y``
     (fp32, zeroed) or in the clean workspace ``ws``/``counts`` (a counter per output tile). Registers are
-    capped for ``occupancy`` programs an SM. (Apart from :func:`launch`, for compiling what a launch would
-    run without a GPU: ``cross_compile.compile_for``.)"""
+    capped for ``occupancy`` programs an SM. ``late_first``: a tile's likely last part reads the count before
+    it adds its own (``_write``'s ``late``; off: as before the eighteenth session, for probes). (Apart from
+    :func:`launch`, for compiling what a launch would run without a GPU: ``cross_compile.compile_for``.)"""
     m, k_in = x2.shape
     n_out = qweight.shape[0]
     k_units = cdiv(cdiv(k_in, block_k), 2)
@@ -637,6 +662,7 @@ def launch_args(
     kwargs = {
         "MODE": mode if parts else 0,
         "STREAM_K": bool(programs),
+        "LATE_FIRST": bool(late_first),
         "GROUP": group_size,
         "HAS_ZERO": zeros is not None,
         "MAGIC_F": 128.0 if x2.dtype == torch.bfloat16 else 1024.0,

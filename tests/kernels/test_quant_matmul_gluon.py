@@ -150,6 +150,9 @@ _DEEP = {"block_n": 64, "block_k": 256, "num_warps": 4}  # decode's tiles: one w
         (16, 14336, 4096, 32, True, {"block_m": 16, "programs": 132} | _DEEP),
         (5, 4160, 3840, 64, True, {"block_m": 8, "programs": 100} | _DEEP),  # N tail; odd K tiles: pad masked
         (40, 4096, 2048, 32, False, {"block_m": 64, "block_k": 256, "stages": 3, "programs": 132}),  # 8 warps
+        # runs of about ten tiles (whole tiles between a first and a last part), and of part of one tile
+        (16, 4096, 2048, 128, True, {"block_m": 16, "programs": 7} | _DEEP),
+        (3, 4096, 4096, 128, False, {"block_m": 8, "programs": 500} | _DEEP),
     ],
 )
 def test_gluon_stream_k_is_dequantize_then_matmul(m, n, k, group, zeros, tiling):
