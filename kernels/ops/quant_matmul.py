@@ -92,22 +92,27 @@ PREFILL = "auto"
 # wherever it takes the inputs.
 GLUON_PREFILL_MAX_M, GLUON_PREFILL_MAX_M_SMALL_GROUP = 2048, 1024
 # Decode (up to SKINNY_MAX_M rows) on Hopper: "auto" runs the Gluon kernel as a stream-K GEMM (every SM
-# streams an equal share of the weight through TMA; quant_matmul_gluon.py) for int4 in groups of 128 or of a
-# multiple of 256 (a 256-deep K tile holds two groups or part of one) where it was measured faster than the
-# tensor-core kernel (H100, 2026-11-25, tests/gpu/gluon_prefill_probe.py; NOTES.md, "eleventh session"):
-# weights of at least GLUON_DECODE_MIN_WEIGHT values from 2 rows (14336^2 at 2-16 rows 49.9-53.4 us
-# against 59.5-62.0, at 64 rows 79.2 against 109.9), and of at least GLUON_DECODE_MIN_WEIGHT_WIDE from
-# GLUON_DECODE_WIDE_MIN_M rows (4096 x 14336 at 32 rows 22.5 against 27.7 us; at 16 rows 21.0 against 18.5;
-# results/gluon_decode_probe_h100_2026-11-25_ws_auto.log). Groups of GLUON_DECODE_SMALL_GROUP (compress's
-# default; eight a 256-deep tile) only from GLUON_DECODE_WIDE_MIN_M rows of the large weights: 14336^2 at
-# 32 rows 65.6 us against the tensor-core kernel's 79.0 (77.4 against 82.7 with zero points), at 64 rows 85.1
-# against 112.9 (103.5 against 114.4); at 2-16 rows, and on smaller weights with zero points, it was no
-# faster or slower (NOTES.md, "thirteenth session"; results/gluon_decode_probe_h100_2026-11-25_g32_deep.log).
-# Other groups under GLUON_DECODE_MIN_GROUP (g64) were not timed there: the other kernels. "gluon" forces it
+# streams an equal share of the weight through TMA; quant_matmul_gluon.py) for int4 in groups of 128, of a
+# multiple of 256 (a 256-deep K tile holds two groups or part of one), or of GLUON_DECODE_SMALL_GROUP
+# (compress's default; eight a 256-deep tile), where it was measured faster than the tensor-core kernel,
+# the larger the weight the fewer the rows (H100, 2026-11-26, after a tile's likely last part stopped paying a
+# round trip through the workspace; tests/gpu/gluon_prefill_probe.py, NOTES.md, "eighteenth session",
+# results/gluon_decode_rules_h100_2026-11-26.log): weights of at least GLUON_DECODE_MIN_WEIGHT values from 2
+# rows (28672 x 4096 at 2-16 rows 31.9-33.9 us against 33.6-35.1; 14336^2 50.3-52.9 against 59.9-62.5), of at
+# least GLUON_DECODE_MIN_WEIGHT_WIDE from GLUON_DECODE_WIDE_MIN_M rows (g32 at 32 rows of 14336 x 4096 23.4
+# against 30.2, of 28672 x 4096 40.4 against 52.1), of more than GLUON_DECODE_MIN_WEIGHT_WIDER from
+# GLUON_DECODE_WIDER_MIN_M rows (64 rows of 6144 x 4096: 17.8 against 26.4). Below those the tensor-core
+# kernel is as fast or faster (4096 x 14336 at 2-16 rows 18.1-18.7 against 19.4-20.3; 4096^2 at 32 rows).
+# Small groups with zero points cost the Gluon kernel more (a row's eight zero-point nibbles a tile): there
+# only from GLUON_DECODE_WIDE_MIN_M rows of GLUON_DECODE_MIN_WEIGHT (g32 with zero points, 28672 x 4096: 2-16
+# rows 44.1-45.6 against 40.7-42.6, 24 rows 50.3 against 63.6; 4096 x 14336 at 24 rows 27.9 against 26.3;
+# results/gluon_decode_rules_h100_2026-11-26_zeros.log), and from GLUON_DECODE_WIDER_MIN_M rows as others.
+# Other groups under GLUON_DECODE_MIN_GROUP (g64) were not timed: the other kernels. "gluon" forces it
 # wherever it takes the inputs, "triton" never.
 DECODE = "auto"
 GLUON_DECODE_BLOCK_K, GLUON_DECODE_MIN_GROUP, GLUON_DECODE_SMALL_GROUP = 256, 128, 32
-GLUON_DECODE_MIN_WEIGHT, GLUON_DECODE_MIN_WEIGHT_WIDE, GLUON_DECODE_WIDE_MIN_M = 1 << 27, 1 << 25, 17
+GLUON_DECODE_MIN_WEIGHT, GLUON_DECODE_MIN_WEIGHT_WIDE, GLUON_DECODE_WIDE_MIN_M = 1 << 26, 1 << 25, 17
+GLUON_DECODE_MIN_WEIGHT_WIDER, GLUON_DECODE_WIDER_MIN_M = 1 << 24, 33
 TRITON_PREFILL_MAX_M, TRITON_PREFILL_WIDE_MAX_M = 256, 512
 TRITON_PREFILL_MIN_N, TRITON_PREFILL_MIN_N_ANY, TRITON_PREFILL_MIN_K = 8192, 4096, 8192
 TRITON_PREFILL_NARROW_MAX_M = 8192
@@ -460,22 +465,25 @@ def _gluon_decode(x2, qweight, scales, zeros, group_size, bits) -> bool:
         x2, qweight, scales, zeros, group_size, bits, GLUON_DECODE_BLOCK_K
     ):
         return False
-    return DECODE == "gluon" or gluon_decode_in_auto(x2.shape[0], qweight.shape[0], x2.shape[1], group_size)
-
-
-def gluon_decode_in_auto(m: int, n_out: int, k_in: int, group_size: int = 128) -> bool:
-    """Whether ``DECODE="auto"`` runs ``m`` rows of this weight on the Gluon kernel (DECODE's comment)."""
-    if m < 2:
-        return False
-    if group_size < GLUON_DECODE_MIN_GROUP:
-        return (
-            group_size == GLUON_DECODE_SMALL_GROUP
-            and m >= GLUON_DECODE_WIDE_MIN_M
-            and n_out * k_in >= GLUON_DECODE_MIN_WEIGHT
-        )
-    return n_out * k_in >= (
-        GLUON_DECODE_MIN_WEIGHT_WIDE if m >= GLUON_DECODE_WIDE_MIN_M else GLUON_DECODE_MIN_WEIGHT
+    return DECODE == "gluon" or gluon_decode_in_auto(
+        x2.shape[0], qweight.shape[0], x2.shape[1], group_size, zeros is not None
     )
+
+
+def gluon_decode_in_auto(m: int, n_out: int, k_in: int, group_size: int = 128, zeros: bool = False) -> bool:
+    """Whether ``DECODE="auto"`` runs ``m`` rows of this weight (with zero points: ``zeros``) on the Gluon
+    kernel (DECODE's comment)."""
+    small = group_size < GLUON_DECODE_MIN_GROUP
+    if m < 2 or (small and group_size != GLUON_DECODE_SMALL_GROUP):
+        return False
+    size = n_out * k_in
+    if m >= GLUON_DECODE_WIDER_MIN_M:
+        return size > GLUON_DECODE_MIN_WEIGHT_WIDER
+    if small and zeros:
+        return m >= GLUON_DECODE_WIDE_MIN_M and size >= GLUON_DECODE_MIN_WEIGHT
+    if m >= GLUON_DECODE_WIDE_MIN_M:
+        return size >= GLUON_DECODE_MIN_WEIGHT_WIDE
+    return size >= GLUON_DECODE_MIN_WEIGHT
 
 
 def gluon_decode_tiles(m: int, sms: int) -> dict:

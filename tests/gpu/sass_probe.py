@@ -50,7 +50,8 @@ def main() -> None:
         n, k = map(int, shape.split("x"))
         for m, spec in itertools.product(args.m, args.tiles or [None]):
             if m <= qm.SKINNY_MAX_M:
-                cfg, auto = qm.gluon_decode_tiles(m, args.sms), qm.gluon_decode_in_auto(m, n, k, args.group)
+                cfg = qm.gluon_decode_tiles(m, args.sms)
+                auto = qm.gluon_decode_in_auto(m, n, k, args.group, args.zeros)
             else:
                 cfg = qm.gluon_tiles(m, n, k, args.sms)
                 auto = qm.gluon_in_auto(m, n, k, args.group, args.zeros)

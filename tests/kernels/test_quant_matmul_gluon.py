@@ -169,11 +169,13 @@ def test_gluon_stream_k_is_dequantize_then_matmul(m, n, k, group, zeros, tiling)
 
 
 def test_gluon_decode_measured_choices():
-    # (gluon_prefill_probe.py on the H100: NOTES.md, "eleventh session")
-    assert qm.gluon_decode_in_auto(2, 14336, 14336) and qm.gluon_decode_in_auto(64, 14336, 14336)
-    assert not qm.gluon_decode_in_auto(1, 14336, 14336)  # one row: the FMA kernel
-    assert not qm.gluon_decode_in_auto(16, 14336, 4096) and qm.gluon_decode_in_auto(17, 14336, 4096)
-    assert not qm.gluon_decode_in_auto(32, 4096, 4096) and not qm.gluon_decode_in_auto(64, 4096, 4096)
+    # (gluon_prefill_probe.py on the H100: NOTES.md, "eleventh session" and "eighteenth session")
+    auto = qm.gluon_decode_in_auto
+    assert auto(2, 14336, 14336) and auto(64, 14336, 14336) and auto(2, 28672, 4096)
+    assert not auto(1, 14336, 14336)  # one row: the FMA kernel
+    assert not auto(16, 14336, 4096) and auto(17, 14336, 4096) and not auto(16, 4096, 14336)
+    assert not auto(32, 6144, 4096) and auto(33, 6144, 4096) and auto(64, 6144, 4096)
+    assert not auto(32, 4096, 4096) and not auto(64, 4096, 4096)  # 2^24 values: not more than
     one = qm.gluon_decode_tiles(1, 132)
     assert (one["block_m"], one["block_n"], one["num_warps"], one["block_k"]) == (8, 64, 4, 256)
     assert one["programs"] == 264 and one["occupancy"] == 2  # two programs an SM
@@ -193,11 +195,15 @@ def test_groups_a_deep_tile_takes():
     qw, sc, _ = _packed(512, 4160, 32, False)  # 16.25 tiles of 256: one ends past K
     assert not qg.supported(torch.zeros(16, 4160, dtype=torch.bfloat16), qw, sc, 32, 4, 256)
     assert qg.supported(torch.zeros(16, 4160, dtype=torch.bfloat16), qw, sc, 32, 4, 64)  # two a 64-deep tile
-    # auto: g32 from 17 rows of the large weights (NOTES.md, "thirteenth session"), g64 not timed
+    # auto: g32 as g128 (NOTES.md, "eighteenth session"), g64 not timed
     auto = qm.gluon_decode_in_auto
-    assert not auto(16, 14336, 14336, 32) and auto(16, 14336, 14336, 128)
-    assert auto(17, 14336, 14336, 32) and auto(64, 14336, 14336, 32)
-    assert not auto(32, 14336, 4096, 32) and not auto(32, 14336, 14336, 64)
+    assert auto(16, 14336, 14336, 32) and auto(16, 14336, 14336, 128) and not auto(16, 14336, 4096, 32)
+    assert auto(17, 14336, 4096, 32) and auto(64, 6144, 4096, 32)
+    assert not auto(32, 14336, 14336, 64) and not auto(32, 14336, 14336, 16)
+    # g32 with zero points: from 17 rows of 2^26 values, from 33 as the others
+    assert not auto(16, 28672, 4096, 32, zeros=True) and auto(17, 28672, 4096, 32, zeros=True)
+    assert not auto(24, 4096, 14336, 32, zeros=True) and auto(33, 4096, 14336, 32, zeros=True)
+    assert auto(2, 28672, 4096, 128, zeros=True)
 
 
 def test_cpu_decode_never_takes_it(monkeypatch):
