@@ -262,6 +262,11 @@ def main():
     p.add_argument("--tiles", default=",".join(TILES))
     p.add_argument("--shapes", default=",".join(f"{n}x{k}" for n, k in SHAPES), help="N x K, comma-separated")
     p.add_argument("--group", type=int, default=128)
+    p.add_argument(
+        "--steps",
+        default=",".join(STEPS + ["kernel", "before"]),
+        help="what to time, of " + ", ".join(STEPS + ["kernel", "before"]),
+    )
     args = p.parse_args()
     tiles = [(spec, tiling(spec)) for spec in args.tiles.split(",")]
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
@@ -284,7 +289,7 @@ def main():
         t_read = do_bench_cudagraph(cycle([lambda c=c, o=out: read(c[0], o) for c in packs]), rep=40)
         row = [f"bf16 {rate(t_bf16, dense.numel() * 2)}", f"read {rate(t_read, qw.numel() * 4)}"]
         for spec, kw in tiles:
-            if kw["block_m"] < m or not qg.supported(x, qw, sc, args.group, 4, kw["block_k"]):
+            if not qg.supported(x, qw, sc, args.group, 4, kw["block_k"]):
                 continue
             got = []
             steps = [
@@ -300,7 +305,7 @@ def main():
             steps.append(("kernel", lambda c, kw=kw, x=x: qm._gluon(x, c[0], c[1], None, args.group, kw)))
             before = kw | {"late_first": False}  # (every part adds to the workspace: before the 18th session)
             steps.append(("before", lambda c, kw=before, x=x: qm._gluon(x, c[0], c[1], None, args.group, kw)))
-            for name, fn in steps:
+            for name, fn in [(name, fn) for name, fn in steps if name in args.steps.split(",")]:
                 try:
                     t = do_bench_cudagraph(cycle([functools.partial(fn, c) for c in packs]), rep=40)
                     got.append(f"{name} {rate(t)}")
