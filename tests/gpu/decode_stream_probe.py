@@ -1,19 +1,24 @@
-"""Issue 16 item 1: how fast the Gluon decode's TMA ring streams the weight with nothing, or only the word
-reads, behind it, against the whole kernel, a plain streaming read and cuBLAS bf16 (H100, cold weights in
-CUDA graphs as bench_quant_matmul.py times them).
+"""Issue 16 item 1: where the Gluon decode's time goes. Kernels that share its loading warp, their compute
+warps doing more of its work step by step, against the kernel itself, a plain streaming read and cuBLAS bf16
+(H100, cold weights in CUDA graphs as bench_quant_matmul.py times them).
 
-    python tests/gpu/decode_stream_probe.py [--ms 8,16] [--tiles 16:4:p264:64:256:4,...]
+    python tests/gpu/decode_stream_probe.py [--ms 8,16] [--tiles 16:4:p264:64:256:4,...] [--shapes 14336x4096]
+        [--steps drain,kernel]
 
-The stream-K decode (kernels/ops/quant_matmul_gluon.py) reads 14336^2 int4 g128 at 16 rows in ~53 us, 2.0
-TB/s, where Marlin takes ~46 (2.3 TB/s). Three kernels share its loading warp (``_load_partition``: the same
-run of (tile, K unit) pairs, the same TMA boxes and ring) and differ in what the compute warps do with each
-stage: ``drain`` waits for it and hands it back; ``words`` also reads the words into the operand's layout,
-as the real kernel does, and folds them into one value (kept, so the reads stay); ``kernel`` is the shipped
-kernel at the same tiling. The ring's own ceiling (``drain``) against ``kernel`` splits the gap between the
-loads and what the compute warps do per tile; ``read`` (plain vector loads, each program a contiguous run)
-is what this GPU streams at all.
+The stream-K decode (kernels/ops/quant_matmul_gluon.py) read 14336^2 int4 g128 at 16 rows in ~53 us, 2.0
+TB/s, where Marlin takes ~46 (2.3 TB/s). The ladder's kernels share its loading warp (``_load_partition``:
+the same run of (tile, K unit) pairs, the same TMA boxes and ring); their compute warps, per K tile
+(``_ladder_partition``): ``drain`` wait for the stage and hand it back; ``words`` also read its words into
+the operand's layout (folded into one value, so the reads stay); ``scales`` also load the scales three tiles
+ahead; ``mma`` also run the products, on an operand made with one add a value pair; ``dequant`` make the
+operand as the kernel does (the kernel less its writes); ``store`` plain stores of each run's part of a tile;
+``atomics`` fp32 atomics in their place. Then ``kernel`` (quant_matmul's launch at the same tiling) and
+``before`` (the same with ``late_first`` off: every part of a tile through the workspace, as before the
+eighteenth session). ``read`` (plain vector loads, each program a contiguous run) is what this GPU streams
+at all. Results: tests/benchmarks/NOTES.md, "eighteenth session".
 
-A tiling is BLOCK_M:STAGES:pPROGRAMS:BLOCK_N:BLOCK_K:WARPS (gluon_prefill_probe.py's form, stream-K only).
+A tiling is BLOCK_M:STAGES:pPROGRAMS:BLOCK_N:BLOCK_K:WARPS, or with a split in place of pPROGRAMS
+(gluon_prefill_probe.py's form); the ladder's steps are stream-K only.
 """
 
 from __future__ import annotations
@@ -41,15 +46,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from gluon_prefill_probe import COLD_BYTES, cycle, packed, tiling  # noqa: E402 (this folder)
 
 SHAPES = [(14336, 14336), (14336, 4096), (28672, 4096), (4096, 14336), (4096, 4096)]
-STEPS = [
-    "drain",
-    "words",
-    "scales",
-    "mma",
-    "dequant",
-    "store",
-    "atomics",
-]  # the ladder's steps, in order (_ladder_partition)
+STEPS = ["drain", "words", "scales", "mma", "dequant", "store", "atomics"]  # the ladder's, in order
 TILES = ["16:4:p264:64:256:4", "16:6:p264:64:256:4", "16:4:p396:64:256:4", "16:8:p132:64:256:4",
          "16:4:p132:128:256:8", "16:6:p264:64:128:4", "16:8:p264:64:128:4"]  # fmt: skip
 
