@@ -132,6 +132,17 @@ def test_split_tiles_need_a_way_to_meet():
         qg.launch(x, qw, sc, None, 128, y, y, y, block_m=16, split=2)
 
 
+def test_a_tiles_likely_last_part_reads_the_count_first_unless_asked_not_to():
+    # (tests/gpu/decode_stream_probe.py on the H100: NOTES.md, "eighteenth session"; correctness of both ways
+    # where parts of tiles meet: test_gluon_stream_k_is_dequantize_then_matmul, compiled on the device)
+    qw, sc, _ = _packed(256, 4096, 128, False)
+    x = torch.zeros(16, 4096, dtype=torch.bfloat16)
+    y = torch.empty(16, 256, dtype=torch.bfloat16)
+    on = qg.launch_args(x, qw, sc, None, 128, y, y, y, block_m=16, programs=3, mode=2)[2]
+    off = qg.launch_args(x, qw, sc, None, 128, y, y, y, block_m=16, programs=3, mode=2, late_first=False)[2]
+    assert on["LATE_FIRST"] and not off["LATE_FIRST"] and on["MODE"] == off["MODE"] == 2
+
+
 _DEEP = {"block_n": 64, "block_k": 256, "num_warps": 4}  # decode's tiles: one warpgroup, 256-deep K tiles
 
 
