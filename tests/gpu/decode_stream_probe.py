@@ -39,6 +39,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.testing import do_bench_cudagraph
 
+import squeezeserve.kernels as K
 from squeezeserve.kernels.ops import quant_matmul as qm
 from squeezeserve.kernels.ops import quant_matmul_gluon as qg
 
@@ -253,6 +254,36 @@ def read(qweight, out, programs=264, block=4096):
     _read_kernel[(math.ceil(n_words / per),)](qweight, out, n_words, per, BLOCK=block, num_warps=8)
 
 
+LAYER = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}  # 8B
+
+
+def layer(ms, group):
+    """The 8B model's four decode GEMMs through quant_matmul, as this session ships them and with the rules
+    and meeting before it (the Gluon decode from 2 rows of 2^27 values and 17 of 2^25, every part of a tile
+    through the workspace), one run: the layer's sum at each row count."""
+    ship = (qm.GLUON_DECODE_MIN_WEIGHT, qm.GLUON_DECODE_WIDER_MIN_M, qm.gluon_decode_tiles)
+    old = (1 << 27, qm.SKINNY_MAX_M + 1, lambda m, sms: ship[2](m, sms) | {"late_first": False})
+    for m in ms:
+        sums = {"now": 0.0, "before": 0.0}
+        row = []
+        for name, (n, k) in LAYER.items():
+            qw, sc, _, _ = packed(n, k, group, False)
+            copies = max(1, min(64, math.ceil(COLD_BYTES / (qw.numel() * 4))))
+            packs = [(qw, sc)] + [(qw.clone(), sc.clone()) for _ in range(copies - 1)]
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            fn = cycle([lambda c=c, x=x: K.quant_matmul(x, c[0], c[1], None, group, 4) for c in packs])
+            for label, rules in (("now", ship), ("before", old)):
+                qm.GLUON_DECODE_MIN_WEIGHT, qm.GLUON_DECODE_WIDER_MIN_M, qm.gluon_decode_tiles = rules
+                t = do_bench_cudagraph(fn, rep=40) * 1e3
+                sums[label] += t
+                row.append(f"{name} {label} {t:.1f}us")
+            qm.GLUON_DECODE_MIN_WEIGHT, qm.GLUON_DECODE_WIDER_MIN_M, qm.gluon_decode_tiles = ship
+        print(
+            f"layer m={m} g={group}: now {sums['now']:.1f}us, before {sums['before']:.1f}us | "
+            + ", ".join(row)
+        )
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--ms", default="16", help="rows of x, comma-separated")
@@ -264,7 +295,11 @@ def main():
         default=",".join(STEPS + ["kernel", "before"]),
         help="what to time, of " + ", ".join(STEPS + ["kernel", "before"]),
     )
+    p.add_argument("--layer", action="store_true", help="the 8B layer's four GEMMs, now and before (layer())")
     args = p.parse_args()
+    if args.layer:
+        layer([int(v) for v in args.ms.split(",")], args.group)
+        return
     tiles = [(spec, tiling(spec)) for spec in args.tiles.split(",")]
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
