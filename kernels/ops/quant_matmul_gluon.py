@@ -499,6 +499,21 @@ def _compute_partition(
 
 
 @gluon.jit
+def _ring(x_desc, w_desc, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+          STAGES: gl.constexpr):  # fmt: skip
+    """The ring of STAGES shared-memory stages (x tile, weight words) the loading warp fills, with each
+    stage's ``ready`` (TMA's bytes in) and ``empty`` (its products done) barriers."""
+    x_smem = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], x_desc.layout)
+    w_smem = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N, BLOCK_K // 8], w_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=1)  # (one arrival: the partition syncs, then one thread arrives)
+    return x_smem, w_smem, ready, empty
+
+
+@gluon.jit
 def _wgmma_kernel(
     x_desc,  # TMA descriptor of x [M, K], blocks [BLOCK_M, BLOCK_K]
     w_desc,  # TMA descriptor of the packed weight [N, K / 8] int32, blocks [BLOCK_N, BLOCK_K / 8]
@@ -526,13 +541,7 @@ def _wgmma_kernel(
     STAGES: gl.constexpr,
     num_warps: gl.constexpr,
 ):
-    x_smem = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], x_desc.layout)
-    w_smem = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N, BLOCK_K // 8], w_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(STAGES):
-        mbarrier.init(ready.index(s), count=1)
-        mbarrier.init(empty.index(s), count=1)  # (one arrival: the partition syncs, then one thread arrives)
+    x_smem, w_smem, ready, empty = _ring(x_desc, w_desc, BLOCK_M, BLOCK_N, BLOCK_K, STAGES)
     # One loading warp of 24 registers (scalars only; the least a warp may have). (The partitions' arguments
     # are written out in the call: a tuple bound to a name first turns the constexprs in it into tensors.)
     gl.warp_specialize(

@@ -199,13 +199,7 @@ def _ladder_kernel(
     STAGES: gl.constexpr,
     num_warps: gl.constexpr,
 ):
-    x_smem = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], x_desc.layout)
-    w_smem = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N, BLOCK_K // 8], w_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(STAGES):
-        mbarrier.init(ready.index(s), count=1)
-        mbarrier.init(empty.index(s), count=1)
+    x_smem, w_smem, ready, empty = qg._ring(x_desc, w_desc, BLOCK_M, BLOCK_N, BLOCK_K, STAGES)
     gl.warp_specialize(
         [
             (_ladder_partition, (x_smem, w_smem, ready, empty, scale_ptr, out_ptr, y_ptr, M, N, K,
