@@ -375,7 +375,9 @@ class Workspace:
     """Long-lived scratch tensors, one set per device, that the kernels using them leave zero (so no call
     fills them, and a launch plan holds them as constants): ``workspace(device, *numels)`` returns tensors of
     at least those sizes, of the dtypes and minimum sizes given as ``(dtype, minimum)`` pairs. Grown on
-    demand; a replaced set is kept alive, as plans and CUDA graphs made earlier still point at it. Kernels on
+    demand, to at least twice the size it replaces: a replaced set is kept alive, as plans and CUDA graphs
+    made earlier still point at it, so calls of ever larger sizes (a server's row counts as they come) keep at
+    most about as much again as the largest set, where growing to each size asked kept their sum. Kernels on
     one stream run one after another; two streams using one device's set at once would share it (serving
     engines use one)."""
 
@@ -388,11 +390,12 @@ class Workspace:
         key = (device.type, device.index)
         tensors = self.current.get(key)
         if tensors is None or any(t.numel() < n for t, n in zip(tensors, numels, strict=True)):
+            old = [0] * len(numels) if tensors is None else [2 * t.numel() for t in tensors]
             if tensors is not None:
                 self.retired.append(tensors)
             tensors = tuple(
-                torch.zeros(max(n, minimum), dtype=dtype, device=device)
-                for (dtype, minimum), n in zip(self.specs, numels, strict=True)
+                torch.zeros(max(n, minimum, grown), dtype=dtype, device=device)
+                for (dtype, minimum), n, grown in zip(self.specs, numels, old, strict=True)
             )
             self.current[key] = tensors
         return tensors

@@ -5,6 +5,7 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from squeezeserve.kernels.ops import launch
 from squeezeserve.kernels.ops.launch import (
+    Workspace,
     block_rows,
     cdiv,
     next_power_of_2,
@@ -185,3 +186,22 @@ def test_fast_launch_fits_the_gpu_on_triton_s_own_path(monkeypatch):
     monkeypatch.setattr(launch, "FAST_LAUNCH", False)
     assert launch.FastLaunch(gpu)[(4,)](1, 2, BLOCK=8, num_stages=4) == ("compiled", 2, (1, 2))
     assert gpu.tried == [4, 3, 2]
+
+
+def test_workspace_grows_geometrically_and_keeps_what_it_replaced():
+    """Sizes asked in growing order (a server's row counts as they come): each set is at least as large as
+    asked and zero, the replaced sets stay alive (plans and graphs point at them), and all of them together
+    hold at most about twice the largest set, not the sum of every size asked."""
+    ws = Workspace((torch.float32, 16), (torch.int32, 4))
+    device = torch.device("cpu")
+    first = ws(device, 1, 1)
+    for n in range(1, 1001):
+        floats, counts = ws(device, n, 3)
+        assert floats.numel() >= n and counts.numel() >= 4
+        assert not floats.any() and not counts.any()
+    assert ws(device, 10, 2)[0] is floats  # (no smaller size replaces a set)
+    assert any(first[0] is group[0] for group in ws.retired)
+    kept = sum(group[0].numel() for group in (*ws.retired, (floats,)))
+    assert floats.numel() < 2 * 1000
+    assert kept < 4 * 1000  # (growing to each size asked kept 500500)
+    assert len(ws.retired) <= 7  # 16 -> 32 -> ... -> 1024
