@@ -48,9 +48,8 @@ import torch
 
 from squeezeserve.kernels import functional
 from squeezeserve.kernels.ops import quant_matmul
-from squeezeserve.kernels.ops.launch import sm_count, wgmma
 from squeezeserve.kernels.ops.quant_matmul import quant_matmul_eager
-from squeezeserve.kernels.registry import eager, interpreting
+from squeezeserve.kernels.registry import eager
 
 QUANT_METHOD_NAME = "squeezeserve"
 PROBE_ENV = "SQUEEZESERVE_VLLM_PROBE"
@@ -196,55 +195,28 @@ def quant_linear(
     return y + bias if bias is not None else y
 
 
-# Row counts a layer warms at load under Triton's interpreter (tests), where quant_matmul.warm_rows cannot
-# replay the GPU's dispatch. On a GPU the layer warms quant_matmul.warm_rows' row counts: one for every
-# kernel specialization its prompt steps can reach up to vLLM's max_num_batched_tokens. vLLM captures its
-# decode sizes into CUDA graphs, but prompt chunks run eagerly, and each kernel of quant_matmul is compiled on
-# its first call: a compile in a running server stalls every sequence in flight (vLLM's JIT monitor logged
-# one in synth run 23, and the Gluon GEMM in runs 45-46, after the rows warmed were these).
+# Row counts whose kernels a layer compiles at load rather than in the middle of serving: vLLM captures
+# its decode sizes into CUDA graphs, but prompt chunks run eagerly, and each prefill path of quant_matmul
+# (the Triton GEMM's row-count tilings, dequantize + cuBLAS) is compiled on its first call. 128, 256 and 512
+# rows reach every kernel of quant_matmul.prefill_tuning that the "auto" rule runs (a tiling with and without
+# K splits: fill_split's count changes with the row tiles), 2048 the dequantize kernel (narrow outputs take it
+# only inside CUDA graphs: it is compiled here for those); Triton compiles a row count that is not a multiple
+# of 16 separately (127, 255, 511). A compile in a running server stalls every sequence in flight (vLLM's JIT
+# monitor logged one in synth run 23).
 PREFILL_WARM_ROWS = (127, 128, 255, 256, 511, 512, 2048)
-# What warm_prefill assumes where vLLM's config does not say (vLLM's default for a chunked prefill).
-DEFAULT_MAX_BATCHED_TOKENS = 8192
-_warmed: set[tuple] = set()
 
 
-def max_batched_tokens() -> int:
-    """vLLM's ``max_num_batched_tokens`` for the engine being loaded: the most rows a prompt step runs."""
-    try:
-        from vllm.config import get_current_vllm_config
-
-        return int(get_current_vllm_config().scheduler_config.max_num_batched_tokens)
-    except Exception:  # (no vLLM, or no config being loaded)
-        return DEFAULT_MAX_BATCHED_TOKENS
-
-
-def warm_prefill(
-    layer: torch.nn.Module, scheme: WeightOnlyScheme, dtype: torch.dtype, max_rows: int | None = None
-) -> tuple[int, ...]:
-    """Run the layer's kernels once on zeros at each row count that reaches a kernel the others do not, up to
-    ``max_rows`` (vLLM's max_num_batched_tokens), so that each compiles at load; layers of one shape warm
-    once. Returns the row counts run. Not through quant_linear: the op probe (_note) counts serving calls
-    only."""
+def warm_prefill(layer: torch.nn.Module, scheme: WeightOnlyScheme, dtype: torch.dtype) -> None:
+    """Run the layer's prefill kernels once on zeros (each distinct kernel compiles once per process). Not
+    through quant_linear: the op probe (_note) counts serving calls only."""
     k_in = layer.input_size_per_partition
     weight = (layer.weight_packed, layer.weight_scale, getattr(layer, "weight_zero_point", None))
     group = scheme.group_size_for(k_in)
-    device = layer.weight_packed.device
-    n_out = layer.weight_packed.shape[0]
-    if interpreting():
-        rows = PREFILL_WARM_ROWS
-    else:
-        max_rows = max_rows or max_batched_tokens()
-        shape = (n_out, k_in, group, scheme.bits, weight[2] is not None, dtype, max_rows, device)
-        if shape in _warmed:
-            return ()
-        rows = quant_matmul.warm_rows(*shape[:7], sm_count(device), wgmma(device))
-        _warmed.add(shape)
-    for m in rows:
-        x = torch.zeros(m, k_in, dtype=dtype, device=device)
+    for rows in PREFILL_WARM_ROWS:
+        x = torch.zeros(rows, k_in, dtype=dtype, device=layer.weight_packed.device)
         torch.ops.squeezeserve.quant_matmul_opaque(x, *weight, group, scheme.bits)
-    if n_out < quant_matmul.TRITON_PREFILL_MIN_N_ANY:
+    if layer.weight_packed.shape[0] < quant_matmul.TRITON_PREFILL_MIN_N_ANY:
         quant_matmul.dequantize(*weight, k_in, group, scheme.bits, dtype)
-    return tuple(rows)
 
 
 # --- on vLLM's CPU backend: the packed CPU forms torch has matmuls for -------------------------------------

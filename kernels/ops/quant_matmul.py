@@ -14,7 +14,6 @@ a small part of the time.
 
 from __future__ import annotations
 
-import functools
 import importlib
 import logging
 import os
@@ -323,42 +322,6 @@ def split_rows(x2: torch.Tensor, n_out: int, k_in: int, weight: tuple = ()) -> i
     ):
         return 0
     return m - rest if eager(x2, *weight) else 0
-
-
-# Past WARM_ALL_ROWS, warm_rows tries only row counts that are a multiple of 16 or one more: the dispatch's
-# bounds are multiples of 16 (a rule's row count, or a tile's rows times a count of tiles) with the next row
-# count past each, and Triton specializes an int on being a multiple of 16 (and on being 1), so those row
-# counts meet every launch the others meet (checked over every row count in tests/kernels/test_vllm_ops.py).
-WARM_ALL_ROWS = 256
-
-
-@functools.cache
-def warm_rows(
-    n_out: int, k_in: int, group_size: int, bits: int, has_zeros: bool, dtype: torch.dtype, max_rows: int,
-    sms: int, wgmma: bool = True,
-) -> tuple[int, ...]:  # fmt: skip
-    """The fewest row counts whose calls launch every compiled kernel (``launch.specialization_key``) that
-    calls of 1..``max_rows`` rows of this weight launch, eagerly, on a GPU of ``sms`` SMs: the dispatch
-    replayed under ``launch.capture`` on CPU stand-ins (nothing is computed; ~1-3 ms a row count), the
-    first row count tried that makes each launch. For warming a server at load (vllm_ops.warm_prefill): a
-    kernel compiled in the middle of serving stalls every sequence in flight. Needs compiled kernels, not
-    the interpreter."""
-    per_word = 32 // bits
-    qweight = torch.zeros(n_out, cdiv(k_in, per_word), dtype=torch.int32)
-    scales = torch.zeros(n_out, cdiv(k_in, group_size), dtype=dtype)
-    zeros = None
-    if has_zeros:  # (packed along N)
-        zeros = torch.zeros(cdiv(n_out, per_word), cdiv(k_in, group_size), dtype=torch.int32)
-    first: dict[tuple, int] = {}
-    with launch.capture(sms=sms, wgmma=wgmma) as launches:
-        for m in range(1, max_rows + 1):
-            if m > WARM_ALL_ROWS and m % 16 > 1 and m != max_rows:
-                continue
-            _quant_matmul(torch.zeros(m, k_in, dtype=dtype), qweight, scales, zeros, group_size, bits)
-            for kernel, _, args, kwargs in launches:
-                first.setdefault((kernel, launch.specialization_key(args, kwargs)), m)
-            launches.clear()
-    return tuple(sorted(set(first.values())))
 
 
 def _rows(x2, qweight, scales, zeros, zero_arg, group_size, bits, out) -> torch.Tensor:
