@@ -195,25 +195,32 @@ def quant_linear(
     return y + bias if bias is not None else y
 
 
-# Row counts whose kernels a layer compiles at load rather than in the middle of serving: vLLM captures
-# its decode sizes into CUDA graphs, but prompt chunks run eagerly, and each prefill path of quant_matmul
-# (the Triton GEMM's row-count tilings, dequantize + cuBLAS) is compiled on its first call. 128, 256 and 512
-# rows reach every kernel of quant_matmul.prefill_tuning that the "auto" rule runs (a tiling with and without
-# K splits: fill_split's count changes with the row tiles), 2048 the dequantize kernel (narrow outputs take it
-# only inside CUDA graphs: it is compiled here for those); Triton compiles a row count that is not a multiple
-# of 16 separately (127, 255, 511). A compile in a running server stalls every sequence in flight (vLLM's JIT
-# monitor logged one in synth run 23).
-PREFILL_WARM_ROWS = (127, 128, 255, 256, 511, 512, 2048)
+# Row counts whose kernels a layer compiles at load rather than in the middle of serving: a compile in a
+# running server stalls every sequence in flight (vLLM's JIT monitor logged one in synth run 23, and the
+# Gluon GEMM in runs 45-46). Each kernel of quant_matmul compiles on its first call with a given launch key
+# (launch.specialization_key: its tiling's constexprs, and whether each int argument, such as the row count,
+# is 1 or a multiple of 16). These row counts reach every key that any row count reaches at the 8B model's
+# shapes and the bundled model's, g128 and g32 with zero points (tests/kernels/test_vllm_ops.py replays the
+# dispatch over every row count to check it): both sides of each bound of the rules (the Gluon decode's
+# tiles, the row split, the Gluon prefill's 128- and 256-row tiles and stream-K, the Triton GEMM's K splits,
+# dequantize + cuBLAS past 2048), a multiple of 16 and not. Decode sizes are among them: vLLM captures its
+# graph sizes, but the row split runs a prompt batch's tail (up to 64 rows) eagerly, and --enforce-eager
+# captures nothing. (The fixed rows before the nineteenth session, 127 / 128 / 255 / 256 / 511 / 512 / 2048,
+# missed 129-144, 257-272, 321-336 and 577-592: NOTES.md.)
+PREFILL_WARM_ROWS = (1, 2, 3, 16, 17, 32, 33, 48, 65, 80, 127, 128, 129, 144, 255, 256, 257, 272, 321, 336,
+                     511, 512, 513, 528, 577, 592, 2048, 2049)  # fmt: skip
 
 
-def warm_prefill(layer: torch.nn.Module, scheme: WeightOnlyScheme, dtype: torch.dtype) -> None:
-    """Run the layer's prefill kernels once on zeros (each distinct kernel compiles once per process). Not
-    through quant_linear: the op probe (_note) counts serving calls only."""
+def warm_prefill(
+    layer: torch.nn.Module, scheme: WeightOnlyScheme, dtype: torch.dtype, rows: tuple = PREFILL_WARM_ROWS
+) -> None:
+    """Run the layer's kernels once on zeros at each of ``rows`` row counts (each distinct kernel compiles
+    once per process). Not through quant_linear: the op probe (_note) counts serving calls only."""
     k_in = layer.input_size_per_partition
     weight = (layer.weight_packed, layer.weight_scale, getattr(layer, "weight_zero_point", None))
     group = scheme.group_size_for(k_in)
-    for rows in PREFILL_WARM_ROWS:
-        x = torch.zeros(rows, k_in, dtype=dtype, device=layer.weight_packed.device)
+    for m in rows:
+        x = torch.zeros(m, k_in, dtype=dtype, device=layer.weight_packed.device)
         torch.ops.squeezeserve.quant_matmul_opaque(x, *weight, group, scheme.bits)
     if layer.weight_packed.shape[0] < quant_matmul.TRITON_PREFILL_MIN_N_ANY:
         quant_matmul.dequantize(*weight, k_in, group, scheme.bits, dtype)

@@ -188,9 +188,60 @@ def test_warm_prefill_runs_each_prefill_size_without_touching_the_layer(device):
     layer = _loaded_layer({name: t.to(device) for name, t in stacked.items()}, 64, 96)
     before = {name: t.clone() for name, t in layer.named_parameters()}
     calls = vllm_ops.call_counts().get("quant_matmul", 0)
-    vllm_ops.warm_prefill(layer, scheme, torch.float16)
+    # (one row count of each path: the interpreter takes seconds a row count; the test below checks the rows)
+    vllm_ops.warm_prefill(layer, scheme, torch.float16, rows=(1, 17, 65, 129, 257, 2049))
     assert all(torch.equal(t, before[name]) for name, t in layer.named_parameters())
     assert vllm_ops.call_counts().get("quant_matmul", 0) == calls
+
+
+# (run in a process of its own with compiled kernels: launch.capture replays the GPU's dispatch on CPU tensors
+# that stand for the GPU's, nothing computed)
+_WARM_COVERAGE = """
+import json
+import torch
+from squeezeserve.kernels import vllm_ops
+from squeezeserve.kernels.ops import launch
+from squeezeserve.kernels.ops import quant_matmul as qm
+
+def keys(n, k, g, zeros, dtype, rows):
+    qw = torch.zeros(n, k // 8, dtype=torch.int32)
+    sc = torch.zeros(n, k // g, dtype=dtype)
+    zp = torch.zeros((n + 7) // 8, k // g, dtype=torch.int32) if zeros else None
+    first = {}
+    with launch.capture(sms=132, wgmma=True) as launches:
+        for m in rows:
+            qm._quant_matmul(torch.empty(m, k, dtype=dtype), qw, sc, zp, g, 4)
+            for kern, _, a, kw in launches:
+                first.setdefault(repr((kern.__name__, launch.specialization_key(a, kw))), m)
+            launches.clear()
+    return first
+
+CASES = {  # the 8B model's qkv, o, gate_up and down, g128 and g32 with zero points; the bundled model's
+    "6144x4096 g128": (6144, 4096, 128, False, torch.bfloat16, 640),
+    "4096x4096 g128": (4096, 4096, 128, False, torch.bfloat16, 640),
+    "28672x4096 g32 zp": (28672, 4096, 32, True, torch.bfloat16, 640),
+    "4096x14336 g128": (4096, 14336, 128, False, torch.bfloat16, 640),
+    "4096x14336 g32 zp": (4096, 14336, 32, True, torch.bfloat16, 640),
+    "576x1536 g32 zp fp16": (576, 1536, 32, True, torch.float16, 2100),
+}
+for case, (n, k, g, zeros, dtype, most) in CASES.items():
+    every = keys(n, k, g, zeros, dtype, range(1, most + 1))
+    warmed = keys(n, k, g, zeros, dtype, vllm_ops.PREFILL_WARM_ROWS)
+    missing = sorted(every[key] for key in set(every) - set(warmed))
+    print(json.dumps({"case": case, "keys": len(every), "missing_rows": missing}))
+"""
+
+
+def test_warm_rows_reach_every_kernel_that_any_row_count_launches(run_compiled):
+    # The row counts a layer warms at load launch every compiled kernel (each launch key) that any row count
+    # up to past the rules' bounds launches at these shapes: none is left to compile in the middle of
+    # serving. (Past 640 rows the 8B shapes take paths whose keys these rows already reach: the Gluon
+    # prefill's and, past 2048, dequantize + cuBLAS, whose CPU stand-in products the replay would compute.)
+    results = run_compiled(["-c", _WARM_COVERAGE])
+    assert len(results) == 6
+    for case, result in results.items():
+        assert result["keys"] >= 8, (case, result)
+        assert result["missing_rows"] == [], (case, result["missing_rows"])
 
 
 # --- on vLLM's CPU backend: the weights unpacked once at load -------------------------------------------
