@@ -206,7 +206,8 @@ def quant_linear(
 # dequantize + cuBLAS past 2048), a multiple of 16 and not. Decode sizes are among them: vLLM captures its
 # graph sizes, but the row split runs a prompt batch's tail (up to 64 rows) eagerly, and --enforce-eager
 # captures nothing. (The fixed rows before the nineteenth session, 127 / 128 / 255 / 256 / 511 / 512 / 2048,
-# missed 129-144, 257-272, 321-336 and 577-592: NOTES.md.)
+# missed the Gluon prefill's keys first reached at 513 rows of 4096^2 and 577 of 4096 x 14336, and every
+# decode key: NOTES.md.)
 PREFILL_WARM_ROWS = (1, 2, 3, 16, 17, 32, 33, 48, 65, 80, 127, 128, 129, 144, 255, 256, 257, 272, 321, 336,
                      511, 512, 513, 528, 577, 592, 2048, 2049)  # fmt: skip
 
