@@ -390,12 +390,12 @@ class Workspace:
         key = (device.type, device.index)
         tensors = self.current.get(key)
         if tensors is None or any(t.numel() < n for t, n in zip(tensors, numels, strict=True)):
-            old = [0] * len(numels) if tensors is None else [2 * t.numel() for t in tensors]
+            twice = [0] * len(numels) if tensors is None else [2 * t.numel() for t in tensors]
             if tensors is not None:
                 self.retired.append(tensors)
             tensors = tuple(
                 torch.zeros(max(n, minimum, grown), dtype=dtype, device=device)
-                for (dtype, minimum), n, grown in zip(self.specs, numels, old, strict=True)
+                for (dtype, minimum), n, grown in zip(self.specs, numels, twice, strict=True)
             )
             self.current[key] = tensors
         return tensors
