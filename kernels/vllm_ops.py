@@ -199,12 +199,12 @@ def quant_linear(
 # running server stalls every sequence in flight (vLLM's JIT monitor logged one in synth run 23, and the
 # Gluon GEMM in runs 45-46). Each kernel of quant_matmul compiles on its first call with a given launch key
 # (launch.specialization_key: its tiling's constexprs, and whether each int argument, such as the row count,
-# is 1 or a multiple of 16). These row counts reach every key that any row count reaches at the 8B model's
-# shapes and the bundled model's, g128 and g32 with zero points, on an H100's 132 SMs (the bounds that count
-# SMs move on other GPUs; tests/kernels/test_vllm_ops.py replays the dispatch over every row count to check
-# it): both sides of each bound of the rules (the Gluon decode's tiles, the row split, the Gluon prefill's
-# 128- and 256-row tiles and stream-K, the Triton GEMM's K splits, dequantize + cuBLAS past 2048), a multiple
-# of 16 and not. Decode sizes are among them: vLLM captures its
+# is 1 or a multiple of 16). These row counts reach every key that the row counts to 2064 reach at the 8B
+# model's shapes and the bundled model's, g128 and g32 with zero points, on an H100's 132 SMs (replayed under
+# launch.capture once, and to 640 rows in tests/kernels/test_vllm_ops.py; the bounds that count SMs move on
+# other GPUs): both sides of each bound of the rules (the Gluon decode's tiles, the row split, the Gluon
+# prefill's 128- and 256-row tiles and stream-K, the Triton GEMM's K splits, dequantize + cuBLAS past 2048,
+# whose kernels take no row count), a multiple of 16 and not. Decode sizes are among them: vLLM captures its
 # graph sizes, but the row split runs a prompt batch's tail (up to 64 rows) eagerly, and --enforce-eager
 # captures nothing. (The fixed rows before the nineteenth session, 127 / 128 / 255 / 256 / 511 / 512 / 2048,
 # missed the Gluon prefill's keys first reached at 513 rows of 4096^2 and 577 of 4096 x 14336, and every
