@@ -166,3 +166,41 @@ def pack_weight(
     if zero is not None:
         tensors["weight_zero_point"] = pack_int32(zero, bits, packed_dim=0)
     return tensors
+
+
+# --- thread-owned word order: an int4 layout of the Hopper decode's own, made at load ----------------------
+#
+# In every 32-deep block of a row (four words), word p holds the value pairs that lane p % 4 of a wgmma
+# register operand's fragment takes from the block: K values 8 i + 2 p in nibble i < 4 and 8 (i - 4) + 2 p + 1
+# in nibble i >= 4, so that pair j is nibbles j and j + 4 (one shift and one mask-and-bias lop3 place it as
+# a bf16x2 / f16x2 register) and each thread reads only its own words. Measured 4-11% off the Gluon decode's
+# loop on the H100 (tests/gpu/decode_stream_probe.py; tests/benchmarks/NOTES.md, nineteenth session).
+OWNED_BLOCK = 32  # K values a block
+
+
+def _owned_source(device: torch.device) -> torch.Tensor:
+    """[32]: for nibble i of word p of an owned block (index 8 p + i), the K offset in the block it holds."""
+    lane, nibble = torch.arange(4).unsqueeze(1), torch.arange(8).unsqueeze(0)
+    source = torch.where(nibble < 4, 8 * nibble + 2 * lane, 8 * (nibble - 4) + 2 * lane + 1)
+    return source.flatten().to(device)
+
+
+def to_owned_order(qweight: torch.Tensor) -> torch.Tensor:
+    """int4 ``weight_packed`` [N, K / 8] (K a multiple of 32) in the thread-owned word order, same shape."""
+    n, words = qweight.shape
+    if words % 4:
+        raise ValueError(f"to_owned_order: K must be a multiple of {OWNED_BLOCK}, got {words * 8}")
+    values = unpack_unsigned(qweight, 4, words * 8).view(n, words // 4, OWNED_BLOCK)
+    owned = values[:, :, _owned_source(qweight.device)]
+    return pack_unsigned(owned.reshape(n, words * 8), 4)
+
+
+def from_owned_order(owned: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`to_owned_order`: thread-owned words back to ``weight_packed``'s order."""
+    n, words = owned.shape
+    if words % 4:
+        raise ValueError(f"from_owned_order: K must be a multiple of {OWNED_BLOCK}, got {words * 8}")
+    values = unpack_unsigned(owned, 4, words * 8).view(n, words // 4, OWNED_BLOCK)
+    standard = torch.empty_like(values)
+    standard[:, :, _owned_source(owned.device)] = values
+    return pack_unsigned(standard.reshape(n, words * 8), 4)

@@ -66,33 +66,45 @@ _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 # Value pair (2 j, 2 j + 1) of a word as one bf16x2 / f16x2 register, minus (BIAS + z), times s: the pair's
 # byte alone (prmt; selector 0x4440 + j), copied 12 bits up (x 4097: bits 0-7 and 12-19), so that its low
 # nibble lands at bit 0 and its high one at bit 16, masked and OR-ed with BIAS's bits (one lop3).
-# $1 word, $2 prmt selector, $3 (BIAS + z) x2, $4 s x2.
+# $1 word, $2 prmt selector, $3 (BIAS + z) x2, $4 s x2. From a thread-owned word (quant_layout's
+# to_owned_order), where pair j is nibbles j and j + 4, a shift by 4 j ($2) puts them at bits 0 and 16 in
+# place of the first two instructions.
 _PAIR_ASM = """{{
 .reg .b32 b, p;
-prmt.b32 b, $1, 0, $2;
-mul.lo.u32 p, b, 4097;
+{place}
 lop3.b32 p, p, 0x000F000F, {magic}, 0xEA;
 sub.rn.{ty} p, p, $3;
 mul.rn.{ty} $0, p, $4;
 }}"""
-_PAIR_BF16 = gl.constexpr(_PAIR_ASM.format(magic="0x43004300", ty="bf16x2"))
-_PAIR_F16 = gl.constexpr(_PAIR_ASM.format(magic="0x64006400", ty="f16x2"))
+_PACKED_PLACE = "prmt.b32 b, $1, 0, $2;\nmul.lo.u32 p, b, 4097;"
+_OWNED_PLACE = "shr.b32 p, $1, $2;"
+_PAIR_BF16 = gl.constexpr(_PAIR_ASM.format(place=_PACKED_PLACE, magic="0x43004300", ty="bf16x2"))
+_PAIR_F16 = gl.constexpr(_PAIR_ASM.format(place=_PACKED_PLACE, magic="0x64006400", ty="f16x2"))
+_OWNED_BF16 = gl.constexpr(_PAIR_ASM.format(place=_OWNED_PLACE, magic="0x43004300", ty="bf16x2"))
+_OWNED_F16 = gl.constexpr(_PAIR_ASM.format(place=_OWNED_PLACE, magic="0x64006400", ty="f16x2"))
 
 
 @gluon.constexpr_function
-def _word_layout(block_n, block_k, num_warps):
+def _word_layout(block_n, block_k, num_warps, owned=False):
     """The [block_n, block_k // 8, 4] layout of (row, word, value pair) that becomes the wgmma A operand's
     fragment once each pair (one int32: two 16-bit values) splits into its halves and the last two dims
     merge into K: lane l holds pair l % 4 of words 2 s and 2 s + 1 of every 16-deep slice s, of rows l // 4
     and l // 4 + 8 of its warp's 16; warps stack along the rows. Its slice along the pairs is where each
-    thread loads a word: the four lanes that share a word read it together."""
+    thread loads a word: the four lanes that share a word read it together. ``owned``
+    (quant_layout.to_owned_order): lane l holds word 4 b + l % 4 of every 32-deep block b and all four of its
+    pairs, its registers in the same order once the pairs are put in K order (:func:`_operand`)."""
     block_n, block_k, num_warps = int(block_n), int(block_k), int(num_warps)
-    reg = [[8, 0, 0], [0, 1, 0]] + [[0, 2 << i, 0] for i in range(int(math.log2(block_k // 16)))]
+    if owned:
+        blocks = [[0, 4 << i, 0] for i in range(int(math.log2(block_k // 32)))]
+        reg = [[8, 0, 0], [0, 0, 1], [0, 0, 2]] + blocks
+        lane = [[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]]
+    else:
+        reg = [[8, 0, 0], [0, 1, 0]] + [[0, 2 << i, 0] for i in range(int(math.log2(block_k // 16)))]
+        lane = [[0, 0, 1], [0, 0, 2], [1, 0, 0], [2, 0, 0], [4, 0, 0]]
     rows = 16 * num_warps
     while rows < block_n:
         reg.append([rows, 0, 0])
         rows *= 2
-    lane = [[0, 0, 1], [0, 0, 2], [1, 0, 0], [2, 0, 0], [4, 0, 0]]
     warp = [[16 << i, 0, 0] for i in range(int(math.log2(num_warps)))]
     return gl.DistributedLinearLayout(reg, lane, warp, [], [block_n, block_k // 8, 4])
 
@@ -208,10 +220,12 @@ def _operand(
     BLOCK_N: gl.constexpr,
     BLOCK_K: gl.constexpr,
     num_warps: gl.constexpr,
+    OWNED: gl.constexpr,
 ):
     """A K tile's words in shared memory -> its [BLOCK_N, BLOCK_K] A operand in ``a_layout``, in registers:
     each thread reads the words its fragment needs and keeps one value pair of each, which is one fragment
-    register after the (q + BIAS - (BIAS + z)) * s of :data:`_PAIR_ASM`."""
+    register after the (q + BIAS - (BIAS + z)) * s of :data:`_PAIR_ASM`. ``OWNED``: each thread reads its own
+    words and takes all four pairs of each (:data:`_OWNED_ASM`); ``select`` is then each pair's shift."""
     W: gl.constexpr = BLOCK_K // 8
     h = w_smem.load(gl.SliceLayout(2, w_layout))  # [BLOCK_N, W]
     words = gl.arange(0, W, layout=gl.SliceLayout(0, gl.SliceLayout(2, w_layout)))
@@ -247,13 +261,19 @@ def _operand(
     h, select = gl.broadcast(gl.expand_dims(h, 2), select)
     s, _ = gl.broadcast(gl.expand_dims(s, 2), select)
     z, _ = gl.broadcast(gl.expand_dims(z, 2), select)
-    if dtype == gl.bfloat16:
+    if OWNED and dtype == gl.bfloat16:
+        asm: gl.constexpr = _OWNED_BF16
+    elif OWNED:
+        asm: gl.constexpr = _OWNED_F16
+    elif dtype == gl.bfloat16:
         asm: gl.constexpr = _PAIR_BF16
     else:
         asm: gl.constexpr = _PAIR_F16
     pairs = gl.inline_asm_elementwise(
         asm, "=r,r,r,r,r", [h, select, z, s], dtype=gl.int32, is_pure=True, pack=1
     )
+    if OWNED:  # (row, block b, lane's word p, pair j) holds K pair 16 b + 4 j + p: into K order
+        pairs = gl.permute(gl.reshape(pairs, [BLOCK_N, BLOCK_K // 32, 4, 4]), (0, 1, 3, 2))
     pairs = gl.reshape(pairs, [BLOCK_N, BLOCK_K // 2])
     halves = gl.join(pairs.to(gl.int16), (pairs >> 16).to(gl.int16))
     w = gl.reshape(halves, [BLOCK_N, BLOCK_K]).to(dtype, bitcast=True)
@@ -424,6 +444,7 @@ def _compute_partition(
     MODE: gl.constexpr,
     STREAM_K: gl.constexpr,
     LATE_FIRST: gl.constexpr,
+    OWNED: gl.constexpr,
     GROUP: gl.constexpr,
     HAS_ZERO: gl.constexpr,
     MAGIC_F: gl.constexpr,
@@ -440,10 +461,13 @@ def _compute_partition(
         version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_M, 16]
     )
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=2)
-    w_layout: gl.constexpr = _word_layout(BLOCK_N, BLOCK_K, num_warps)
+    w_layout: gl.constexpr = _word_layout(BLOCK_N, BLOCK_K, num_warps, OWNED)
     dtype: gl.constexpr = x_smem.dtype
     p = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, w_layout)))
-    select = gl.expand_dims(gl.expand_dims(p + 0x4440, 0), 1)  # [1, 1, 4]: byte p of a word, as prmt takes it
+    if OWNED:
+        select = gl.expand_dims(gl.expand_dims(4 * p, 0), 1)  # [1, 1, 4]: pair p's shift
+    else:
+        select = gl.expand_dims(gl.expand_dims(p + 0x4440, 0), 1)  # [1, 1, 4]: byte p, as prmt takes it
     start, end, k_units = _share(M, N, K, units_per_split, STREAM_K, BLOCK_M, BLOCK_N, BLOCK_K)
     tiles_m = gl.cdiv(M, BLOCK_M)
     g = 0  # K tiles consumed so far, as the loader counts them
@@ -463,7 +487,7 @@ def _compute_partition(
                                zero_row_stride, GROUP, HAS_ZERO, MAGIC_F, BLOCK_K, num_warps)  # fmt: skip
         mbarrier.wait(ready.index(g % STAGES), (g // STAGES) & 1)
         a0 = _operand(w_smem.index(g % STAGES), params0, select, dtype, w_layout, a_layout, GROUP, BLOCK_N,
-                      BLOCK_K, num_warps)  # fmt: skip
+                      BLOCK_K, num_warps, OWNED)  # fmt: skip
         a1 = a0
         acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma_layout)
         # Two tiles an iteration, so that the operands of consecutive tiles are distinct registers (a
@@ -483,7 +507,7 @@ def _compute_partition(
                 nxt = (t + 1) % STAGES
                 mbarrier.wait(ready.index(nxt), ((t + 1) // STAGES) & 1, pred=i + j + 1 < n_local)
                 a_next = _operand(w_smem.index(nxt), params1, select, dtype, w_layout, a_layout,
-                                  GROUP, BLOCK_N, BLOCK_K, num_warps)  # fmt: skip
+                                  GROUP, BLOCK_N, BLOCK_K, num_warps, OWNED)  # fmt: skip
                 params1, params2 = params2, params3
                 a1 = a0  # tile t's operand: in flight until the next wait
                 a0 = a_next
@@ -532,6 +556,7 @@ def _wgmma_kernel(
     MODE: gl.constexpr,  # how parts of a tile meet: 0 never split, 1 fp32 atomics into y, 2 workspace
     STREAM_K: gl.constexpr,  # the programs share the (tile, K unit) pairs evenly, in order
     LATE_FIRST: gl.constexpr,  # MODE 2: a tile's likely last part reads the count first (_write's ``late``)
+    OWNED: gl.constexpr,  # the words are in quant_layout.to_owned_order's order
     GROUP: gl.constexpr,
     HAS_ZERO: gl.constexpr,
     MAGIC_F: gl.constexpr,  # 128.0 (bf16) or 1024.0 (fp16): the value of the bits OR-ed over each q
@@ -548,8 +573,8 @@ def _wgmma_kernel(
         [
             (_compute_partition, (x_smem, w_smem, ready, empty, scale_ptr, zero_ptr, y_ptr, ws_ptr, count_ptr,
                                   M, N, K, scale_row_stride, zero_row_stride, y_row_stride, units_per_split,
-                                  MODE, STREAM_K, LATE_FIRST, GROUP, HAS_ZERO, MAGIC_F, BLOCK_M, BLOCK_N,
-                                  BLOCK_K, STAGES, num_warps)),
+                                  MODE, STREAM_K, LATE_FIRST, OWNED, GROUP, HAS_ZERO, MAGIC_F, BLOCK_M,
+                                  BLOCK_N, BLOCK_K, STAGES, num_warps)),
             (_load_partition, (x_desc, w_desc, x_smem, w_smem, ready, empty, M, N, K, units_per_split,
                                STREAM_K, BLOCK_M, BLOCK_N, BLOCK_K, STAGES)),
         ],
@@ -636,13 +661,15 @@ def launch_args(
     num_warps=8,
     occupancy=1,
     late_first=True,
+    owned=False,
 ) -> tuple[tuple, tuple, dict]:
     """The grid, arguments and keywords of the Gluon kernel's launch for y [M, N] = x2 [M, K] @
     dequantize(W).T: each output tile's K split ``split`` ways, or, with ``programs``, all (tile, K unit)
     pairs shared evenly by that many programs (stream-K). Parts of a tile meet as ``mode`` says, in ``y``
     (fp32, zeroed) or in the clean workspace ``ws``/``counts`` (a counter per output tile). Registers are
     capped for ``occupancy`` programs an SM. ``late_first``: a tile's likely last part reads the count before
-    it adds its own (``_write``'s ``late``; off: as before the eighteenth session, for probes). (Apart from
+    it adds its own (``_write``'s ``late``; off: as before the eighteenth session, for probes). ``owned``:
+    ``qweight`` is in quant_layout.to_owned_order's order. (Apart from
     :func:`launch`, for compiling what a launch would run without a GPU: ``cross_compile.compile_for``.)"""
     m, k_in = x2.shape
     n_out = qweight.shape[0]
@@ -672,6 +699,7 @@ def launch_args(
         "MODE": mode if parts else 0,
         "STREAM_K": bool(programs),
         "LATE_FIRST": bool(late_first),
+        "OWNED": bool(owned),
         "GROUP": group_size,
         "HAS_ZERO": zeros is not None,
         "MAGIC_F": 128.0 if x2.dtype == torch.bfloat16 else 1024.0,

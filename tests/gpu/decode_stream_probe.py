@@ -15,8 +15,8 @@ operand as the kernel does (the kernel less its writes); ``store`` plain stores 
 ``atomics`` fp32 atomics in their place. Then ``kernel`` (quant_matmul's launch at the same tiling) and
 ``before`` (the same with ``late_first`` off: every part of a tile through the workspace, as before the
 eighteenth session). ``read`` (plain vector loads, each program a contiguous run) is what this GPU streams
-at all. ``owned`` and ``owned_atomics`` are steps 4 and 6 on thread-owned words (:func:`owned`: each
-thread of the operand reads only its own words and places a value pair with a shift and a lop3), after a
+at all. ``owned`` and ``owned_atomics`` are steps 4 and 6 on thread-owned words (quant_layout.to_owned_order:
+each thread of the operand reads only its own words and places a value pair with a shift and a lop3), after a
 check of step 6's sums on both word orders against x @ dequantized W. Results: tests/benchmarks/NOTES.md,
 "eighteenth session" and "nineteenth session".
 
@@ -43,6 +43,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.testing import do_bench_cudagraph
 
 import squeezeserve.kernels as K
+from squeezeserve.kernels import quant_layout
 from squeezeserve.kernels.ops import quant_matmul as qm
 from squeezeserve.kernels.ops import quant_matmul_gluon as qg
 
@@ -67,80 +68,6 @@ def _plain_operand(w_smem, select, dtype: gl.constexpr, w_layout: gl.constexpr, 
     halves = gl.join(pairs.to(gl.int16), (pairs >> 16).to(gl.int16))
     w = gl.reshape(halves, [BLOCK_N, BLOCK_K]).to(dtype, bitcast=True)
     return gl.convert_layout(w, a_layout, assert_trivial=True)
-
-
-# A value pair of a thread-owned word (``owned``): pair j sits in nibbles j and j + 4, so a shift by 4 j and
-# the mask-and-bias lop3 place it; then - (BIAS + z), * s as _PAIR_ASM. $1 word, $2 4 j, $3 (BIAS + z) x2,
-# $4 s x2.
-_OWNED_ASM = gl.constexpr("""{
-.reg .b32 p;
-shr.b32 p, $1, $2;
-lop3.b32 p, p, 0x000F000F, 0x43004300, 0xEA;
-sub.rn.bf16x2 p, p, $3;
-mul.rn.bf16x2 $0, p, $4;
-}""")
-
-
-@gluon.constexpr_function
-def _owned_layout(block_n, block_k, num_warps):
-    """The [block_n, block_k // 8, 4] layout of (row, word, pair in word) for thread-owned words
-    (:func:`owned`): lane l holds word 4 b + l % 4 of every 32-deep block b, all four of its pairs in
-    registers, of rows l // 4 and l // 4 + 8 of its warp's 16. Its registers run row + 8, pair, block: the
-    order quant_matmul_gluon._word_layout's run once the pairs are put in K order."""
-    block_n, block_k, num_warps = int(block_n), int(block_k), int(num_warps)
-    reg = [[8, 0, 0], [0, 0, 1], [0, 0, 2]] + [[0, 4 << i, 0] for i in range(int(math.log2(block_k // 32)))]
-    rows = 16 * num_warps
-    while rows < block_n:
-        reg.append([rows, 0, 0])
-        rows *= 2
-    lane = [[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]]
-    warp = [[16 << i, 0, 0] for i in range(int(math.log2(num_warps)))]
-    return gl.DistributedLinearLayout(reg, lane, warp, [], [block_n, block_k // 8, 4])
-
-
-@gluon.jit
-def _owned_operand(w_smem, params, shifts, dtype: gl.constexpr, w_layout: gl.constexpr,
-                   a_layout: gl.constexpr, GROUP: gl.constexpr, BLOCK_N: gl.constexpr,
-                   BLOCK_K: gl.constexpr):  # fmt: skip
-    """quant_matmul_gluon._operand (one or two groups a tile) on thread-owned words: each thread reads only
-    its own words (a quarter of what the kernel's threads read) and takes four pairs from each with a shift
-    and a lop3 apiece, where the kernel takes one pair a word with a prmt, a multiply and a lop3."""
-    W: gl.constexpr = BLOCK_K // 8
-    h = w_smem.load(gl.SliceLayout(2, w_layout))  # [BLOCK_N, W]
-    words = gl.arange(0, W, layout=gl.SliceLayout(0, gl.SliceLayout(2, w_layout)))
-    s0, z0, s1, z1 = params
-    rows: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, w_layout))
-    s = gl.expand_dims(qg._twice(gl.convert_layout(s0, rows, assert_trivial=True)), 1)
-    z = gl.expand_dims(qg._twice(gl.convert_layout(z0, rows, assert_trivial=True)), 1)
-    if BLOCK_K > GROUP:  # two groups a tile: the second half of the words takes the second's
-        later = gl.expand_dims(words >= W // 2, 0)
-        s = gl.where(later, gl.expand_dims(qg._twice(gl.convert_layout(s1, rows, assert_trivial=True)), 1), s)
-        z = gl.where(later, gl.expand_dims(qg._twice(gl.convert_layout(z1, rows, assert_trivial=True)), 1), z)
-    h, shifts = gl.broadcast(gl.expand_dims(h, 2), shifts)
-    s, _ = gl.broadcast(gl.expand_dims(s, 2), shifts)
-    z, _ = gl.broadcast(gl.expand_dims(z, 2), shifts)
-    pairs = gl.inline_asm_elementwise(
-        _OWNED_ASM, "=r,r,r,r,r", [h, shifts, z, s], dtype=gl.int32, is_pure=True, pack=1
-    )
-    # (row, block, lane's word p, pair j) holds K pair 16 b + 4 j + p: into K order
-    pairs = gl.permute(gl.reshape(pairs, [BLOCK_N, BLOCK_K // 32, 4, 4]), (0, 1, 3, 2))
-    pairs = gl.reshape(pairs, [BLOCK_N, BLOCK_K // 2])
-    halves = gl.join(pairs.to(gl.int16), (pairs >> 16).to(gl.int16))
-    w = gl.reshape(halves, [BLOCK_N, BLOCK_K]).to(dtype, bitcast=True)
-    return gl.convert_layout(w, a_layout, assert_trivial=True)
-
-
-def owned(qweight: torch.Tensor) -> torch.Tensor:
-    """The packed int4 words [N, K / 8] rearranged so that each thread of the Gluon decode owns its words:
-    in every 32-deep block, word p holds K values 8 i + 2 p (nibble i < 4) and 8 (i - 4) + 2 p + 1 (nibble
-    i >= 4), the value pairs lane p of the wgmma operand's fragment takes from that block."""
-    n, kw = qweight.shape
-    shifts = torch.arange(8, device=qweight.device) * 4
-    values = ((qweight.to(torch.int64).unsqueeze(-1) >> shifts) & 0xF).reshape(n, kw // 4, 32)
-    lane, nib = torch.arange(4).unsqueeze(1), torch.arange(8).unsqueeze(0)
-    source = torch.where(nib < 4, 8 * nib + 2 * lane, 8 * (nib - 4) + 2 * lane + 1).flatten()
-    words = (values[:, :, source.to(qweight.device)].reshape(n, kw // 4, 4, 8) << shifts).sum(-1)
-    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32).reshape(n, kw)
 
 
 @gluon.jit
@@ -173,15 +100,12 @@ def _ladder_partition(
     (:func:`_plain_operand`), 4 make the operand as the kernel does (the kernel less its writes of the
     sums), 5 store each run's part of a tile in fp32 ``y`` (plain stores: wrong sums, the stores' cost), 6 add
     it into ``y`` with fp32 atomics (the kernel's atomics without its count, fence and read-back). ``OWNED``:
-    the words are thread-owned (:func:`owned`) and steps 4-6 make the operand by :func:`_owned_operand`."""
+    the words are thread-owned (quant_layout.to_owned_order), read as the kernel reads them then."""
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_M, 16]
     )
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=2)
-    if OWNED:
-        w_layout: gl.constexpr = _owned_layout(BLOCK_N, BLOCK_K, num_warps)
-    else:
-        w_layout: gl.constexpr = qg._word_layout(BLOCK_N, BLOCK_K, num_warps)
+    w_layout: gl.constexpr = qg._word_layout(BLOCK_N, BLOCK_K, num_warps, OWNED)
     rows_layout: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, w_layout))
     dtype: gl.constexpr = x_smem.dtype
     p = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, w_layout)))
@@ -210,12 +134,9 @@ def _ladder_partition(
             params2 = qg._load_params(scale_ptr, scale_ptr, offs_n, mask_n, first + 2, K, scale_row_stride, 0,
                                       GROUP, False, MAGIC_F, BLOCK_K, num_warps)  # fmt: skip
         mbarrier.wait(ready.index(g % STAGES), (g // STAGES) & 1)
-        if STEP >= 4 and OWNED:
-            a0 = _owned_operand(w_smem.index(g % STAGES), params0, select, dtype, w_layout, a_layout, GROUP,
-                                BLOCK_N, BLOCK_K)  # fmt: skip
-        elif STEP >= 4:
+        if STEP >= 4:
             a0 = qg._operand(w_smem.index(g % STAGES), params0, select, dtype, w_layout, a_layout, GROUP,
-                             BLOCK_N, BLOCK_K, num_warps)  # fmt: skip
+                             BLOCK_N, BLOCK_K, num_warps, OWNED)  # fmt: skip
         elif STEP == 3:
             a0 = _plain_operand(w_smem.index(g % STAGES), select, dtype, w_layout, a_layout, BLOCK_N, BLOCK_K)
         else:
@@ -234,12 +155,9 @@ def _ladder_partition(
                                               num_warps)  # fmt: skip
                 nxt = (t + 1) % STAGES
                 mbarrier.wait(ready.index(nxt), ((t + 1) // STAGES) & 1, pred=i + j + 1 < n_local)
-                if STEP >= 4 and OWNED:
-                    a_next = _owned_operand(w_smem.index(nxt), params1, select, dtype, w_layout, a_layout,
-                                            GROUP, BLOCK_N, BLOCK_K)  # fmt: skip
-                elif STEP >= 4:
+                if STEP >= 4:
                     a_next = qg._operand(w_smem.index(nxt), params1, select, dtype, w_layout, a_layout, GROUP,
-                                         BLOCK_N, BLOCK_K, num_warps)  # fmt: skip
+                                         BLOCK_N, BLOCK_K, num_warps, OWNED)  # fmt: skip
                 elif STEP == 3:
                     a_next = _plain_operand(w_smem.index(nxt), select, dtype, w_layout, a_layout, BLOCK_N,
                                             BLOCK_K)  # fmt: skip
@@ -310,7 +228,7 @@ def ladder_args(x2, qweight, scales, group, out, y, step, block_m, block_n, bloc
                 programs, occupancy=1, owned_words=False, **_):  # fmt: skip
     """The grid, arguments and keywords of the ladder's ``step`` over this weight at this tiling (one int32
     a program into ``out``), registers capped for ``occupancy`` programs an SM as
-    quant_matmul_gluon.launch_args caps them; ``owned_words``: ``qweight`` is :func:`owned`'s."""
+    quant_matmul_gluon.launch_args caps them; ``owned_words``: ``qweight`` is in the thread-owned order."""
     m, k_in = x2.shape
     x_desc = TensorDescriptor.from_tensor(x2, [block_m, block_k], qg._smem_layout(block_m, block_k, x2.dtype))
     w_desc = TensorDescriptor.from_tensor(
@@ -404,7 +322,7 @@ def main():
         copies = max(1, min(64, math.ceil(COLD_BYTES / (qw.numel() * 4))))
         packs = [(qw, sc)] + [(qw.clone(), sc.clone()) for _ in range(copies - 1)]
         if any(name.startswith("owned") for name in args.steps.split(",")):
-            packs = [(c[0], c[1], owned(c[0])) for c in packs]
+            packs = [(c[0], c[1], quant_layout.to_owned_order(c[0])) for c in packs]
         dcopies = max(1, min(64, math.ceil(COLD_BYTES / (dense.numel() * 2))))
         denses = [dense] + [dense.clone() for _ in range(dcopies - 1)]
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
@@ -439,7 +357,7 @@ def main():
                 for step, name in enumerate(STEPS)
             ]
             # (quant_matmul's own launch of the kernel: parts of tiles meet in the workspace)
-            # the kernel less its writes, then with atomics, on thread-owned words (owned())
+            # the kernel less its writes, then with atomics, on thread-owned words
             for name, step in (("owned", 4), ("owned_atomics", 6)):
                 steps.append((name, lambda c, kw=kw, x=x, o=out, y=y, s=step: ladder(
                     x, c[2], c[1], args.group, o, y, s, owned_words=True, **kw)))  # fmt: skip

@@ -10,6 +10,7 @@ import torch
 
 from squeezeserve.kernels import functional as K
 from squeezeserve.kernels import quant_layout as ql
+from squeezeserve.kernels.ops import cross_compile
 from squeezeserve.kernels.ops import quant_matmul as qm
 from squeezeserve.kernels.ops import quant_matmul_gluon as qg
 
@@ -328,3 +329,104 @@ def test_launch_plans_replay_the_gluon_kernel(m, n, k, zeros, exact, cpp, monkey
     assert len(runs) == 1, "the body ran again where the plan should have replayed"
     assert (plans.native is not None and len(plans.native) == 1) == cpp
     assert all(not t.any() for t in qm.workspace_buffers()), "a replay left partial sums in the workspace"
+
+
+# --- thread-owned words (quant_layout.to_owned_order) ------------------------------------------------------
+
+
+def test_owned_words_hold_each_lanes_pairs():
+    # Word p of every 32-deep block holds the pairs (K 2 p + 8 j, 2 p + 8 j + 1) of lane p, pair j in
+    # nibbles j and j + 4, and the order round-trips.
+    values = torch.randint(0, 16, (24, 96), dtype=torch.int32)
+    qw = ql.pack_int32((values - 8).to(torch.int8), 4)
+    owned = ql.to_owned_order(qw)
+    assert torch.equal(ql.from_owned_order(owned), qw)
+    nibbles = ql.unpack_unsigned(owned, 4, 96).view(24, 3, 4, 8)  # (row, block, word p, nibble)
+    for p in range(4):
+        for j in range(4):
+            k = torch.arange(3) * 32 + 8 * j + 2 * p
+            assert torch.equal(nibbles[:, :, p, j], values[:, k])
+            assert torch.equal(nibbles[:, :, p, j + 4], values[:, k + 1])
+    with pytest.raises(ValueError, match="multiple of 32"):
+        ql.to_owned_order(qw[:, :3])
+
+
+def test_owned_words_are_a_launch_key():
+    qw, sc, _ = _packed(256, 4096, 128, False)
+    x = torch.zeros(16, 4096, dtype=torch.bfloat16)
+    y = torch.empty(16, 256, dtype=torch.bfloat16)
+    args = (x, qw, sc, None, 128, y, y, y)
+    assert not qg.launch_args(*args, block_m=16, programs=3, mode=2)[2]["OWNED"]
+    assert qg.launch_args(*args, block_m=16, programs=3, mode=2, owned=True)[2]["OWNED"]
+
+
+_OWNED_COMPILE = """
+import json
+import torch
+from squeezeserve.kernels.ops import cross_compile
+from squeezeserve.kernels.ops import cross_compile
+from squeezeserve.kernels.ops import quant_matmul as qm
+from squeezeserve.kernels.ops import quant_matmul_gluon as qg
+
+CASES = {  # decode g128, g32 with zero points (eight groups a tile), fp16; prefill's 64-deep tiles
+    "16x14336x14336 g128": (16, 14336, 14336, 128, False, torch.bfloat16, qm.gluon_decode_tiles(16, 132)),
+    "64x14336x14336 g128": (64, 14336, 14336, 128, False, torch.bfloat16, qm.gluon_decode_tiles(64, 132)),
+    "32x14336x14336 g32 zp": (32, 14336, 14336, 32, True, torch.bfloat16, qm.gluon_decode_tiles(32, 132)),
+    "16x4096x4096 g128 zp fp16": (16, 4096, 4096, 128, True, torch.float16, qm.gluon_decode_tiles(16, 132)),
+    "512x14336x4096 g128 zp": (512, 14336, 4096, 128, True, torch.bfloat16,
+                               qm.gluon_tiles(512, 14336, 4096, 132)),
+}
+for case, (m, n, k, g, zeros, dtype, cfg) in CASES.items():
+    x = torch.zeros(m, k, dtype=dtype)
+    qw, sc = torch.zeros(n, k // 8, dtype=torch.int32), torch.zeros(n, k // g, dtype=dtype)
+    zp = torch.zeros(n // 8, k // g, dtype=torch.int32) if zeros else None
+    y, ws, counts = torch.empty(m, n, dtype=dtype), torch.zeros(m * n), torch.zeros(4096, dtype=torch.int32)
+    out = {"case": case}
+    for owned in (False, True):
+        _, args, kwargs = qg.launch_args(x, qw, sc, zp, g, y, ws, counts, mode=2, owned=owned, **cfg)
+        compiled = cross_compile.compile_for(qg._wgmma_kernel, args, kwargs)
+        s = cross_compile.summary(cross_compile.sass(compiled))
+        summary = {key: s[key] for key in ("local", "groups", "wait_one", "wait_all")}
+        out["owned" if owned else "packed"] = summary | {"prmt": s["instructions"].get("PRMT", 0)}
+    print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(not cross_compile.has_cuobjdump(), reason="this Triton wheel has no cuobjdump")
+def test_owned_words_compile_for_sm90_with_fewer_instructions(run_compiled):
+    # The operand from owned words is laid out as the packed words' is (the kernel's convert_layout asserts
+    # it when it compiles), its products stay pipelined, it spills no more, and the pairs need no prmt.
+    results = run_compiled(["-c", _OWNED_COMPILE])
+    assert len(results) == 5
+    for case, r in results.items():
+        owned, packed = r["owned"], r["packed"]
+        assert owned["groups"] >= 1 and owned["wait_one"] == owned["groups"] and owned["wait_all"] <= 1, case
+        assert owned["local"] <= packed["local"], (case, r)
+        assert owned["prmt"] < packed["prmt"] / 2, (case, r)
+
+
+_EIGHT_WARPS = {"block_k": 256, "programs": 132}  # (two warpgroups: launch_args's block_n, num_warps)
+
+
+@needs_hopper
+@pytest.mark.parametrize(
+    ("m", "n", "k", "group", "zeros", "dtype", "tiling"),
+    [
+        (16, 14336, 4096, 128, False, torch.bfloat16, {"block_m": 16, "programs": 264} | _DEEP),
+        (5, 4160, 3840, 64, True, torch.bfloat16, {"block_m": 8, "programs": 100} | _DEEP),  # tails, 4 groups
+        (40, 4096, 2048, 32, True, torch.float16, {"block_m": 64, "stages": 3} | _EIGHT_WARPS),
+        (300, 2048, 4160, 128, True, torch.bfloat16, {"block_m": 256, "split": 3}),  # prefill, 64-deep tiles
+        (512, 2304, 4096, 32, False, torch.bfloat16, {"block_m": 128, "programs": 132}),
+    ],
+)
+def test_owned_words_give_the_packed_words_results_bit_for_bit(m, n, k, group, zeros, dtype, tiling):
+    # The same operand in the same K order: the same products, bit for bit.
+    qw, sc, zp = _packed(n, k, group, zeros, dtype, "cuda")
+    x = torch.randn(m, k, device="cuda", dtype=dtype)
+    ws, counts = qm._workspace(x.device, m * n, 4096)
+    packed, owned = (torch.empty((m, n), device="cuda", dtype=dtype) for _ in range(2))
+    qg.launch(x, qw, sc, zp, group, packed, ws, counts, mode=2, **tiling)
+    qg.launch(x, ql.to_owned_order(qw), sc, zp, group, owned, ws, counts, mode=2, owned=True, **tiling)
+    assert torch.equal(owned, packed)
+    ref = (x @ ql.dequantize(qw, sc, zp, (n, k), group, 4).to(dtype).t()).float()
+    assert ((owned.float() - ref).norm() / ref.norm()).item() < 2e-3
