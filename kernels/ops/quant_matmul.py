@@ -652,9 +652,13 @@ def dequantize(
     bits: int,
     dtype: torch.dtype,
     out: torch.Tensor | None = None,
+    owned: bool = False,
 ) -> torch.Tensor:
     """The dense [N, K] weight in ``dtype``, expanded by :func:`_dequantize_kernel` (bit-exact), into
-    ``out`` (contiguous [N, K]) where given."""
+    ``out`` (contiguous [N, K]) where given. ``owned``: int4 words in quant_layout.to_owned_order's order (K
+    and the groups multiples of 32)."""
+    if owned and (bits != 4 or k_in % 32 or group_size % 32):
+        raise ValueError(f"owned words are int4 in groups of 32s over K of 32s: {bits}, {group_size}, {k_in}")
     n_out = qweight.shape[0]
     weight = torch.empty((n_out, k_in), dtype=dtype, device=qweight.device) if out is None else out
     zero_arg = zeros if zeros is not None else qweight
@@ -664,7 +668,7 @@ def dequantize(
         qweight, scales, zero_arg, weight, n_out, k_in,
         qweight.stride(0), scales.stride(0), zero_arg.stride(0), weight.stride(0),
         BITS=bits, GROUP=group_size, HAS_ZERO=zeros is not None, BLOCK_N=block_n, BLOCK_K=block_k,
-        GPT=_groups_per_tile(group_size, block_k, 32 // bits),
+        GPT=_groups_per_tile(group_size, block_k, 32 // bits), OWNED=owned,
     )  # fmt: skip
     return weight
 

@@ -636,11 +636,14 @@ def _dequantize_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GPT: tl.constexpr,  # groups per K tile when groups align to tiles (1 for groups of whole tiles), else 0
+    OWNED: tl.constexpr = False,  # int4 words in quant_layout.to_owned_order's order (groups of 32 or more)
 ):
     """W[n, k] = ((q - z) * s) in fp32, rounded once to the output dtype (compressed-tensors' formula).
 
     Each packed word is loaded once and split into its values in registers, and the scales of a tile are
-    one [BLOCK_N, GPT] load when groups align to it (per-value gathers only for straddling groups)."""
+    one [BLOCK_N, GPT] load when groups align to it (per-value gathers only for straddling groups). Owned
+    words: value j of word w of a tile is K 32 (w // 4) + 8 (j % 4) + 2 (w % 4) + j // 4 of it, in the same
+    group (groups of 32 or more), so only where it is stored differs."""
     PACK: tl.constexpr = 32 // BITS
     W: tl.constexpr = BLOCK_K // PACK
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -656,4 +659,7 @@ def _dequantize_kernel(
     s, z = _value_params(scale_ptr, zero_ptr, offs_n, mask_n, tile, offs_k, K, scale_row_stride,
                          zero_row_stride, BITS, GROUP, HAS_ZERO, BLOCK_N, BLOCK_K, GPT)  # fmt: skip
     w = (q.to(tl.float32) - z) * s
+    if OWNED:
+        word, j = tl.arange(0, BLOCK_K) // 8, tl.arange(0, BLOCK_K) % 8
+        offs_k = tile * BLOCK_K + 32 * (word // 4) + 8 * (j % 4) + 2 * (word % 4) + j // 4
     tl.store(w_ptr + rows * w_row_stride + offs_k[None, :], w.to(w_ptr.dtype.element_ty), mask=mask)

@@ -430,3 +430,17 @@ def test_owned_words_give_the_packed_words_results_bit_for_bit(m, n, k, group, z
     assert torch.equal(owned, packed)
     ref = (x @ ql.dequantize(qw, sc, zp, (n, k), group, 4).to(dtype).t()).float()
     assert ((owned.float() - ref).norm() / ref.norm()).item() < 2e-3
+
+
+@pytest.mark.parametrize(
+    ("n", "k", "group", "zeros"), [(48, 256, 32, True), (40, 320, 64, False), (24, 640, 128, True)]
+)
+def test_dequantize_reads_owned_words(n, k, group, zeros, device):
+    # The dequantize kernel stores each value of owned words where it belongs: the packed words' dense
+    # weight, bit for bit (K tails of a tile included: 320 and 640 are not whole 256-deep tiles).
+    qw, sc, zp = _packed(n, k, group, zeros, torch.float16, device)
+    want = qm.dequantize(qw, sc, zp, k, group, 4, torch.float16)
+    got = qm.dequantize(ql.to_owned_order(qw), sc, zp, k, group, 4, torch.float16, owned=True)
+    assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="owned words"):
+        qm.dequantize(qw, sc, zp, k, 16, 4, torch.float16, owned=True)
