@@ -674,14 +674,15 @@ def dequantize(
 
 
 def dequantize_matmul(
-    x2, qweight, scales, zeros, k_in, group_size, bits, slice_rows, out=None
+    x2, qweight, scales, zeros, k_in, group_size, bits, slice_rows, out=None, owned=False
 ) -> torch.Tensor:
     """x2 @ W.T by dequantize + cuBLAS, ``slice_rows`` rows of W at a time (0: all at once) through one
-    reused buffer, each slice's product written into its columns of the output (``out`` where given)."""
+    reused buffer, each slice's product written into its columns of the output (``out`` where given).
+    ``owned``: the words are in quant_layout.to_owned_order's order."""
     n_out = qweight.shape[0]
     if not slice_rows or slice_rows >= n_out:
         return torch.matmul(
-            x2, dequantize(qweight, scales, zeros, k_in, group_size, bits, x2.dtype).t(), out=out
+            x2, dequantize(qweight, scales, zeros, k_in, group_size, bits, x2.dtype, owned=owned).t(), out=out
         )
     per_word = 32 // bits  # (zero points are packed along N: a slice starts on a whole word)
     if slice_rows % per_word:
@@ -692,9 +693,45 @@ def dequantize_matmul(
         end = min(start + slice_rows, n_out)
         z = zeros[start // per_word : cdiv(end, per_word)] if zeros is not None else None
         w = dequantize(qweight[start:end], scales[start:end], z, k_in, group_size, bits, x2.dtype,
-                       buffer[: end - start])  # fmt: skip
+                       buffer[: end - start], owned)  # fmt: skip
         torch.matmul(x2, w.t(), out=y[:, start:end])
     return y
+
+
+def _quant_matmul_owned(
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, group_size: int
+) -> torch.Tensor:
+    """x @ dequantize(W).T for int4 words in quant_layout.to_owned_order's order, which only the Gluon kernel
+    and the dequantize kernel read (the vLLM method repacks to it, at load, the layers the Gluon decode
+    serves on Hopper): the Gluon decode up to SKINNY_MAX_M rows, the Gluon GEMM up to GLUON_PREFILL_MAX_M,
+    dequantize + cuBLAS past it or where the Gluon kernel does not run; the reference on CPU."""
+    check_inputs(x, qweight, scales, zeros, group_size, 4)
+    block = quant_layout.OWNED_BLOCK
+    if x.shape[-1] % block or group_size % block:
+        raise ValueError(f"quant_matmul_owned: K and the groups must be multiples of {block}")
+    if use_reference(x) or x.dtype == torch.float32:
+        standard = quant_layout.from_owned_order(qweight)
+        return reference.quant_matmul(x, standard, scales, zeros, group_size, 4)
+    n_out, k_in = qweight.shape[0], x.shape[-1]
+    x2 = x.reshape(-1, k_in)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    qweight, scales = qweight.contiguous(), scales.contiguous()
+    y = None
+    if m <= SKINNY_MAX_M and _gluon_runs(x2, qweight, scales, zeros, group_size, 4, GLUON_DECODE_BLOCK_K):
+        cfg = gluon_decode_tiles(m, sm_count(x2.device))
+        y = _gluon(x2, qweight, scales, zeros, group_size, cfg | {"owned": True})
+    elif SKINNY_MAX_M < m <= GLUON_PREFILL_MAX_M and _gluon_runs(
+        x2, qweight, scales, zeros, group_size, 4, 64
+    ):
+        cfg = gluon_tiles(m, n_out, k_in, sm_count(x2.device))
+        y = _gluon(x2, qweight, scales, zeros, group_size, cfg | {"owned": True})
+    if y is None:
+        sliced = m >= DEQUANT_SLICE_MIN_M and k_in < DEQUANT_SLICE_MAX_K and eager(x2, qweight, scales, zeros)
+        slice_rows = DEQUANT_SLICE_ROWS if sliced else 0
+        y = dequantize_matmul(x2, qweight, scales, zeros, k_in, group_size, 4, slice_rows, owned=True)
+    return y.reshape(*x.shape[:-1], n_out)
 
 
 quant_matmul = triton_op("squeezeserve::quant_matmul", _quant_matmul, mutates_args=())
@@ -755,3 +792,42 @@ quant_matmul.register_autograd(_grad, setup_context=_setup)
 quant_matmul_eager = EagerOp(
     _quant_matmul, _setup, _grad, plans=LaunchPlans(persistent=workspace_buffers, max_plans=2048)
 )
+
+
+def _setup_owned(ctx, inputs, output):
+    x, qweight, scales, zeros, group_size = inputs
+    ctx.save_for_backward(qweight, scales, zeros)
+    ctx.meta = (x.shape[-1], group_size, x.dtype)
+
+
+def _grad_owned(ctx, grad):
+    """As :func:`_grad`, from owned words."""
+    qweight, scales, zeros = ctx.saved_tensors
+    k_in, group_size, dtype = ctx.meta
+    standard = quant_layout.from_owned_order(qweight)
+    weight = quant_layout.dequantize(standard, scales, zeros, (qweight.shape[0], k_in), group_size, 4)
+    return grad @ weight.to(dtype), None, None, None, None
+
+
+# :func:`_quant_matmul_owned` without the dispatcher, with launch plans (as quant_matmul_eager), and as an
+# opaque op for traced callers (as quant_matmul_opaque).
+quant_matmul_owned_eager = EagerOp(
+    _quant_matmul_owned,
+    _setup_owned,
+    _grad_owned,
+    plans=LaunchPlans(persistent=workspace_buffers, max_plans=2048),
+)
+
+
+@torch.library.custom_op("squeezeserve::quant_matmul_owned", mutates_args=())
+def quant_matmul_owned(
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, group_size: int
+) -> torch.Tensor:
+    """quant_matmul on owned words (:func:`_quant_matmul_owned`), opaque to torch.compile. No autograd."""
+    return quant_matmul_owned_eager(x, qweight, scales, zeros, group_size)
+
+
+@quant_matmul_owned.register_fake
+def _(x, qweight, scales, zeros, group_size):
+    check_inputs(x, qweight, scales, zeros, group_size, 4)
+    return x.new_empty((*x.shape[:-1], qweight.shape[0]))

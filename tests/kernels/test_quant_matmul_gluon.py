@@ -444,3 +444,43 @@ def test_dequantize_reads_owned_words(n, k, group, zeros, device):
     assert torch.equal(got, want)
     with pytest.raises(ValueError, match="owned words"):
         qm.dequantize(qw, sc, zp, k, 16, 4, torch.float16, owned=True)
+
+
+@pytest.mark.parametrize(("m", "zeros"), [(3, False), (70, True)])
+def test_quant_matmul_owned_is_quant_matmul(m, zeros, device):
+    # Where the Gluon kernel does not run (CPU, the interpreter) owned words go through the dequantize kernel
+    # that reads them; the result is quant_matmul's on the packed words.
+    qw, sc, zp = _packed(96, 256, 32, zeros, torch.float16, device)
+    x = torch.randn(m, 256, dtype=torch.float16, device=device)
+    want = qm.quant_matmul_eager(x, qw, sc, zp, 32, 4)
+    got = qm.quant_matmul_owned(x, ql.to_owned_order(qw), sc, zp, 32)
+    torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3)
+    with pytest.raises(ValueError, match="multiples of 32"):
+        qm.quant_matmul_owned(
+            x, ql.to_owned_order(qw), torch.zeros(96, 16, dtype=sc.dtype, device=device), None, 16
+        )
+
+
+_OWNED_PATHS = """
+import json
+import torch
+from squeezeserve.kernels.ops import launch
+from squeezeserve.kernels.ops import quant_matmul as qm
+
+n, k = 14336, 4096
+qw, sc = torch.zeros(n, k // 8, dtype=torch.int32), torch.zeros(n, k // 128, dtype=torch.bfloat16)
+for m in (1, 16, 64, 65, 512, 2048, 2049):
+    with launch.capture(sms=132, wgmma=True) as launches:
+        qm._quant_matmul_owned(torch.empty(m, k, dtype=torch.bfloat16), qw, sc, None, 128)
+    got = [(kernel.__name__, bool(kw.get("OWNED"))) for kernel, _, _, kw in launches]
+    print(json.dumps({"case": m, "launches": got}))
+"""
+
+
+def test_owned_words_take_the_gluon_kernel_or_a_dequantize_that_reads_them(run_compiled):
+    # On Hopper (replayed under launch.capture): the Gluon kernel, told the words are owned, up to the Gluon
+    # GEMM's rows; past them the dequantize kernel, told the same (then cuBLAS).
+    results = run_compiled(["-c", _OWNED_PATHS])
+    for m, r in results.items():
+        kernel = "_wgmma_kernel" if int(m) <= qm.GLUON_PREFILL_MAX_M else "_dequantize_kernel"
+        assert r["launches"] and all(one == [kernel, True] for one in r["launches"]), (m, r)
