@@ -290,11 +290,8 @@ def _quant_matmul(
         # fp32 activations have no tensor-core path worth a kernel; they run the reference everywhere.
         return reference.quant_matmul(x, qweight, scales, zeros, group_size, bits)
     n_out, k_in = qweight.shape[0], x.shape[-1]
-    x2 = x.reshape(-1, k_in)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
+    x2, qweight, scales = _operands(x, qweight, scales)
     m = x2.shape[0]
-    qweight, scales = qweight.contiguous(), scales.contiguous()
     weight = (qweight, scales, zeros, zeros.contiguous() if zeros is not None else qweight, group_size, bits)
     head = split_rows(x2, n_out, k_in, (qweight, scales, zeros))
     if not head:
@@ -303,6 +300,14 @@ def _quant_matmul(
     _rows(x2[:head], *weight, y[:head])
     _rows(x2[head:], *weight, y[head:])
     return y.reshape(*x.shape[:-1], n_out)
+
+
+def _operands(x, qweight, scales) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x as [rows, K] with unit stride along K (a copy only if needed), the weight's tensors contiguous."""
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    return x2, qweight.contiguous(), scales.contiguous()
 
 
 def split_rows(x2: torch.Tensor, n_out: int, k_in: int, weight: tuple = ()) -> int:
@@ -713,11 +718,8 @@ def _quant_matmul_owned(
         standard = quant_layout.from_owned_order(qweight)
         return reference.quant_matmul(x, standard, scales, zeros, group_size, 4)
     n_out, k_in = qweight.shape[0], x.shape[-1]
-    x2 = x.reshape(-1, k_in)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
+    x2, qweight, scales = _operands(x, qweight, scales)
     m = x2.shape[0]
-    qweight, scales = qweight.contiguous(), scales.contiguous()
     y = None
     if m <= SKINNY_MAX_M and _gluon_runs(x2, qweight, scales, zeros, group_size, 4, GLUON_DECODE_BLOCK_K):
         cfg = gluon_decode_tiles(m, sm_count(x2.device))
