@@ -46,8 +46,9 @@ from typing import Any
 
 import torch
 
-from squeezeserve.kernels import functional
+from squeezeserve.kernels import functional, quant_layout
 from squeezeserve.kernels.ops import quant_matmul
+from squeezeserve.kernels.ops.launch import wgmma
 from squeezeserve.kernels.ops.quant_matmul import quant_matmul_eager
 from squeezeserve.kernels.registry import eager
 
@@ -178,21 +179,61 @@ def quant_linear(
     weight_zero_point: torch.Tensor | None,
     scheme: WeightOnlyScheme,
     bias: torch.Tensor | None = None,
+    owned: bool = False,
 ) -> torch.Tensor:
-    """y = x @ dequantize(W).T (+ bias), W in compressed-tensors' pack-quantized layout."""
+    """y = x @ dequantize(W).T (+ bias), W in compressed-tensors' pack-quantized layout, or with ``owned`` its
+    int4 words in quant_layout.to_owned_order's order (:func:`owned_words`)."""
     _note("quant_matmul", x)
     group = scheme.group_size_for(x.shape[-1])
-    args = (x, weight_packed, weight_scale, weight_zero_point, group, scheme.bits)
-    y = quant_matmul_eager.plans.replayed(*args)  # (its plan replayed in C++: no Python layer)
+    if owned:
+        args = (x, weight_packed, weight_scale, weight_zero_point, group)
+        body, opaque = quant_matmul.quant_matmul_owned_eager, torch.ops.squeezeserve.quant_matmul_owned
+    else:
+        args = (x, weight_packed, weight_scale, weight_zero_point, group, scheme.bits)
+        body, opaque = quant_matmul_eager, torch.ops.squeezeserve.quant_matmul_opaque
+    y = body.plans.replayed(*args)  # (its plan replayed in C++: no Python layer)
     if y is None and eager(*args[:4]):
         # Nothing traces (vLLM's eager prompt forwards, decode graph captures): the op's body without torch's
-        # dispatcher, with launch plans (quant_matmul_eager).
-        y = quant_matmul_eager(*args)
+        # dispatcher, with launch plans.
+        y = body(*args)
     elif y is None:
         # The opaque op: vLLM compiles one graph for all batch sizes, and a traced-through quant_matmul would
         # keep the kernel choice of the size it was traced at.
-        y = torch.ops.squeezeserve.quant_matmul_opaque(*args)
+        y = opaque(*args)
     return y + bias if bias is not None else y
+
+
+# Rows of a weight put in the owned order at a time at load (the order's transient is 8 bytes a value).
+OWNED_CHUNK_ROWS = 1024
+
+
+def owned_words(layer: torch.nn.Module, scheme: WeightOnlyScheme) -> bool:
+    """Whether a loaded layer's int4 words go to quant_layout.to_owned_order at load: on Hopper where the
+    Gluon kernel runs, K and the groups multiples of 32, for the weights the Gluon decode serves from two
+    rows (at one row there its speed is the FMA kernel's; tests/benchmarks/NOTES.md, nineteenth session)."""
+    qweight = layer.weight_packed
+    k_in = layer.input_size_per_partition
+    group = scheme.group_size_for(k_in)
+    zeros = getattr(layer, "weight_zero_point", None) is not None
+    return (
+        scheme.bits == 4
+        and qweight.is_cuda
+        and wgmma(qweight.device)
+        and quant_matmul.gluon_module() is not None
+        and k_in % quant_layout.OWNED_BLOCK == 0
+        and group % quant_layout.OWNED_BLOCK == 0
+        and quant_matmul.gluon_decode_in_auto(2, qweight.shape[0], k_in, group, zeros)
+    )
+
+
+def to_owned(qweight: torch.Tensor) -> torch.Tensor:
+    """quant_layout.to_owned_order, OWNED_CHUNK_ROWS rows at a time (a bounded transient at load)."""
+    owned = torch.empty_like(qweight)
+    for start in range(0, qweight.shape[0], OWNED_CHUNK_ROWS):
+        owned[start : start + OWNED_CHUNK_ROWS] = quant_layout.to_owned_order(
+            qweight[start : start + OWNED_CHUNK_ROWS]
+        )
+    return owned
 
 
 # Row counts whose kernels a layer compiles at load rather than in the middle of serving: a compile in a
@@ -221,10 +262,14 @@ def warm_prefill(
     k_in = layer.input_size_per_partition
     weight = (layer.weight_packed, layer.weight_scale, getattr(layer, "weight_zero_point", None))
     group = scheme.group_size_for(k_in)
+    owned = getattr(layer, "owned_words", False)
     for m in rows:
         x = torch.zeros(m, k_in, dtype=dtype, device=layer.weight_packed.device)
-        torch.ops.squeezeserve.quant_matmul_opaque(x, *weight, group, scheme.bits)
-    if layer.weight_packed.shape[0] < quant_matmul.TRITON_PREFILL_MIN_N_ANY:
+        if owned:
+            torch.ops.squeezeserve.quant_matmul_owned(x, *weight, group)
+        else:
+            torch.ops.squeezeserve.quant_matmul_opaque(x, *weight, group, scheme.bits)
+    if layer.weight_packed.shape[0] < quant_matmul.TRITON_PREFILL_MIN_N_ANY and not owned:
         quant_matmul.dequantize(*weight, k_in, group, scheme.bits, dtype)
 
 
@@ -470,8 +515,13 @@ def _quantization_config_class() -> type:
                     setattr(layer, name, torch.nn.Parameter(param.data.contiguous(), requires_grad=False))
             if layer.weight_packed.device.type == "cpu":
                 prepare_cpu(layer, self.scheme)
-            else:
-                warm_prefill(layer, self.scheme, layer.weight_scale.dtype)
+                return
+            if owned_words(layer, self.scheme):
+                layer.weight_packed = torch.nn.Parameter(
+                    to_owned(layer.weight_packed.data), requires_grad=False
+                )
+                layer.owned_words = True
+            warm_prefill(layer, self.scheme, layer.weight_scale.dtype)
 
         def apply(
             self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
@@ -479,7 +529,8 @@ def _quantization_config_class() -> type:
             if hasattr(layer, "cpu_form"):
                 return cpu_linear(layer, x, bias)
             zero = getattr(layer, "weight_zero_point", None)
-            return quant_linear(x, layer.weight_packed, layer.weight_scale, zero, self.scheme, bias)
+            owned = getattr(layer, "owned_words", False)
+            return quant_linear(x, layer.weight_packed, layer.weight_scale, zero, self.scheme, bias, owned)
 
     class SqueezeserveConfig(QuantizationConfig):
         """``--quantization squeezeserve`` over a compressed-tensors pack-quantized checkpoint."""

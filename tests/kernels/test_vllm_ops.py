@@ -387,3 +387,27 @@ def test_row_parallel_shards_sum_to_the_whole_layer(tp):
             scheme,
         ).float()
     torch.testing.assert_close(total, x.float() @ dense.float().T, rtol=4e-3, atol=4e-3)
+
+
+def test_owned_words_only_where_the_gluon_decode_serves(device, monkeypatch):
+    # Layers go to the owned order only on Hopper with the Gluon kernel, for weights the Gluon decode takes
+    # from two rows; a CPU layer, int8, or a small weight keeps its packed words.
+    scheme = vllm_ops.WeightOnlyScheme(4, 128, True, ())
+    layer = _loaded_layer({"weight_packed": torch.zeros(64, 32, dtype=torch.int32, device=device),
+                           "weight_scale": torch.zeros(64, 2, device=device)}, 64, 256)  # fmt: skip
+    assert not vllm_ops.owned_words(layer, scheme)  # (a small weight, or no Hopper here)
+    monkeypatch.setattr(vllm_ops, "wgmma", lambda device: True)
+    monkeypatch.setattr(vllm_ops.quant_matmul, "gluon_module", lambda: object())
+    monkeypatch.setattr(vllm_ops.quant_matmul, "gluon_decode_in_auto", lambda *a: True)
+    assert vllm_ops.owned_words(layer, scheme) == (device != "cpu")
+    assert not vllm_ops.owned_words(layer, vllm_ops.WeightOnlyScheme(8, 128, True, ()))
+
+
+def test_quant_linear_on_owned_words_is_quant_linear(device):
+    scheme = vllm_ops.WeightOnlyScheme(4, 32, True, ())
+    t = quant_layout.pack_weight(torch.randn(96, 256) / 16, 4, 32, symmetric=True)
+    qw, sc = t["weight_packed"].to(device), t["weight_scale"].to(device=device, dtype=torch.float16)
+    x = torch.randn(5, 256, dtype=torch.float16, device=device)
+    want = vllm_ops.quant_linear(x, qw, sc, None, scheme)
+    got = vllm_ops.quant_linear(x, vllm_ops.to_owned(qw), sc, None, scheme, owned=True)
+    torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3)
