@@ -47,7 +47,7 @@ from typing import Any
 import torch
 
 from squeezeserve.kernels import functional, quant_layout
-from squeezeserve.kernels.ops import quant_matmul
+from squeezeserve.kernels.ops import launch, quant_matmul, swiglu
 from squeezeserve.kernels.ops.launch import wgmma
 from squeezeserve.kernels.ops.quant_matmul import quant_matmul_eager
 from squeezeserve.kernels.registry import eager
@@ -209,8 +209,7 @@ OWNED_CHUNK_ROWS = 1024
 
 def owned_words(layer: torch.nn.Module, scheme: WeightOnlyScheme) -> bool:
     """Whether a loaded layer's int4 words go to quant_layout.to_owned_order at load: on Hopper where the
-    Gluon kernel runs, K and the groups multiples of 32, for the weights the Gluon decode serves from two
-    rows (at one row there its speed is the FMA kernel's; tests/benchmarks/NOTES.md, nineteenth session)."""
+    Gluon kernel runs, K and the groups multiples of 32, for the weights :func:`owned_shape` takes."""
     qweight = layer.weight_packed
     k_in = layer.input_size_per_partition
     group = scheme.group_size_for(k_in)
@@ -222,8 +221,17 @@ def owned_words(layer: torch.nn.Module, scheme: WeightOnlyScheme) -> bool:
         and quant_matmul.gluon_module() is not None
         and k_in % quant_layout.OWNED_BLOCK == 0
         and group % quant_layout.OWNED_BLOCK == 0
-        and quant_matmul.gluon_decode_in_auto(2, qweight.shape[0], k_in, group, zeros)
+        and owned_shape(qweight.shape[0], k_in, group, zeros)
     )
+
+
+def owned_shape(n_out: int, k_in: int, group: int, zeros: bool) -> bool:
+    """The weights that run faster on owned words at every row count: those the Gluon decode serves from
+    GLUON_DECODE_WIDE_MIN_M rows. H100, bench_quant_matmul.py --owned (NOTES.md, twentieth session), owned /
+    packed at 1-8192 rows, g128: 28672 x 4096-like N 14336 K 4096 0.98-1.15x (the Gluon decode on both from
+    2 rows), N 4096 K 14336 1.0-1.1x (where packed words take the FMA and Triton kernels to 16 rows), but
+    4096^2 0.70-0.92x at 1-16 rows (the FMA kernel's 6.4-9.1 us against the Gluon decode's 9.1-9.9)."""
+    return quant_matmul.gluon_decode_in_auto(quant_matmul.GLUON_DECODE_WIDE_MIN_M, n_out, k_in, group, zeros)
 
 
 def to_owned(qweight: torch.Tensor) -> torch.Tensor:
@@ -241,7 +249,9 @@ def to_owned(qweight: torch.Tensor) -> torch.Tensor:
 # Gluon GEMM in runs 45-46). Each kernel of quant_matmul compiles on its first call with a given launch key
 # (launch.specialization_key: its tiling's constexprs, and whether each int argument, such as the row count,
 # is 1 or a multiple of 16). These row counts reach every key that the row counts to 2064 reach at the 8B
-# model's shapes and the bundled model's, g128 and g32 with zero points, on an H100's 132 SMs (replayed under
+# model's shapes and the bundled model's, g128 and g32 with zero points, on packed words and, for the layers
+# the method repacks (owned_shape), on owned words (9 rows: their Gluon decode's 16-row tile, which packed
+# g32 words with zero points leave to the Triton kernels below 17 rows), on an H100's 132 SMs (replayed under
 # launch.capture once, and to 640 rows in tests/kernels/test_vllm_ops.py; the bounds that count SMs move on
 # other GPUs): both sides of each bound of the rules (the Gluon decode's tiles, the row split, the Gluon
 # prefill's 128- and 256-row tiles and stream-K, the Triton GEMM's K splits, dequantize + cuBLAS past 2048,
@@ -250,7 +260,7 @@ def to_owned(qweight: torch.Tensor) -> torch.Tensor:
 # captures nothing. (The fixed rows before the nineteenth session, 127 / 128 / 255 / 256 / 511 / 512 / 2048,
 # missed the Gluon prefill's keys first reached at 513 rows of 4096^2 and 577 of 4096 x 14336, and every
 # decode key: NOTES.md.)
-PREFILL_WARM_ROWS = (1, 2, 3, 16, 17, 32, 33, 48, 65, 80, 127, 128, 129, 144, 255, 256, 257, 272, 321, 336,
+PREFILL_WARM_ROWS = (1, 2, 3, 9, 16, 17, 32, 33, 48, 65, 80, 127, 128, 129, 144, 255, 256, 257, 272, 321, 336,
                      511, 512, 513, 528, 577, 592, 2048, 2049)  # fmt: skip
 
 
@@ -271,6 +281,27 @@ def warm_prefill(
             torch.ops.squeezeserve.quant_matmul_opaque(x, *weight, group, scheme.bits)
     if layer.weight_packed.shape[0] < quant_matmul.TRITON_PREFILL_MIN_N_ANY and not owned:
         quant_matmul.dequantize(*weight, k_in, group, scheme.bits, dtype)
+
+
+_SILU_AND_MUL_WARMED: set = set()
+
+
+def warm_silu_and_mul(x: torch.Tensor) -> None:
+    """On the first eager GPU call at each width, dtype and device, run silu_and_mul once on zeros at each of
+    swiglu.warm_rows (every kernel any row count compiles, compiled now). vLLM's JIT monitor logged the
+    forward compiling mid-serving in synth run 47 (a prompt batch's row count its warm-up had not run).
+    Nothing while torch.compile traces or a CUDA graph captures (vLLM's first call, its profile run, is
+    neither; under launch.capture, CPU tensors stand for a GPU's)."""
+    if torch.compiler.is_compiling() or not (x.is_cuda or launch.capturing()):
+        return
+    if x.is_cuda and torch.cuda.is_current_stream_capturing():
+        return
+    key = (x.shape[-1], x.dtype, x.device)
+    if key in _SILU_AND_MUL_WARMED:
+        return
+    _SILU_AND_MUL_WARMED.add(key)
+    for rows in swiglu.warm_rows(x.shape[-1] // 2):
+        functional.silu_and_mul(torch.zeros(rows, x.shape[-1], dtype=x.dtype, device=x.device))
 
 
 # --- on vLLM's CPU backend: the packed CPU forms torch has matmuls for -------------------------------------
@@ -361,6 +392,7 @@ def _register_silu_and_mul() -> None:
 
         def forward_native(self, x: torch.Tensor) -> torch.Tensor:
             _note("silu_and_mul", x)
+            warm_silu_and_mul(x)
             return functional.silu_and_mul(x)
 
         def forward_cuda(self, x: torch.Tensor) -> torch.Tensor:

@@ -125,6 +125,12 @@ DEQUANT_SLICE_ROWS, DEQUANT_SLICE_MIN_M, DEQUANT_SLICE_MAX_K = 2048, 1024, 8192
 GEMV_MAX_M = 2
 GEMV_ROWS_MAX_GROUP = 64
 GEMV_BLOCK_K = 512  # the FMA kernel's K tile where groups align to it (g32_probe.py --sweep-gemv-narrow)
+# One row on owned words (quant_matmul_owned): the FMA kernel up to this group (it permutes each x tile into
+# the words' order in registers), else the Gluon decode. H100, tests/gpu/owned_one_row_probe.py (NOTES.md,
+# twentieth session), N x K 14336 x 4096 / 4096 x 14336 / 14336^2, us: g32 FMA 16.4 / 17.7 / 49.7 against
+# the Gluon decode's 19.8 / 20.4 / 53.9 (packed words' FMA 16.2 / 17.2 / 49.4); g128 Gluon 17.3 / 17.9 / 46.4
+# against FMA 17.5 / 18.5 / 50.7.
+OWNED_FMA_MAX_GROUP = 64
 # Row split: past ROW_SPLIT_TILE rows, a remainder of at most SKINNY_MAX_M rows over whole tiles costs the
 # prefill GEMMs a tile row of their own (256-row tiles: 288 rows cost what 512 do), so those rows run as a
 # decode into the output's last rows ("auto": on Hopper, for the weights where that was measured faster:
@@ -329,10 +335,11 @@ def split_rows(x2: torch.Tensor, n_out: int, k_in: int, weight: tuple = ()) -> i
     return m - rest if eager(x2, *weight) else 0
 
 
-def _rows(x2, qweight, scales, zeros, zero_arg, group_size, bits, out) -> torch.Tensor:
-    """x2 @ W.T, written into ``out`` where given (eager calls: split_rows), else into a new tensor."""
+def _rows(x2, qweight, scales, zeros, zero_arg, group_size, bits, out, owned=False) -> torch.Tensor:
+    """x2 @ W.T, written into ``out`` where given (eager calls: split_rows), else into a new tensor.
+    ``owned``: int4 words in quant_layout.to_owned_order's order, for rows the FMA kernel takes."""
     m, n_out, k_in = x2.shape[0], qweight.shape[0], x2.shape[1]
-    if m > SKINNY_MAX_M:
+    if m > SKINNY_MAX_M and not owned:
         if _gluon_prefill(x2, qweight, scales, zeros, group_size, bits):
             cfg = gluon_tiles(m, n_out, k_in, sm_count(x2.device))
             y = _gluon(x2, qweight, scales, zeros, group_size, cfg, out)
@@ -352,7 +359,7 @@ def _rows(x2, qweight, scales, zeros, zero_arg, group_size, bits, out) -> torch.
             slice_rows = DEQUANT_SLICE_ROWS if sliced else 0
             return dequantize_matmul(x2, qweight, scales, zeros, k_in, group_size, bits, slice_rows, out)
         return _prefill(x2, qweight, scales, zeros, zero_arg, group_size, bits, out)
-    if _gluon_decode(x2, qweight, scales, zeros, group_size, bits):
+    if not owned and _gluon_decode(x2, qweight, scales, zeros, group_size, bits):
         y = _gluon(x2, qweight, scales, zeros, group_size, gluon_decode_tiles(m, sm_count(x2.device)), out)
         if y is not None:
             return y
@@ -361,6 +368,8 @@ def _rows(x2, qweight, scales, zeros, zero_arg, group_size, bits, out) -> torch.
     # The FMA kernel reads whole int32 words (groups of 8 values or more).
     rows = GEMV_MAX_M if deep and group_size <= GEMV_ROWS_MAX_GROUP else 1
     gemv = bits == 4 and group_size % 8 == 0 and m <= rows
+    if owned and not gemv:
+        raise ValueError(f"owned words reach the FMA kernel only ({m} rows, group {group_size})")
     if gemv:
         kernel, block_m, prescale = _gemv_int4_kernel, next_power_of_2(m), False
         block_k = GEMV_BLOCK_K if deep and not interpreting() else (256 if group_size % 256 == 0 else 128)
@@ -396,7 +405,8 @@ def _rows(x2, qweight, scales, zeros, zero_arg, group_size, bits, out) -> torch.
             # (H100: caps of 96 and 80 registers, 5 and 6 programs an SM, were 5-34% and 34-84% slower)
             meta["maxnreg"] = cfg["maxnreg"]
         if gemv:
-            meta |= {"STAGES": cfg["num_stages"], "GPT": _groups_per_tile(group_size, block_k, 8)}
+            gpt = _groups_per_tile(group_size, block_k, 8)
+            meta |= {"STAGES": cfg["num_stages"], "GPT": gpt, "OWNED": owned}
         else:
             # NATIVE: the interpreter's bf16 arithmetic is wrong on the bitcast values, as its bf16 tl.dot is.
             bf16_interpreted = interpreting() and x2.dtype == torch.bfloat16
@@ -706,10 +716,11 @@ def dequantize_matmul(
 def _quant_matmul_owned(
     x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, group_size: int
 ) -> torch.Tensor:
-    """x @ dequantize(W).T for int4 words in quant_layout.to_owned_order's order, which only the Gluon kernel
-    and the dequantize kernel read (the vLLM method repacks to it, at load, the layers the Gluon decode
-    serves on Hopper): the Gluon decode up to SKINNY_MAX_M rows, the Gluon GEMM up to GLUON_PREFILL_MAX_M,
-    dequantize + cuBLAS past it or where the Gluon kernel does not run; the reference on CPU."""
+    """x @ dequantize(W).T for int4 words in quant_layout.to_owned_order's order, which the Gluon kernel, the
+    FMA kernel and the dequantize kernel read (the vLLM method repacks to it, at load, the layers the Gluon
+    decode serves on Hopper): one row of small groups on the FMA kernel (OWNED_FMA_MAX_GROUP), the Gluon
+    decode up to SKINNY_MAX_M rows, the Gluon GEMM up to GLUON_PREFILL_MAX_M, dequantize + cuBLAS past it or
+    where the Gluon kernel does not run; the reference on CPU."""
     check_inputs(x, qweight, scales, zeros, group_size, 4)
     block = quant_layout.OWNED_BLOCK
     if x.shape[-1] % block or group_size % block:
@@ -721,7 +732,10 @@ def _quant_matmul_owned(
     x2, qweight, scales = _operands(x, qweight, scales)
     m = x2.shape[0]
     y = None
-    if m <= SKINNY_MAX_M and _gluon_runs(x2, qweight, scales, zeros, group_size, 4, GLUON_DECODE_BLOCK_K):
+    if m == 1 and group_size <= OWNED_FMA_MAX_GROUP:
+        zero_arg = zeros.contiguous() if zeros is not None else qweight
+        y = _rows(x2, qweight, scales, zeros, zero_arg, group_size, 4, None, owned=True)
+    elif m <= SKINNY_MAX_M and _gluon_runs(x2, qweight, scales, zeros, group_size, 4, GLUON_DECODE_BLOCK_K):
         cfg = gluon_decode_tiles(m, sm_count(x2.device))
         y = _gluon(x2, qweight, scales, zeros, group_size, cfg | {"owned": True})
     elif SKINNY_MAX_M < m <= GLUON_PREFILL_MAX_M and _gluon_runs(

@@ -361,6 +361,7 @@ def _gemv_int4_kernel(
     MODE: tl.constexpr,  # how partial tiles meet: see _write_tile
     EVEN_K: tl.constexpr,
     STAGES: tl.constexpr,  # software-pipeline depth of the weight loads (1: none)
+    OWNED: tl.constexpr = False,  # words in quant_layout.to_owned_order's order: x is read in their order
 ):
     """int4 on the FMA units, two values per integer instruction.
 
@@ -403,6 +404,8 @@ def _gemv_int4_kernel(
             s, z = _group_params(scale_ptr, zero_ptr, offs_n[:, None], word_groups, word_mask,
                                  scale_row_stride, zero_row_stride, 4, HAS_ZERO)  # fmt: skip
         h, xt = _load_tile(qw_rows, x_rows, words, ks, mask_n, mask_m, n_words, K, EVEN_K)
+        if OWNED:  # each activation where the owned words hold its value, in registers (the loads stay whole)
+            xt = _to_owned(xt, BLOCK_M, BLOCK_K)
         xs = _deinterleave8(xt.to(tl.float32), BLOCK_M, W)  # xs[j][:, t] = x[:, k0 + 8 t + j]
         part = tl.zeros([BLOCK_N, BLOCK_M, W], dtype=tl.float32)
         for i in tl.static_range(4):
@@ -619,6 +622,22 @@ def _prefill_kernel(
 
 
 @triton.jit
+def _from_owned(v, R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """v [R, BLOCK_K] unpacked from owned words (position 8 w + j: value j of word w) in K order. With
+    w = 4 b + p and j = 4 h + q, position (b, p, h, q) holds K 32 b + 8 q + 2 p + h (to_owned_order)."""
+    v = tl.reshape(v, [R, BLOCK_K // 32, 4, 2, 4])
+    return tl.reshape(tl.permute(v, [0, 1, 4, 2, 3]), [R, BLOCK_K])
+
+
+@triton.jit
+def _to_owned(v, R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Inverse of :func:`_from_owned`: v [R, BLOCK_K] in K order (b, q, p, h) at the positions (b, p, h, q)
+    of the values unpacked from owned words."""
+    v = tl.reshape(v, [R, BLOCK_K // 32, 4, 4, 2])
+    return tl.reshape(tl.permute(v, [0, 1, 3, 4, 2]), [R, BLOCK_K])
+
+
+@triton.jit
 def _dequantize_kernel(
     qw_ptr,  # [N, ceil(K / PACK)] int32
     scale_ptr,
@@ -642,8 +661,8 @@ def _dequantize_kernel(
 
     Each packed word is loaded once and split into its values in registers, and the scales of a tile are
     one [BLOCK_N, GPT] load when groups align to it (per-value gathers only for straddling groups). Owned
-    words: value j of word w of a tile is K 32 (w // 4) + 8 (j % 4) + 2 (w % 4) + j // 4 of it, in the same
-    group (groups of 32 or more), so only where it is stored differs."""
+    words hold each value in the same group as the packed words do (groups of 32 or more), so only the
+    order of the values differs (:func:`_from_owned`)."""
     PACK: tl.constexpr = 32 // BITS
     W: tl.constexpr = BLOCK_K // PACK
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -659,7 +678,6 @@ def _dequantize_kernel(
     s, z = _value_params(scale_ptr, zero_ptr, offs_n, mask_n, tile, offs_k, K, scale_row_stride,
                          zero_row_stride, BITS, GROUP, HAS_ZERO, BLOCK_N, BLOCK_K, GPT)  # fmt: skip
     w = (q.to(tl.float32) - z) * s
-    if OWNED:
-        word, j = tl.arange(0, BLOCK_K) // 8, tl.arange(0, BLOCK_K) % 8
-        offs_k = tile * BLOCK_K + 32 * (word // 4) + 8 * (j % 4) + 2 * (word % 4) + j // 4
+    if OWNED:  # into K order in registers: the stores stay contiguous (scattered, they took ~10x as long)
+        w = _from_owned(w, BLOCK_N, BLOCK_K)
     tl.store(w_ptr + rows * w_row_stride + offs_k[None, :], w.to(w_ptr.dtype.element_ty), mask=mask)

@@ -120,6 +120,18 @@ def _tiles(rows: int, d: int, backward: bool = False) -> tuple[int, int, tuple[i
     return rows_per_tile, block, (cdiv(rows, rows_per_tile), cdiv(d, block)), 4
 
 
+def warm_rows(d: int) -> tuple[int, ...]:
+    """The fewest row counts whose forwards at width ``d`` launch every compiled kernel (launch key) that any
+    row count launches: the first row count of each tiling (:func:`_tiles`) that is 1, a multiple of 16 or
+    neither (what Triton specializes the row count on; the strides and ``d`` stay as the layer has them).
+    From BIG_GRID rows on every row count takes the one-row tiles."""
+    first: dict[tuple, int] = {}
+    for rows in range(1, BIG_GRID + 17):
+        r, block, _, warps = _tiles(rows, d)
+        first.setdefault((r, block, warps, rows == 1, rows % 16 == 0), rows)
+    return tuple(sorted(first.values()))
+
+
 def _launch_fwd(
     gate2: torch.Tensor, up2: torch.Tensor, out2: torch.Tensor, alpha: float, limit: float, oai: bool
 ):

@@ -7,6 +7,7 @@ layer's weights once; timing one copy over and over would serve a 4096 x 4096 in
     python tests/benchmarks/bench_quant_matmul.py            # rows for results/kernels.csv
     python tests/benchmarks/bench_quant_matmul.py --sweep    # tile / split-K sweep of the skinny kernel
     python tests/benchmarks/bench_quant_matmul.py --marlin   # with vLLM's Marlin and Machete (vLLM staged)
+    python tests/benchmarks/bench_quant_matmul.py --marlin --owned  # and int4 on thread-owned words
     ncu -k regex:_gemv --launch-skip 2 -c 1 python tests/benchmarks/bench_quant_matmul.py --profile
 """
 
@@ -50,14 +51,20 @@ def _packed(n, k, bits, group):
     return t["weight_packed"], t["weight_scale"]
 
 
-def run(rec, bits=4, group=128, ms_=(1, 2, 4, 8, 16, 32, 64, 128, 512, 2048, 8192), kn=KN, peers=()):
+def run(
+    rec, bits=4, group=128, ms_=(1, 2, 4, 8, 16, 32, 64, 128, 512, 2048, 8192), kn=KN, peers=(), owned=False
+):
+    """``owned``: also time int4 quant_matmul_owned on the same weights in thread-owned order (what the vLLM
+    method serves on Hopper)."""
     tag = f"int{bits}-g{group}"
+    owned = owned and bits == 4
     for k, n in kn:
         qw, sc = _packed(n, k, bits, group)
         w_bytes = qw.numel() * 4 + sc.numel() * 2
         packs = [(qw, sc)] + [(qw.clone(), sc.clone()) for _ in range(_copies(w_bytes) - 1)]
         dense = quant_layout.dequantize(qw, sc, None, (n, k), group, bits).to(DTYPE)
         denses = [dense] + [dense.clone() for _ in range(_copies(dense.numel() * 2) - 1)]
+        owned_packs = [(quant_layout.to_owned_order(p[0]), p[1]) for p in packs] if owned else []
         for m in ms_:
             x = torch.randn(m, k, device="cuda", dtype=DTYPE)
             graph = True  # GPU time, one launch per call (decode steps and prefills alike)
@@ -73,6 +80,16 @@ def run(rec, bits=4, group=128, ms_=(1, 2, 4, 8, 16, 32, 64, 128, 512, 2048, 819
             t_ref = rec.time("torch-bf16", "fwd", shape, DTYPE, ref, nbytes=n * k * 2 + io, graph=graph)
             if t_ours and t_ref:
                 rec.add(f"squeezeserve-{tag}", "fwd", shape, DTYPE, "speedup_vs_bf16", [t_ref / t_ours], "x")
+            if owned_packs:
+                y_owned = qm.quant_matmul_owned(x, owned_packs[0][0], owned_packs[0][1], None, group).float()
+                err = ((y_owned - y_ref).norm() / y_ref.norm()).item()
+                assert err < 1e-2, f"quant_matmul_owned mismatch {err} at {(m, n, k)}"
+                fn = _cycle([lambda p=p, x=x: qm.quant_matmul_owned(x, p[0], p[1], None, group)
+                             for p in owned_packs])  # fmt: skip
+                name = f"{ours_name}-owned"
+                t_own = rec.time(name, "fwd", shape, DTYPE, fn, nbytes=w_bytes + io, graph=graph)
+                if t_own and t_ref:
+                    rec.add(name, "fwd", shape, DTYPE, "speedup_vs_bf16", [t_ref / t_own], "x")
             for name, peer in peers if bits == 4 else ():
                 t_p = peer(rec, m, n, k, group, x, dense, shape, w_bytes + io)
                 if t_p and t_ref:
@@ -275,6 +292,7 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--marlin", action="store_true")
+    parser.add_argument("--owned", action="store_true", help="also time int4 on thread-owned words")
     parser.add_argument("--dump", type=Path, help="write the decode kernels' Triton IR and PTX here")
     parser.add_argument("--profile", action="store_true", help="a few plain calls for ncu, nothing timed")
     parser.add_argument("--shapes", help="sweep only these K:N pairs, e.g. 4096:14336,14336:4096")
@@ -305,9 +323,9 @@ if __name__ == "__main__":
     recorder = Recorder("quant_matmul")
     peers = [(name, t) for name, t in (("marlin", marlin_timer()), ("machete", machete_timer()))
              if t is not None] if args.marlin else []  # fmt: skip
-    run(recorder, peers=peers)
+    run(recorder, peers=peers, owned=args.owned)
     wide = [(4096, 14336), (14336, 4096)]
-    run(recorder, bits=4, group=32, ms_=(1, 4, 16, 64, 512, 2048), kn=wide, peers=peers)
+    run(recorder, bits=4, group=32, ms_=(1, 4, 16, 64, 512, 2048), kn=wide, peers=peers, owned=args.owned)
     run(recorder, bits=4, group=64, ms_=(1, 16), kn=[(4096, 14336)])
     run(recorder, bits=8, group=128, ms_=(1, 4, 16, 2048), kn=wide)
     recorder.write()

@@ -304,6 +304,7 @@ for r in rows:
 EOF
   ;;
 synth|synth-compiled)
+  convert_baseline  # (the tokenizer of the bundled model)
   python3 tests/gpu/synthetic_llama.py --tokenizer $MODELS/hf --out $MODELS/llama8b-bf16
   python3 tests/gpu/synthetic_llama.py --tokenizer $MODELS/hf --out $MODELS/llama8b-w4a16 --w4a16
   # synth: no torch.compile (it was thought that three 8B compiles would not fit one call); decode steps replay

@@ -410,24 +410,32 @@ _EIGHT_WARPS = {"block_k": 256, "programs": 132}  # (two warpgroups: launch_args
 
 @needs_hopper
 @pytest.mark.parametrize(
-    ("m", "n", "k", "group", "zeros", "dtype", "tiling"),
+    ("m", "n", "k", "group", "zeros", "dtype", "tiling", "exact"),
     [
-        (16, 14336, 4096, 128, False, torch.bfloat16, {"block_m": 16, "programs": 264} | _DEEP),
-        (5, 4160, 3840, 64, True, torch.bfloat16, {"block_m": 8, "programs": 100} | _DEEP),  # tails, 4 groups
-        (40, 4096, 2048, 32, True, torch.float16, {"block_m": 64, "stages": 3} | _EIGHT_WARPS),
-        (300, 2048, 4160, 128, True, torch.bfloat16, {"block_m": 256, "split": 3}),  # prefill, 64-deep tiles
-        (512, 2304, 4096, 32, False, torch.bfloat16, {"block_m": 128, "programs": 132}),
+        (16, 14336, 4096, 128, False, torch.bfloat16, {"block_m": 16, "programs": 264} | _DEEP, True),
+        # tails, 4 groups a tile
+        (5, 4160, 3840, 64, True, torch.bfloat16, {"block_m": 8, "programs": 100} | _DEEP, True),
+        (40, 4096, 2048, 32, True, torch.float16, {"block_m": 64, "stages": 3} | _EIGHT_WARPS, False),
+        # prefill: 64-deep tiles
+        (300, 2048, 4160, 128, True, torch.bfloat16, {"block_m": 256, "split": 3}, False),
+        (512, 2304, 4096, 32, False, torch.bfloat16, {"block_m": 128, "programs": 132}, True),
     ],
 )
-def test_owned_words_give_the_packed_words_results_bit_for_bit(m, n, k, group, zeros, dtype, tiling):
-    # The same operand in the same K order: the same products, bit for bit.
+def test_owned_words_give_the_packed_words_results(m, n, k, group, zeros, dtype, tiling, exact):
+    # The same operand in the same K order: the same products, bit for bit where each output tile is one
+    # program's. Where programs split a tile's K (the last two tilings' shapes) they add fp32 partial sums
+    # atomically in arrival order: two runs on the packed words differ by an ulp of the output (measured
+    # on the H100: up to 0.00098 in fp16, 0.00049 in bf16), and owned words as much.
     qw, sc, zp = _packed(n, k, group, zeros, dtype, "cuda")
     x = torch.randn(m, k, device="cuda", dtype=dtype)
     ws, counts = qm._workspace(x.device, m * n, 4096)
     packed, owned = (torch.empty((m, n), device="cuda", dtype=dtype) for _ in range(2))
     qg.launch(x, qw, sc, zp, group, packed, ws, counts, mode=2, **tiling)
     qg.launch(x, ql.to_owned_order(qw), sc, zp, group, owned, ws, counts, mode=2, owned=True, **tiling)
-    assert torch.equal(owned, packed)
+    if exact:
+        assert torch.equal(owned, packed)
+    else:
+        torch.testing.assert_close(owned, packed, rtol=4e-3, atol=2e-3)
     ref = (x @ ql.dequantize(qw, sc, zp, (n, k), group, 4).to(dtype).t()).float()
     assert ((owned.float() - ref).norm() / ref.norm()).item() < 2e-3
 
@@ -446,10 +454,11 @@ def test_dequantize_reads_owned_words(n, k, group, zeros, device):
         qm.dequantize(qw, sc, zp, k, 16, 4, torch.float16, owned=True)
 
 
-@pytest.mark.parametrize(("m", "zeros"), [(3, False), (70, True)])
+@pytest.mark.parametrize(("m", "zeros"), [(1, False), (1, True), (3, False), (70, True)])
 def test_quant_matmul_owned_is_quant_matmul(m, zeros, device):
-    # Where the Gluon kernel does not run (CPU, the interpreter) owned words go through the dequantize kernel
-    # that reads them; the result is quant_matmul's on the packed words.
+    # One row of groups of 32 runs on the FMA kernel reading x in the owned words' order; elsewhere, where the
+    # Gluon kernel does not run (CPU, the interpreter), owned words go through the dequantize kernel that
+    # reads them. The result is quant_matmul's on the packed words.
     qw, sc, zp = _packed(96, 256, 32, zeros, torch.float16, device)
     x = torch.randn(m, 256, dtype=torch.float16, device=device)
     want = qm.quant_matmul_eager(x, qw, sc, zp, 32, 4)

@@ -207,10 +207,14 @@ def keys(n, k, g, zeros, dtype, rows):
     qw = torch.zeros(n, k // 8, dtype=torch.int32)
     sc = torch.zeros(n, k // g, dtype=dtype)
     zp = torch.zeros((n + 7) // 8, k // g, dtype=torch.int32) if zeros else None
+    owned = vllm_ops.owned_shape(n, k, g, zeros)  # (the layers the vLLM method repacks: their own dispatch)
     first = {}
     with launch.capture(sms=132, wgmma=True) as launches:
         for m in rows:
-            qm._quant_matmul(torch.empty(m, k, dtype=dtype), qw, sc, zp, g, 4)
+            if owned:
+                qm._quant_matmul_owned(torch.empty(m, k, dtype=dtype), qw, sc, zp, g)
+            else:
+                qm._quant_matmul(torch.empty(m, k, dtype=dtype), qw, sc, zp, g, 4)
             for kern, _, a, kw in launches:
                 first.setdefault(repr((kern.__name__, launch.specialization_key(a, kw))), m)
             launches.clear()
@@ -221,6 +225,7 @@ CASES = {  # the 8B model's qkv, o, gate_up and down, g128 and g32 with zero poi
     "4096x4096 g128": (4096, 4096, 128, False, torch.bfloat16, 640),
     "28672x4096 g32 zp": (28672, 4096, 32, True, torch.bfloat16, 640),
     "4096x14336 g128": (4096, 14336, 128, False, torch.bfloat16, 640),
+    "28672x4096 g128": (28672, 4096, 128, False, torch.bfloat16, 640),
     "4096x14336 g32 zp": (4096, 14336, 32, True, torch.bfloat16, 640),
     "576x1536 g32 zp fp16": (576, 1536, 32, True, torch.float16, 2100),
 }
@@ -238,10 +243,48 @@ def test_warm_rows_reach_every_kernel_that_any_row_count_launches(run_compiled):
     # serving. (To 640 rows here; to 2064 the same replay found no other key, in 6 minutes on a 2-core
     # machine. Past 2048 the 8B shapes take dequantize + cuBLAS, whose products the replay computes on CPU.)
     results = run_compiled(["-c", _WARM_COVERAGE])
-    assert len(results) == 6
+    assert len(results) == 7
     for case, result in results.items():
         assert result["keys"] >= 8, (case, result)
         assert result["missing_rows"] == [], (case, result["missing_rows"])
+
+
+_SILU_AND_MUL_WARM = """
+import json
+import torch
+from squeezeserve.kernels import functional, vllm_ops
+from squeezeserve.kernels.ops import launch, swiglu
+
+def keys(run):
+    with launch.capture(sms=132, wgmma=True) as launches:
+        run()
+        return {repr((k.__name__, launch.specialization_key(a, kw))) for k, _, a, kw in launches}
+
+# the 8B model's MLP width, the bundled model's (fp16), a 4096-wide one, and a narrow one (many row tilings)
+WIDTHS = ((14336, torch.bfloat16), (1536, torch.float16), (4096, torch.bfloat16), (64, torch.bfloat16))
+for d, dtype in WIDTHS:
+    every = {}
+    with launch.capture(sms=132, wgmma=True) as launches:
+        for rows in range(1, swiglu.BIG_GRID + 100):
+            functional.silu_and_mul(torch.empty(rows, 2 * d, dtype=dtype))
+            for k, _, a, kw in launches:
+                every.setdefault(repr((k.__name__, launch.specialization_key(a, kw))), rows)
+            launches.clear()
+    warmed = keys(lambda: vllm_ops.warm_silu_and_mul(torch.empty(7, 2 * d, dtype=dtype)))
+    again = keys(lambda: vllm_ops.warm_silu_and_mul(torch.empty(9, 2 * d, dtype=dtype)))
+    print(json.dumps({"case": d, "keys": len(every), "warmed": len(warmed), "again": len(again),
+                      "missing_rows": sorted(every[k] for k in set(every) - warmed)}))
+"""
+
+
+def test_silu_and_mul_warms_every_kernel_that_any_row_count_launches(run_compiled):
+    # vLLM's first eager call at a width runs silu_and_mul at swiglu.warm_rows: every launch key any row
+    # count reaches (past BIG_GRID rows every count takes the one-row tiles), once per width and dtype.
+    results = run_compiled(["-c", _SILU_AND_MUL_WARM])
+    assert len(results) == 4
+    for case, result in results.items():
+        assert result["keys"] >= 5 and result["warmed"] == result["keys"], (case, result)
+        assert result["missing_rows"] == [] and result["again"] == 0, (case, result)
 
 
 # --- on vLLM's CPU backend: the weights unpacked once at load -------------------------------------------
@@ -390,8 +433,8 @@ def test_row_parallel_shards_sum_to_the_whole_layer(tp):
 
 
 def test_owned_words_only_where_the_gluon_decode_serves(device, monkeypatch):
-    # Layers go to the owned order only on Hopper with the Gluon kernel, for weights the Gluon decode takes
-    # from two rows; a CPU layer, int8, or a small weight keeps its packed words.
+    # Layers go to the owned order only on Hopper with the Gluon kernel, for the weights owned_shape takes;
+    # a CPU layer, int8, or a small weight keeps its packed words.
     scheme = vllm_ops.WeightOnlyScheme(4, 128, True, ())
     layer = _loaded_layer({"weight_packed": torch.zeros(64, 32, dtype=torch.int32, device=device),
                            "weight_scale": torch.zeros(64, 2, device=device)}, 64, 256)  # fmt: skip
@@ -401,6 +444,16 @@ def test_owned_words_only_where_the_gluon_decode_serves(device, monkeypatch):
     monkeypatch.setattr(vllm_ops.quant_matmul, "gluon_decode_in_auto", lambda *a: True)
     assert vllm_ops.owned_words(layer, scheme) == (device != "cpu")
     assert not vllm_ops.owned_words(layer, vllm_ops.WeightOnlyScheme(8, 128, True, ()))
+
+
+def test_owned_shapes_are_the_8b_models_wide_layers():
+    # The 8B model's gate_up (28672 x 4096) and down (4096 x 14336) go to owned words; its qkv and o, the
+    # bundled model's layers, and g32 with zero points below the Gluon decode's threshold keep packed words.
+    assert vllm_ops.owned_shape(28672, 4096, 128, False) and vllm_ops.owned_shape(4096, 14336, 128, False)
+    assert vllm_ops.owned_shape(28672, 4096, 32, True) and vllm_ops.owned_shape(4096, 14336, 32, False)
+    assert not vllm_ops.owned_shape(4096, 14336, 32, True)
+    for n, k in ((6144, 4096), (4096, 4096), (3072, 576), (576, 1536)):
+        assert not vllm_ops.owned_shape(n, k, 128, False), (n, k)
 
 
 def test_quant_linear_on_owned_words_is_quant_linear(device):
