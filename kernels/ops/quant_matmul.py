@@ -126,10 +126,10 @@ GEMV_MAX_M = 2
 GEMV_ROWS_MAX_GROUP = 64
 GEMV_BLOCK_K = 512  # the FMA kernel's K tile where groups align to it (g32_probe.py --sweep-gemv-narrow)
 # One row on owned words (quant_matmul_owned): the FMA kernel up to this group (it permutes each x tile into
-# the words' order in registers), else the Gluon decode. H100, tests/gpu/owned_one_row_probe.py (NOTES.md,
-# twentieth session), N x K 14336 x 4096 / 4096 x 14336 / 14336^2, us: g32 FMA 16.4 / 17.7 / 49.7 against
-# the Gluon decode's 19.8 / 20.4 / 53.9 (packed words' FMA 16.2 / 17.2 / 49.4); g128 Gluon 17.3 / 17.9 / 46.4
-# against FMA 17.5 / 18.5 / 50.7.
+# the words' order in registers), else the Gluon decode. H100, N x K 14336 x 4096 / 4096 x 14336 / 14336^2,
+# us (results/owned_one_row_probe_h100_2026-11-26.log; NOTES.md, twentieth session): g32 FMA 16.5 / 17.3 /
+# 49.1 against the Gluon decode's 20.1 / 20.4 / 53.5 (packed words' FMA 16.2 / 17.2 / 49.4); g128 Gluon
+# 17.2 / 17.9 / 46.5 against FMA 17.8 / 18.7 / 51.3.
 OWNED_FMA_MAX_GROUP = 64
 # Row split: past ROW_SPLIT_TILE rows, a remainder of at most SKINNY_MAX_M rows over whole tiles costs the
 # prefill GEMMs a tile row of their own (256-row tiles: 288 rows cost what 512 do), so those rows run as a
