@@ -371,7 +371,7 @@ def _rows(x2, qweight, scales, zeros, zero_arg, group_size, bits, out, owned=Fal
     if owned and not gemv:
         raise ValueError(f"owned words reach the FMA kernel only ({m} rows, group {group_size})")
     if gemv:
-        kernel, block_m, prescale = _gemv_int4_kernel, next_power_of_2(m), False
+        kernel, block_m, prescale = _gemv_int4_kernel, max(1, next_power_of_2(m)), False  # (0 rows: none run)
         block_k = GEMV_BLOCK_K if deep and not interpreting() else (256 if group_size % 256 == 0 else 128)
         cfg = tuning("gemv", m, n_out, k_in, block_k, x2.device, group_size < block_k, group_size=group_size)
         block_k = cfg.get("BLOCK_K", block_k)  # a probe's tiling (groups aligned to it, as above)
@@ -717,10 +717,10 @@ def _quant_matmul_owned(
     x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, group_size: int
 ) -> torch.Tensor:
     """x @ dequantize(W).T for int4 words in quant_layout.to_owned_order's order, which the Gluon kernel, the
-    FMA kernel and the dequantize kernel read (the vLLM method repacks to it, at load, the layers the Gluon
-    decode serves on Hopper): one row of small groups on the FMA kernel (OWNED_FMA_MAX_GROUP), the Gluon
-    decode up to SKINNY_MAX_M rows, the Gluon GEMM up to GLUON_PREFILL_MAX_M, dequantize + cuBLAS past it or
-    where the Gluon kernel does not run; the reference on CPU."""
+    FMA kernel and the dequantize kernel read (the vLLM method repacks to it, at load, the layers
+    vllm_ops.owned_shape takes, on Hopper): one row of small groups on the FMA kernel (OWNED_FMA_MAX_GROUP),
+    the Gluon decode up to SKINNY_MAX_M rows, the Gluon GEMM up to GLUON_PREFILL_MAX_M, dequantize + cuBLAS
+    past it or where the Gluon kernel does not run; the reference on CPU."""
     check_inputs(x, qweight, scales, zeros, group_size, 4)
     block = quant_layout.OWNED_BLOCK
     if x.shape[-1] % block or group_size % block:
@@ -732,7 +732,9 @@ def _quant_matmul_owned(
     x2, qweight, scales = _operands(x, qweight, scales)
     m = x2.shape[0]
     y = None
-    if m == 1 and group_size <= OWNED_FMA_MAX_GROUP:
+    if m == 0:
+        y = x2.new_empty((0, n_out))
+    elif m == 1 and group_size <= OWNED_FMA_MAX_GROUP:
         zero_arg = zeros.contiguous() if zeros is not None else qweight
         y = _rows(x2, qweight, scales, zeros, zero_arg, group_size, 4, None, owned=True)
     elif m <= SKINNY_MAX_M and _gluon_runs(x2, qweight, scales, zeros, group_size, 4, GLUON_DECODE_BLOCK_K):

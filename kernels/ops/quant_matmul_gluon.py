@@ -225,7 +225,8 @@ def _operand(
     """A K tile's words in shared memory -> its [BLOCK_N, BLOCK_K] A operand in ``a_layout``, in registers:
     each thread reads the words its fragment needs and keeps one value pair of each, which is one fragment
     register after the (q + BIAS - (BIAS + z)) * s of :data:`_PAIR_ASM`. ``OWNED``: each thread reads its own
-    words and takes all four pairs of each (:data:`_OWNED_ASM`); ``select`` is then each pair's shift."""
+    words and takes all four pairs of each (:data:`_PAIR_ASM` with ``_OWNED_PLACE``); ``select`` is then each
+    pair's shift."""
     W: gl.constexpr = BLOCK_K // 8
     h = w_smem.load(gl.SliceLayout(2, w_layout))  # [BLOCK_N, W]
     words = gl.arange(0, W, layout=gl.SliceLayout(0, gl.SliceLayout(2, w_layout)))

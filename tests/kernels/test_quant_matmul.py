@@ -35,6 +35,16 @@ def _dense_reference(x, tensors, shape, group, bits):
     return x.float() @ weight.float().t()
 
 
+@pytest.mark.parametrize(("bits", "group"), [(4, 32), (4, 128), (8, 128)])
+def test_quant_matmul_of_no_rows_is_empty(bits, group, device):
+    # An empty batch (a data-parallel engine's idle rank) launches nothing: every path's row tiling copes
+    # with 0 rows (the FMA kernel's took next_power_of_2(0) = 0 rows a program and divided by it).
+    t = {name: v.to(device) for name, v in ql.pack_weight(torch.randn(64, 256), bits, group).items()}
+    x = torch.empty(0, 256, device=device, dtype=torch.float16)
+    y = K.quant_matmul(x, t["weight_packed"], t["weight_scale"].half(), None, group, bits)
+    assert y.shape == (0, 64) and y.dtype == torch.float16
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("symmetric", [True, False])
 @pytest.mark.parametrize("bits", [4, 8])

@@ -454,7 +454,7 @@ def test_dequantize_reads_owned_words(n, k, group, zeros, device):
         qm.dequantize(qw, sc, zp, k, 16, 4, torch.float16, owned=True)
 
 
-@pytest.mark.parametrize(("m", "zeros"), [(1, False), (1, True), (3, False), (70, True)])
+@pytest.mark.parametrize(("m", "zeros"), [(0, False), (1, False), (1, True), (3, False), (70, True)])
 def test_quant_matmul_owned_is_quant_matmul(m, zeros, device):
     # One row of groups of 32 runs on the FMA kernel reading x in the owned words' order; elsewhere, where the
     # Gluon kernel does not run (CPU, the interpreter), owned words go through the dequantize kernel that
