@@ -226,7 +226,7 @@ def owned_words(layer: torch.nn.Module, scheme: WeightOnlyScheme) -> bool:
 
 
 def owned_shape(n_out: int, k_in: int, group: int, zeros: bool) -> bool:
-    """The weights that run faster on owned words at every row count: those the Gluon decode serves from
+    """The weights no slower on owned words at any row count (within 2%): those the Gluon decode serves from
     GLUON_DECODE_WIDE_MIN_M rows. H100, bench_quant_matmul.py --owned (NOTES.md, twentieth session), owned /
     packed at 1-8192 rows, g128: 28672 x 4096-like N 14336 K 4096 0.98-1.15x (the Gluon decode on both from
     2 rows), N 4096 K 14336 1.0-1.1x (where packed words take the FMA and Triton kernels to 16 rows), but
