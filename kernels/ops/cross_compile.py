@@ -177,6 +177,15 @@ def cases() -> dict:
         x, scales = torch.zeros(m, k, dtype=dtype), t["weight_scale"].to(dtype)
         return quant_matmul._quant_matmul, (x, t["weight_packed"], scales, zp, group, bits)
 
+    def owned(m, n, k, group, zeros=False):  # quant_matmul_owned (the vLLM method's owned_shape layers)
+        body, (x, qw, scales, zp, group, _) = qm(m, n, k, group, zeros=zeros)
+        return quant_matmul._quant_matmul_owned, (x, quant_layout.to_owned_order(qw), scales, zp, group)
+
+    def owned_dequantize(n, k, group):
+        t = quant_layout.pack_weight(torch.zeros(n, k), 4, group)
+        qw, scales = quant_layout.to_owned_order(t["weight_packed"]), t["weight_scale"].to(bf)
+        return quant_matmul.dequantize, (qw, scales, None, k, group, 4, bf, None, True)
+
     def cb(m, n, k, group, bits):
         idx = codebook_layout.pack_indices(torch.zeros(n, k, dtype=torch.int32), bits)
         book = torch.zeros(n, (k // group if group else 1) << bits, dtype=bf)
@@ -228,6 +237,10 @@ def cases() -> dict:
             128, 4096, 14336, 128, zeros=True),
         "quant_matmul 512x4096x14336 int4 g128 (Gluon stream-K, 256-row tiles)": lambda: qm(
             512, 4096, 14336, 128),
+        # thread-owned words: one row of g32 on the FMA kernel, the Gluon decode, the dequantize kernel
+        "quant_matmul_owned 1x28672x4096 int4 g32 zp (FMA kernel)": lambda: owned(1, 28672, 4096, 32, True),
+        "quant_matmul_owned 16x28672x4096 int4 g128 (Gluon decode)": lambda: owned(16, 28672, 4096, 128),
+        "quant_matmul_owned dequantize 4096x14336 int4 g128": lambda: owned_dequantize(4096, 14336, 128),
         "codebook_matmul 1x4096x4096 4-bit g128": lambda: cb(1, 4096, 4096, 128, 4),
         "codebook_matmul 16x4096x4096 4-bit g128": lambda: cb(16, 4096, 4096, 128, 4),
         "codebook_matmul 128x4096x4096 3-bit per channel": lambda: cb(128, 4096, 4096, 0, 3),
