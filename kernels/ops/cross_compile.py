@@ -178,7 +178,7 @@ def cases() -> dict:
         return quant_matmul._quant_matmul, (x, t["weight_packed"], scales, zp, group, bits)
 
     def owned(m, n, k, group, zeros=False):  # quant_matmul_owned (the vLLM method's owned_shape layers)
-        body, (x, qw, scales, zp, group, _) = qm(m, n, k, group, zeros=zeros)
+        _, (x, qw, scales, zp, _, _) = qm(m, n, k, group, zeros=zeros)
         return quant_matmul._quant_matmul_owned, (x, quant_layout.to_owned_order(qw), scales, zp, group)
 
     def owned_dequantize(n, k, group):

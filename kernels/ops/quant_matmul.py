@@ -351,12 +351,7 @@ def _rows(x2, qweight, scales, zeros, zero_arg, group_size, bits, out, owned=Fal
             PREFILL == "triton"
             or (PREFILL == "auto" and prefill_in_triton(m, n_out, k_in, group_size, graphed))
         ):
-            # (slices on eager calls only: traced, each slice's writes into the buffer and the output would
-            # become copies)
-            sliced = (
-                m >= DEQUANT_SLICE_MIN_M and k_in < DEQUANT_SLICE_MAX_K and eager(x2, qweight, scales, zeros)
-            )
-            slice_rows = DEQUANT_SLICE_ROWS if sliced else 0
+            slice_rows = _slice_rows(x2, qweight, scales, zeros)
             return dequantize_matmul(x2, qweight, scales, zeros, k_in, group_size, bits, slice_rows, out)
         return _prefill(x2, qweight, scales, zeros, zero_arg, group_size, bits, out)
     if not owned and _gluon_decode(x2, qweight, scales, zeros, group_size, bits):
@@ -688,6 +683,15 @@ def dequantize(
     return weight
 
 
+def _slice_rows(x2, qweight, scales, zeros) -> int:
+    """Weight rows :func:`dequantize_matmul` dequantizes at a time for ``x2``: DEQUANT_SLICE_ROWS from
+    DEQUANT_SLICE_MIN_M rows over reductions under DEQUANT_SLICE_MAX_K, else 0 (the whole weight). Slices on
+    eager calls only: traced, each slice's writes into the buffer and the output would become copies."""
+    m, k_in = x2.shape
+    sliced = m >= DEQUANT_SLICE_MIN_M and k_in < DEQUANT_SLICE_MAX_K and eager(x2, qweight, scales, zeros)
+    return DEQUANT_SLICE_ROWS if sliced else 0
+
+
 def dequantize_matmul(
     x2, qweight, scales, zeros, k_in, group_size, bits, slice_rows, out=None, owned=False
 ) -> torch.Tensor:
@@ -746,8 +750,7 @@ def _quant_matmul_owned(
         cfg = gluon_tiles(m, n_out, k_in, sm_count(x2.device))
         y = _gluon(x2, qweight, scales, zeros, group_size, cfg | {"owned": True})
     if y is None:
-        sliced = m >= DEQUANT_SLICE_MIN_M and k_in < DEQUANT_SLICE_MAX_K and eager(x2, qweight, scales, zeros)
-        slice_rows = DEQUANT_SLICE_ROWS if sliced else 0
+        slice_rows = _slice_rows(x2, qweight, scales, zeros)
         y = dequantize_matmul(x2, qweight, scales, zeros, k_in, group_size, 4, slice_rows, owned=True)
     return y.reshape(*x.shape[:-1], n_out)
 
@@ -790,10 +793,12 @@ def _setup(ctx, inputs, output):
     ctx.meta = (x.shape[-1], group_size, bits, x.dtype)
 
 
-def _grad(ctx, grad):
-    """Weights are frozen: only dx = grad @ dequantize(W)."""
+def _grad(ctx, grad, standard=lambda qweight: qweight):
+    """Weights are frozen: only dx = grad @ dequantize(W). ``standard``: the saved words in weight_packed's
+    order."""
     qweight, scales, zeros = ctx.saved_tensors
     k_in, group_size, bits, dtype = ctx.meta
+    qweight = standard(qweight)
     weight = quant_layout.dequantize(qweight, scales, zeros, (qweight.shape[0], k_in), group_size, bits)
     return grad @ weight.to(dtype), None, None, None, None, None
 
@@ -813,18 +818,12 @@ quant_matmul_eager = EagerOp(
 
 
 def _setup_owned(ctx, inputs, output):
-    x, qweight, scales, zeros, group_size = inputs
-    ctx.save_for_backward(qweight, scales, zeros)
-    ctx.meta = (x.shape[-1], group_size, x.dtype)
+    _setup(ctx, (*inputs, 4), output)
 
 
 def _grad_owned(ctx, grad):
-    """As :func:`_grad`, from owned words."""
-    qweight, scales, zeros = ctx.saved_tensors
-    k_in, group_size, dtype = ctx.meta
-    standard = quant_layout.from_owned_order(qweight)
-    weight = quant_layout.dequantize(standard, scales, zeros, (qweight.shape[0], k_in), group_size, 4)
-    return grad @ weight.to(dtype), None, None, None, None
+    """As :func:`_grad`, from owned words (the op has no ``bits``: one gradient fewer)."""
+    return _grad(ctx, grad, quant_layout.from_owned_order)[:5]
 
 
 # :func:`_quant_matmul_owned` without the dispatcher, with launch plans (as quant_matmul_eager), and as an

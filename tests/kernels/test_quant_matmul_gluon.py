@@ -470,6 +470,15 @@ def test_quant_matmul_owned_is_quant_matmul(m, zeros, device):
         )
 
 
+def test_quant_matmul_owned_gradient_wrt_x(device):
+    # The eager body's backward reads the owned words back into weight_packed's order: dx = grad @ W.
+    qw, sc, zp = _packed(24, 64, 32, True, torch.float16, device)
+    x = torch.randn(5, 64, dtype=torch.float16, device=device, requires_grad=True)
+    qm.quant_matmul_owned_eager(x, ql.to_owned_order(qw), sc, zp, 32).sum().backward()
+    weight = ql.dequantize(qw, sc, zp, (24, 64), 32, 4)
+    torch.testing.assert_close(x.grad.float(), weight.float().sum(0).expand(5, 64), atol=2e-2, rtol=2e-3)
+
+
 _OWNED_PATHS = """
 import json
 import torch
