@@ -95,7 +95,8 @@ def summary(lines: list[str]) -> dict:
       waits for all but one after each group and for all once at the end; a loop whose products ptxas
       serialised (an operand register rewritten while its group may still read it) waits for every group
       after each (tests/benchmarks/NOTES.md, "tenth session");
-    - ``instructions``: the count of each opcode."""
+    - ``instructions``: the count of each opcode; ``loop_instructions``: all of them between the first
+      wgmma and the last wait for all groups (a pipelined kernel's K loop, unrolled as ptxas left it)."""
     ops: dict[str, int] = {}
     for line in lines:
         words = [w for w in line.split() if not w.startswith("@")]  # (past a predicate)
@@ -112,6 +113,7 @@ def summary(lines: list[str]) -> dict:
         "wait_one": sum(1 for line in lines if "DEPBAR.LE gsb0, 0x1" in line),
         "wait_all": sum(1 for line in lines if "DEPBAR.LE gsb0, 0x0" in line),
         "instructions": ops,
+        "loop_instructions": max(0, loop[1] - loop[0]),
     }
 
 

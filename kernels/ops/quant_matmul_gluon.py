@@ -125,12 +125,13 @@ def _load_params(
     BLOCK_K: gl.constexpr,
     num_warps: gl.constexpr,
 ):
-    """(s, BIAS + z) [BLOCK_N] in the activation dtype of the first and the last group of K tile ``tile``
-    (one group when groups hold whole tiles; two when a tile holds two groups). Four or more groups a tile:
-    (s, BIAS + z) [BLOCK_N, groups] as value pairs (:func:`_twice`), each row's in one vector load."""
+    """(s, BIAS + z) [BLOCK_N] of the first and the last group of K tile ``tile`` (one group when groups
+    hold whole tiles; two when a tile holds two groups). Four or more groups a tile: (s, BIAS + z)
+    [BLOCK_N, groups], each row's scales in one vector load. s in the activation dtype, BIAS + z as its 16
+    bits (:func:`_bias`); :func:`_operand` makes them value pairs where it uses them, so that the scales of
+    the tiles loaded ahead stay two a register."""
     if BLOCK_K >= 4 * GROUP:
-        # (int32 pairs of two equal halves) in _group_layout: a row's scales (and zero-point words) are
-        # contiguous, one vector load a row
+        # (in _group_layout: a row's scales (and zero-point words) are contiguous, one vector load a row)
         G: gl.constexpr = BLOCK_K // GROUP
         layout: gl.constexpr = _group_layout(offs_n.shape[0], G, num_warps)
         rows = gl.expand_dims(gl.convert_layout(offs_n, gl.SliceLayout(1, layout), assert_trivial=True), 1)
@@ -145,8 +146,7 @@ def _load_params(
             z = (zw >> ((rows % 8) * 4)) & 0xF
         else:
             z = gl.zeros_like(rows + groups) + 8
-        bias_z = (z.to(gl.float32) + MAGIC_F).to(s.dtype)  # exact: small integers
-        params = (_twice(s), _twice(bias_z))
+        params = (s, _bias(z, MAGIC_F))  # 16-bit values: _operand makes them pairs, as it uses them
     else:
         g0 = (tile * BLOCK_K) // GROUP
         g1 = (tile * BLOCK_K + BLOCK_K - 1) // GROUP
@@ -199,12 +199,32 @@ def _group_params(
         z = (zw >> ((offs_n % 8) * 4)) & 0xF
     else:
         z = gl.zeros_like(offs_n) + 8
-    return s, (z.to(gl.float32) + MAGIC_F).to(s.dtype)  # exact: small integers
+    return s, _bias(z, MAGIC_F)
+
+
+@gluon.jit
+def _bias(z, MAGIC_F: gl.constexpr):
+    """BIAS + z (z < 16) as the 16 bits of a bf16 / fp16 value: BIAS's bits with z in the low nibble (BIAS's
+    unit is 1), one lop3 with the nibble's mask (a conversion through fp32 took three instructions)."""
+    bits: gl.constexpr = 0x4300 if MAGIC_F == 128.0 else 0x6400
+    return (z | bits).to(gl.int16)
 
 
 @gluon.jit
 def _twice(v):
-    """A 16-bit value as both halves of an int32 (a bf16x2 / f16x2 register)."""
+    """A 16-bit value as both halves of an int32 (a bf16x2 / f16x2 register): one PRMT. (Written in integer
+    arithmetic, :func:`_twice_arith`, it took two or three instructions a scale, which at eight groups a
+    tile made g32's K loop 9% longer than g128's; tests/benchmarks/NOTES.md, twenty-first session.)"""
+    return gl.inline_asm_elementwise(
+        "mov.b32 $0, {$1, $1};", "=r,h", [v.to(gl.int16, bitcast=True)], dtype=gl.int32, is_pure=True, pack=1
+    )
+
+
+@gluon.jit
+def _twice_arith(v):
+    """:func:`_twice` in integer arithmetic, which ptxas schedules freely: the zero points' pairs at eight
+    groups a tile (from :func:`_twice`'s PRMT the g32 decode with zero points spilled more, 12 against 4
+    registers at 16 rows under Triton 3.6)."""
     return (v.to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF) * 0x10001
 
 
@@ -235,7 +255,8 @@ def _operand(
         # and group of its rows in registers, so each select below is decided when the kernel compiles.
         G: gl.constexpr = BLOCK_K // GROUP
         rows_layout: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, w_layout))
-        s2, z2 = params
+        s2 = _twice(params[0])
+        z2 = _twice_arith(params[1])
         column = gl.expand_dims(
             gl.arange(0, G, layout=gl.SliceLayout(0, _group_layout(BLOCK_N, G, num_warps))), 0
         )

@@ -8,6 +8,7 @@ layer's weights once; timing one copy over and over would serve a 4096 x 4096 in
     python tests/benchmarks/bench_quant_matmul.py --sweep    # tile / split-K sweep of the skinny kernel
     python tests/benchmarks/bench_quant_matmul.py --marlin   # with vLLM's Marlin and Machete (vLLM staged)
     python tests/benchmarks/bench_quant_matmul.py --marlin --owned  # and int4 on thread-owned words
+    python tests/benchmarks/bench_quant_matmul.py --marlin --owned --zeros  # only the zero-point rows
     ncu -k regex:_gemv --launch-skip 2 -c 1 python tests/benchmarks/bench_quant_matmul.py --profile
 """
 
@@ -45,32 +46,37 @@ def _cycle(fns):
     return lambda: next(it)()
 
 
-def _packed(n, k, bits, group):
+def _packed(n, k, bits, group, zeros=False):
+    """(packed words, scales, packed zero points or None) of a random weight."""
     weight = torch.randn(n, k, device="cuda", dtype=DTYPE) / 64
-    t = quant_layout.pack_weight(weight, bits, group)
-    return t["weight_packed"], t["weight_scale"]
+    t = quant_layout.pack_weight(weight, bits, group, symmetric=not zeros)
+    return t["weight_packed"], t["weight_scale"], t.get("weight_zero_point") if zeros else None
 
 
 def run(
-    rec, bits=4, group=128, ms_=(1, 2, 4, 8, 16, 32, 64, 128, 512, 2048, 8192), kn=KN, peers=(), owned=False
-):
+    rec, bits=4, group=128, ms_=(1, 2, 4, 8, 16, 32, 64, 128, 512, 2048, 8192), kn=KN, peers=(), owned=False,
+    zeros=False,
+):  # fmt: skip
     """``owned``: also time int4 quant_matmul_owned on the same weights in thread-owned order (what the vLLM
-    method serves on Hopper)."""
-    tag = f"int{bits}-g{group}"
+    method serves on Hopper). ``zeros``: asymmetric weights (packed zero points, as compress writes them;
+    rows tagged ``-zp``)."""
+    tag = f"int{bits}-g{group}" + ("-zp" if zeros else "")
     owned = owned and bits == 4
     for k, n in kn:
-        qw, sc = _packed(n, k, bits, group)
-        w_bytes = qw.numel() * 4 + sc.numel() * 2
-        packs = [(qw, sc)] + [(qw.clone(), sc.clone()) for _ in range(_copies(w_bytes) - 1)]
-        dense = quant_layout.dequantize(qw, sc, None, (n, k), group, bits).to(DTYPE)
+        qw, sc, zp = _packed(n, k, bits, group, zeros)
+        w_bytes = qw.numel() * 4 + sc.numel() * 2 + (zp.numel() * 4 if zeros else 0)
+        packs = [(qw, sc, zp)] + [
+            (qw.clone(), sc.clone(), zp.clone() if zeros else None) for _ in range(_copies(w_bytes) - 1)
+        ]
+        dense = quant_layout.dequantize(qw, sc, zp, (n, k), group, bits).to(DTYPE)
         denses = [dense] + [dense.clone() for _ in range(_copies(dense.numel() * 2) - 1)]
-        owned_packs = [(quant_layout.to_owned_order(p[0]), p[1]) for p in packs] if owned else []
+        owned_packs = [(quant_layout.to_owned_order(p[0]),) + p[1:] for p in packs] if owned else []
         for m in ms_:
             x = torch.randn(m, k, device="cuda", dtype=DTYPE)
             graph = True  # GPU time, one launch per call (decode steps and prefills alike)
-            ours = _cycle([lambda p=p, x=x: K.quant_matmul(x, p[0], p[1], None, group, bits) for p in packs])
+            ours = _cycle([lambda p=p, x=x: K.quant_matmul(x, *p, group, bits) for p in packs])
             ref = _cycle([lambda d=d, x=x: x @ d.t() for d in denses])
-            y, y_ref = K.quant_matmul(x, qw, sc, None, group, bits).float(), (x @ dense.t()).float()
+            y, y_ref = K.quant_matmul(x, qw, sc, zp, group, bits).float(), (x @ dense.t()).float()
             err = ((y - y_ref).norm() / y_ref.norm()).item()
             assert err < 1e-2, f"quant_matmul mismatch {err} at {(m, n, k)}"
             shape = (m, n, k)
@@ -81,17 +87,16 @@ def run(
             if t_ours and t_ref:
                 rec.add(f"squeezeserve-{tag}", "fwd", shape, DTYPE, "speedup_vs_bf16", [t_ref / t_ours], "x")
             if owned_packs:
-                y_owned = qm.quant_matmul_owned(x, owned_packs[0][0], owned_packs[0][1], None, group).float()
+                y_owned = qm.quant_matmul_owned(x, *owned_packs[0], group).float()
                 err = ((y_owned - y_ref).norm() / y_ref.norm()).item()
                 assert err < 1e-2, f"quant_matmul_owned mismatch {err} at {(m, n, k)}"
-                fn = _cycle([lambda p=p, x=x: qm.quant_matmul_owned(x, p[0], p[1], None, group)
-                             for p in owned_packs])  # fmt: skip
+                fn = _cycle([lambda p=p, x=x: qm.quant_matmul_owned(x, *p, group) for p in owned_packs])
                 name = f"{ours_name}-owned"
                 t_own = rec.time(name, "fwd", shape, DTYPE, fn, nbytes=w_bytes + io, graph=graph)
                 if t_own and t_ref:
                     rec.add(name, "fwd", shape, DTYPE, "speedup_vs_bf16", [t_ref / t_own], "x")
             for name, peer in peers if bits == 4 else ():
-                t_p = peer(rec, m, n, k, group, x, dense, shape, w_bytes + io)
+                t_p = peer(rec, m, n, k, group, x, dense, shape, w_bytes + io, zeros)
                 if t_p and t_ref:
                     rec.add(f"vllm-{name}-{tag}", "fwd", shape, DTYPE, "speedup_vs_bf16", [t_ref / t_p], "x")
 
@@ -104,7 +109,7 @@ def sweep(kn=KN[:3], group=128, bits=4, ms=None):
     grid = list(itertools.product((64, 128), (4, 8), (3, 4), (4, 8, 16)))
     ms = ms or {"gemv": (1, 2), "mma": (4, 16, 64)}
     for k, n in kn:
-        qw, sc = _packed(n, k, bits, group)
+        qw, sc, _ = _packed(n, k, bits, group)
         packs = [(qw, sc)] + [(qw.clone(), sc.clone()) for _ in range(_copies(qw.numel() * 4) - 1)]
         for kernel in ("gemv", "mma"):
             qm.GEMV_MAX_M = 64 if kernel == "gemv" else 0
@@ -164,7 +169,7 @@ def prefill_sweep(kn=KN, groups=(128,), bits=4, ms=PREFILL_MS, grid=PREFILL_GRID
     saved = qm.prefill_tuning
     for group in groups:
         for k, n in kn:
-            qw, sc = _packed(n, k, bits, group)
+            qw, sc, _ = _packed(n, k, bits, group)
             packs = [(qw, sc)] + [(qw.clone(), sc.clone()) for _ in range(_copies(qw.numel() * 4) - 1)]
             dense = quant_layout.dequantize(qw, sc, None, (n, k), group, bits).to(DTYPE)
             denses = [dense] + [dense.clone() for _ in range(_copies(dense.numel() * 2) - 1)]
@@ -204,7 +209,7 @@ def prefill_sweep(kn=KN, groups=(128,), bits=4, ms=PREFILL_MS, grid=PREFILL_GRID
 
 def profile(n=14336, k=14336, group=128, bits=4):
     """Plain (not graph) calls of the decode kernels at 1 and 16 rows, for Nsight Compute to profile."""
-    qw, sc = _packed(n, k, bits, group)
+    qw, sc, _ = _packed(n, k, bits, group)
     for m in (1, 16):
         x = torch.randn(m, k, device="cuda", dtype=DTYPE)
         for _ in range(5):
@@ -216,7 +221,7 @@ def dump(out: Path, group=128, bits=4):
     """Write the Triton IR and PTX of the decode kernels at 4096 x 4096 (what the compiler made of them)."""
     out.mkdir(parents=True, exist_ok=True)
     k = n = 4096
-    qw, sc = _packed(n, k, bits, group)
+    qw, sc, _ = _packed(n, k, bits, group)
     for m in (1, 16):
         x = torch.randn(m, k, device="cuda", dtype=DTYPE)
         K.quant_matmul(x, qw, sc, None, group, bits)
@@ -232,27 +237,40 @@ def marlin_timer():
     """A timer for vLLM's Marlin W4A16 GEMM on the same (re-quantized) weights, or None without vLLM."""
     try:
         from vllm.model_executor.layers.quantization.utils import marlin_utils as mu
-        from vllm.model_executor.layers.quantization.utils.marlin_utils_test import marlin_quantize
+        from vllm.model_executor.layers.quantization.utils.marlin_utils_test import (
+            awq_marlin_quantize,
+            marlin_quantize,
+        )
         from vllm.scalar_type import scalar_types
     except Exception as exc:
         print(f"# marlin unavailable: {type(exc).__name__}: {exc}", file=sys.stderr)
         return None
-    wtype = scalar_types.uint4b8
     packed = {}
 
-    def timer(rec, m, n, k, group, x, dense, shape, nbytes):
-        if (n, k, group) not in packed:  # one re-quantized weight per shape, whatever the row count
-            _, q_w, s, g_idx, sort_idx, _ = marlin_quantize(dense.t().contiguous(), wtype, group, False)
-            copies = [(q_w, s)] + [(q_w.clone(), s.clone()) for _ in range(_copies(q_w.numel() * 4) - 1)]
+    def timer(rec, m, n, k, group, x, dense, shape, nbytes, zeros=False):
+        # symmetric: GPTQ's uint4b8; with zero points: uint4 and Marlin's zero points (AWQ's Marlin path)
+        wtype = scalar_types.uint4 if zeros else scalar_types.uint4b8
+        if (n, k, group, zeros) not in packed:  # one re-quantized weight per shape, whatever the row count
+            empty = mu.marlin_make_empty_g_idx(x.device)
+            if zeros:
+                _, q_w, s, zp = awq_marlin_quantize(dense.t().contiguous(), wtype, group)
+                g_idx = sort_idx = empty
+            else:
+                _, q_w, s, g_idx, sort_idx, _ = marlin_quantize(dense.t().contiguous(), wtype, group, False)
+                zp = empty
+            copies = [(q_w, s, zp)] + [
+                (q_w.clone(), s.clone(), zp.clone()) for _ in range(_copies(q_w.numel() * 4) - 1)
+            ]
             packed.clear()
-            packed[(n, k, group)] = (copies, g_idx, sort_idx)
-        copies, g_idx, sort_idx = packed[(n, k, group)]
-        zp, ws = mu.marlin_make_empty_g_idx(x.device), mu.marlin_make_workspace_new(x.device)
+            packed[(n, k, group, zeros)] = (copies, g_idx, sort_idx)
+        copies, g_idx, sort_idx = packed[(n, k, group, zeros)]
+        ws = mu.marlin_make_workspace_new(x.device)
         fn = _cycle([
-            lambda c=c: mu.apply_gptq_marlin_linear(x, c[0], c[1], zp, g_idx, sort_idx, ws, wtype, n, k, True)
+            lambda c=c: mu.apply_gptq_marlin_linear(x, *c, g_idx, sort_idx, ws, wtype, n, k, True)
             for c in copies
         ])  # fmt: skip
-        return rec.time(f"vllm-marlin-int4-g{group}", "fwd", shape, DTYPE, fn, nbytes=nbytes, graph=True)
+        tag = f"g{group}" + ("-zp" if zeros else "")
+        return rec.time(f"vllm-marlin-int4-{tag}", "fwd", shape, DTYPE, fn, nbytes=nbytes, graph=True)
 
     return timer
 
@@ -270,7 +288,9 @@ def machete_timer():
     wtype = scalar_types.uint4b8
     packed = {}
 
-    def timer(rec, m, n, k, group, x, dense, shape, nbytes):
+    def timer(rec, m, n, k, group, x, dense, shape, nbytes, zeros=False):
+        if zeros:  # (the symmetric kernel only: Marlin is item 1's peer for zero points)
+            return None
         if (n, k, group) not in packed:  # one prepacked weight per shape, whatever the row count
             _, w_q, w_s, _ = quantize_weights(dense.t().contiguous(), wtype, group)
             w_q = pack_rows(w_q, 4, k, n).t().contiguous().t()
@@ -293,6 +313,7 @@ if __name__ == "__main__":
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--marlin", action="store_true")
     parser.add_argument("--owned", action="store_true", help="also time int4 on thread-owned words")
+    parser.add_argument("--zeros", action="store_true", help="only the asymmetric (zero point) runs")
     parser.add_argument("--dump", type=Path, help="write the decode kernels' Triton IR and PTX here")
     parser.add_argument("--profile", action="store_true", help="a few plain calls for ncu, nothing timed")
     parser.add_argument("--shapes", help="sweep only these K:N pairs, e.g. 4096:14336,14336:4096")
@@ -323,9 +344,13 @@ if __name__ == "__main__":
     recorder = Recorder("quant_matmul")
     peers = [(name, t) for name, t in (("marlin", marlin_timer()), ("machete", machete_timer()))
              if t is not None] if args.marlin else []  # fmt: skip
-    run(recorder, peers=peers, owned=args.owned)
     wide = [(4096, 14336), (14336, 4096)]
-    run(recorder, bits=4, group=32, ms_=(1, 4, 16, 64, 512, 2048), kn=wide, peers=peers, owned=args.owned)
-    run(recorder, bits=4, group=64, ms_=(1, 16), kn=[(4096, 14336)])
-    run(recorder, bits=8, group=128, ms_=(1, 4, 16, 2048), kn=wide)
+    if not args.zeros:
+        run(recorder, peers=peers, owned=args.owned)
+        run(recorder, bits=4, group=32, ms_=(1, 4, 16, 64, 512, 2048), kn=wide, peers=peers, owned=args.owned)
+        run(recorder, bits=4, group=64, ms_=(1, 16), kn=[(4096, 14336)])
+        run(recorder, bits=8, group=128, ms_=(1, 4, 16, 2048), kn=wide)
+    for group in (32, 128):  # asymmetric, as compress writes int4 (item 1 of issue 16: against Marlin's)
+        run(recorder, bits=4, group=group, ms_=(1, 2, 4, 8, 16, 32, 64, 512), kn=wide, peers=peers,
+            owned=args.owned, zeros=True)  # fmt: skip
     recorder.write()

@@ -38,7 +38,7 @@ def main() -> None:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for group in (128, 64, 32):
         for k, n in SHAPES:
-            qw, sc = _packed(n, k, 4, group)
+            qw, sc, _ = _packed(n, k, 4, group)
             packs = [(qw, sc)] + [(qw.clone(), sc.clone()) for _ in range(_copies(qw.numel() * 4) - 1)]
             owned = [(ql.to_owned_order(q), s) for q, s in packs]
             x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)

@@ -137,7 +137,7 @@ def main() -> None:
     print(f"# {torch.cuda.get_device_name()}, triton {triton.__version__}, int4 g{group} symmetric, bf16; "
           "us (speedup vs bf16 cuBLAS)", flush=True)  # fmt: skip
     for k, n in kn:
-        qw, sc = _packed(n, k, 4, group)
+        qw, sc, _ = _packed(n, k, 4, group)
         w_bytes = qw.numel() * 4 + sc.numel() * 2
         packs = [(qw, sc)] + [(qw.clone(), sc.clone()) for _ in range(_copies(w_bytes) - 1)]
         dense = quant_layout.dequantize(qw, sc, None, (n, k), group, 4).to(DTYPE)

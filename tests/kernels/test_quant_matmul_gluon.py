@@ -395,14 +395,51 @@ for case, (m, n, k, g, zeros, dtype, cfg) in CASES.items():
 @pytest.mark.skipif(not cross_compile.has_cuobjdump(), reason="this Triton wheel has no cuobjdump")
 def test_owned_words_compile_for_sm90_with_fewer_instructions(run_compiled):
     # The operand from owned words is laid out as the packed words' is (the kernel's convert_layout asserts
-    # it when it compiles), its products stay pipelined, it spills no more, and the pairs need no prmt.
+    # it when it compiles), its products stay pipelined, it spills no more (within a few registers where
+    # both spill: 32 rows of g32 with zero points, owned 22 against packed 19 under Triton 3.9 since the
+    # twenty-first session's parameter change, which made that decode 7% faster on owned words on the
+    # H100, results/gluon_params_ab_h100_2026-11-26.log), and the pairs need no prmt.
     results = run_compiled(["-c", _OWNED_COMPILE])
     assert len(results) == 5
     for case, r in results.items():
         owned, packed = r["owned"], r["packed"]
         assert owned["groups"] >= 1 and owned["wait_one"] == owned["groups"] and owned["wait_all"] <= 1, case
-        assert owned["local"] <= packed["local"], (case, r)
+        assert owned["local"] <= (packed["local"] + 4 if packed["local"] else 0), (case, r)
         assert owned["prmt"] < packed["prmt"] / 2, (case, r)
+
+
+_GROUPS_COMPILE = """
+import json
+import torch
+from squeezeserve.kernels.ops import cross_compile
+from squeezeserve.kernels.ops import quant_matmul as qm
+from squeezeserve.kernels.ops import quant_matmul_gluon as qg
+
+m, n, k = 16, 14336, 4096  # the 8B model's gate / up rows at 16 rows, on owned words as vLLM serves them
+for g, zeros in ((128, False), (32, False), (128, True), (32, True)):
+    x = torch.zeros(m, k, dtype=torch.bfloat16)
+    qw, sc = torch.zeros(n, k // 8, dtype=torch.int32), torch.zeros(n, k // g, dtype=torch.bfloat16)
+    zp = torch.zeros(n // 8, k // g, dtype=torch.int32) if zeros else None
+    y, ws, counts = torch.empty(m, n, dtype=x.dtype), torch.zeros(m * n), torch.zeros(4096, dtype=torch.int32)
+    cfg = qm.gluon_decode_tiles(m, 132)
+    _, args, kwargs = qg.launch_args(x, qw, sc, zp, g, y, ws, counts, mode=2, owned=True, **cfg)
+    s = cross_compile.summary(cross_compile.sass(cross_compile.compile_for(qg._wgmma_kernel, args, kwargs)))
+    print(json.dumps({"case": f"g{g}" + (" zp" if zeros else ""), "loop": s["loop_instructions"],
+                      "loop_local": s["loop_local"]}))
+"""
+
+
+@pytest.mark.skipif(not cross_compile.has_cuobjdump(), reason="this Triton wheel has no cuobjdump")
+def test_eight_groups_a_tile_cost_the_decode_about_what_two_do(run_compiled):
+    # A 256-deep tile of g32 holds eight groups a row where g128 holds two: its scales (and zero points) are
+    # made value pairs where they are used, one PRMT each, and kept as loaded till then. Triton 3.6 (vLLM
+    # 0.26's) / 3.9, K loop instructions: g32 654 / 679 against g128's 646 / 706 (before, with the pairs
+    # made in integer arithmetic as they loaded: 721 / 749 against 662 / 717); with zero points 788 / 817
+    # against 711 / 727 (were 921 / 947 against 746 / 759).
+    r = run_compiled(["-c", _GROUPS_COMPILE])
+    assert r["g32"]["loop"] <= 1.02 * r["g128"]["loop"], r
+    assert r["g32 zp"]["loop"] <= 1.2 * r["g128 zp"]["loop"], r
+    assert r["g32"]["loop_local"] == 0 and r["g128 zp"]["loop_local"] == 0, r
 
 
 _EIGHT_WARPS = {"block_k": 256, "programs": 132}  # (two warpgroups: launch_args's block_n, num_warps)

@@ -1,0 +1,87 @@
+"""Issue 16 item 2: the Gluon GEMM's tilings at 128-512 rows through quant_matmul's own path (its workspace,
+where parts of stream-K tiles meet), against the tiling ``quant_matmul.gluon_tiles`` chooses today.
+
+    python tests/gpu/prefill_tiling_probe.py [--ms 128,256,512] [--tiles 128:6:p132,256:4:p132]
+
+Each candidate replaces ``gluon_tiles`` for the call (a tiling as ``gluon_prefill_probe.py`` writes it,
+BLOCK_M:STAGES:SPLIT[:BLOCK_N[:BLOCK_K[:WARPS]]], ``pN`` stream-K over N programs). Weights are cold (copies
+past the L2), each call in a CUDA graph; the 8B model's gate_up and down_proj run on thread-owned words
+(``quant_matmul_owned``), as the vLLM method serves them on Hopper, the others on packed words. Each result is
+checked against bf16 cuBLAS on the dequantized weight before it is timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import math
+import sys
+from pathlib import Path
+
+import torch
+from triton.testing import do_bench_cudagraph
+
+from squeezeserve.kernels import quant_layout
+from squeezeserve.kernels.ops import quant_matmul as qm
+
+sys.path.insert(0, str(Path(__file__).parent))
+from gluon_prefill_probe import COLD_BYTES, cycle, tiling  # noqa: E402
+
+SHAPES = {"gate_up": (28672, 4096), "down": (4096, 14336), "qkv": (6144, 4096), "o": (4096, 4096),
+          "14336x4096": (14336, 4096)}  # fmt: skip
+OWNED = ("gate_up", "down")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ms", default="128,192,256,384,512")
+    # (a tiling that does not fit, e.g. 64 weight rows on eight warps, aborts the process in LLVM: check it
+    # first with tests/gpu/sass_probe.py --tiles)
+    ap.add_argument("--tiles", default="128:6:p132,128:6:1,64:6:p132")
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--group", type=int, default=128)
+    args = ap.parse_args()
+    rule = qm.gluon_tiles
+    print(f"# {torch.cuda.get_device_name()}; g{args.group}; us (x bf16 cuBLAS), the rule's tiling first")
+    for name in args.shapes.split(","):
+        n, k = SHAPES[name]
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / 64
+        t = quant_layout.pack_weight(w, 4, args.group)
+        qw, sc = t["weight_packed"], t["weight_scale"].to(torch.bfloat16)
+        dense = quant_layout.dequantize(qw, sc, None, (n, k), args.group, 4).to(torch.bfloat16)
+        owned = name in OWNED
+        if owned:
+            qw = quant_layout.to_owned_order(qw)
+        copies = max(1, min(64, math.ceil(COLD_BYTES / (qw.numel() * 4))))
+        packs = [(qw, sc)] + [(qw.clone(), sc.clone()) for _ in range(copies - 1)]
+        denses = [dense] + [
+            dense.clone() for _ in range(max(1, min(64, math.ceil(COLD_BYTES / dense.nbytes))) - 1)
+        ]
+        # (the ops' bodies: no launch plan holds a tiling from an earlier call)
+        op = qm._quant_matmul_owned if owned else functools.partial(qm._quant_matmul, bits=4)
+        for m in map(int, args.ms.split(",")):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            ref = (x @ dense.t()).float()
+            t_bf16 = do_bench_cudagraph(cycle([lambda d=d, x=x: x @ d.t() for d in denses]), rep=40)
+            row = []
+            for spec in ["rule"] + args.tiles.split(","):
+                cfg = None if spec == "rule" else tiling(spec)
+                qm.gluon_tiles = rule if cfg is None else (lambda *a, cfg=cfg: dict(cfg))
+                try:
+                    y = op(x, qw, sc, None, args.group).float()
+                    err = ((y - ref).norm() / ref.norm()).item()
+                    assert err < 2e-3, f"{name} {m} {spec}: rel err {err}"
+                    calls = [functools.partial(op, x, *p, None, args.group) for p in packs]
+                    t_q = do_bench_cudagraph(cycle(calls), rep=40)
+                    label = f"{rule(m, n, k, 132)}" if cfg is None else spec
+                    row.append(f"{label} {t_q * 1e3:.1f} ({t_bf16 / t_q:.2f}x)")
+                finally:
+                    qm.gluon_tiles = rule
+            print(
+                f"{name} m={m}{' owned' if owned else ''}: bf16 {t_bf16 * 1e3:.1f} | " + " | ".join(row),
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()
