@@ -525,6 +525,12 @@ def gluon_in_auto(m: int, n_out: int, k_in: int, group_size: int, zeros: bool = 
     )
 
 
+# gluon_tiles: up to these rows a prefill that 256-row tiles would pad by half takes 128-row tiles, stream-K,
+# where its weight (int4 bytes) streams from DRAM: past the H100's L2 (50 MB) or already split among programs.
+GLUON_NARROW_MAX_M = 384
+GLUON_L2_BYTES = 50 * 2**20
+
+
 def gluon_tiles(m: int, n_out: int, k_in: int, sms: int) -> dict:
     """The Gluon prefill GEMM's tiling (gluon_prefill_probe.py, H100; NOTES.md, "tenth session" and
     "eleventh session"). 128 rows a tile (one wgmma of 128) and 6 stages up to 128 rows; past that 256 rows
@@ -532,12 +538,23 @@ def gluon_tiles(m: int, n_out: int, k_in: int, sms: int) -> dict:
     4096^2: 0.73x bf16 on 128-row tiles, 0.58x on 256). One program a tile while the tiles fill at least half
     the SMs (their parts' meeting in the workspace cost more than the idle SMs: 512 rows of 14336^2 stream-K
     371 us against 335 a tile a program); fewer share all (tile, K unit) pairs among one program an SM
-    (stream-K: 128 rows of 4096 x 14336 40.9 us against the Triton GEMM's 44.5)."""
+    (stream-K: 128 rows of 4096 x 14336 40.9 us against the Triton GEMM's 44.5). At 257-384 rows, where a
+    256-row tile would be at most half full, 128-row tiles stream-K where the weight streams from DRAM
+    (GLUON_NARROW_MAX_M; NOTES.md, "twenty-first session")."""
     block_m = 128
     if m > 128 and (cdiv(n_out, 128) * cdiv(m, 256) >= sms // 2 or cdiv(k_in, 64) >= 128):
         block_m = 256
+    stream_k = cdiv(n_out, 128) * cdiv(m, block_m) < sms // 2
+    if block_m == 256 and 256 < m <= GLUON_NARROW_MAX_M and (stream_k or n_out * k_in // 2 > GLUON_L2_BYTES):
+        # 257-384 rows: the second 256-row tile is at most half full. 128-row tiles shared stream-K take
+        # the padding from 50% to 25% or none; where the weight streams from DRAM (past the L2, or split
+        # among the programs already) that wins (tests/gpu/prefill_tiling_probe.py, H100: gate_up 320 / 384
+        # rows 171.9 / 175.8 us against 242.7 / 207.8, down_proj 88.1 / 91.6 against 107.3 / 103.8). Where
+        # the tiles of one weight in the L2 meet it twice, 256 rows stay (320 rows of 14336 x 4096: 76.0
+        # against 96.6; 448 rows lose everywhere: NOTES.md, twenty-first session).
+        return {"block_m": 128, "stages": 6, "programs": sms}
     cfg = {"block_m": block_m, "stages": 6 if block_m == 128 else 4}
-    return cfg | ({"programs": sms} if cdiv(n_out, 128) * cdiv(m, block_m) < sms // 2 else {})
+    return cfg | ({"programs": sms} if stream_k else {})
 
 
 def _gluon(x2, qweight, scales, zeros, group_size, cfg: dict, out=None) -> torch.Tensor | None:

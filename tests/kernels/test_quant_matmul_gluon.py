@@ -65,6 +65,16 @@ def test_gluon_tiles_measured_choices():
     assert qm.gluon_tiles(512, 4096, 14336, 132) == {"block_m": 256, "stages": 4, "programs": 132}
     assert qm.gluon_tiles(128, 4096, 14336, 114) == {"block_m": 128, "stages": 6, "programs": 114}
     assert qm.gluon_tiles(2048, 4096, 4096, 132) == {"block_m": 256, "stages": 4}
+    # 257-384 rows, where 256-row tiles pad by half: 128-row tiles stream-K where the weight comes from DRAM
+    # (gate_up, 58.7 MB of words; down_proj, already stream-K), 256 rows where it stays in the L2 or the
+    # padding is less (prefill_tiling_probe.py on the H100: NOTES.md, twenty-first session)
+    sk128 = {"block_m": 128, "stages": 6, "programs": 132}
+    assert qm.gluon_tiles(320, 28672, 4096, 132) == sk128
+    assert qm.gluon_tiles(257, 4096, 14336, 132) == sk128
+    assert qm.gluon_tiles(384, 4096, 14336, 132) == sk128
+    assert qm.gluon_tiles(320, 14336, 4096, 132) == {"block_m": 256, "stages": 4}
+    assert qm.gluon_tiles(448, 28672, 4096, 132) == {"block_m": 256, "stages": 4}
+    assert qm.gluon_tiles(256, 28672, 4096, 132) == {"block_m": 256, "stages": 4}
 
 
 def test_gluon_in_auto_measured_choices():
@@ -107,7 +117,8 @@ def _through_quant_matmul(takes, m, n, k, group, zeros, dtype):
         (130, 4096, 4128, 32, True, torch.bfloat16),  # K ends inside a tile
         (512, 6144, 4096, 32, False, torch.bfloat16),
         (256, 4096, 2048, 64, True, torch.float16),
-        (300, 4096, 14336, 128, True, torch.bfloat16),
+        (300, 4096, 14336, 128, True, torch.bfloat16),  # 257-384 rows: 128-row tiles, stream-K
+        (320, 28672, 4096, 128, False, torch.bfloat16),  # the same past the L2 (gate_up)
         (2048, 8192, 4096, 256, False, torch.bfloat16),
     ],
 )
