@@ -204,3 +204,33 @@ def from_owned_order(owned: torch.Tensor) -> torch.Tensor:
     standard = torch.empty_like(values)
     standard[:, :, _owned_source(owned.device)] = values
     return pack_unsigned(standard.reshape(n, words * 8), 4)
+
+
+# --- the owned weights' zero points: a row's groups in one word, made at load -------------------------------
+#
+# ``weight_zero_point`` packs eight output rows' zero points of one group into a word, so a Hopper decode
+# thread that holds two rows of a 256-deep g32 tile loads 16 words and uses a nibble of each: the registers
+# that made it spill. The owned weights' zero points put eight consecutive groups of one row in a word:
+# nibble i of word j of row n is the zero point of group 8 j + i (the last word zero-padded), stored as in
+# ``weight_zero_point`` (offset-binary). A tile's zero points of a row are then one load (H100: 1.02-1.05x
+# at g32, tests/benchmarks/NOTES.md, twenty-second session).
+
+
+def to_owned_zeros(zeros: torch.Tensor, n: int) -> torch.Tensor:
+    """int4 ``weight_zero_point`` [ceil(N / 8), groups] -> int32 [N, ceil(groups / 8)]."""
+    if zeros.dtype != torch.int32 or zeros.dim() != 2 or zeros.shape[0] != math.ceil(n / 8):
+        raise ValueError(
+            f"to_owned_zeros: int4 zero points of {n} rows, got {zeros.dtype} {tuple(zeros.shape)}"
+        )
+    values = unpack_unsigned(zeros.t().contiguous(), 4, n).t()  # [N, groups]
+    return pack_unsigned(values.contiguous(), 4)
+
+
+def from_owned_zeros(owned: torch.Tensor, groups: int) -> torch.Tensor:
+    """Inverse of :func:`to_owned_zeros`: int32 [N, ceil(groups / 8)] -> [ceil(N / 8), groups]."""
+    if owned.dtype != torch.int32 or owned.dim() != 2 or owned.shape[1] != math.ceil(groups / 8):
+        raise ValueError(
+            f"from_owned_zeros: int4 zero points of {groups} groups, got {owned.dtype} {tuple(owned.shape)}"
+        )
+    values = unpack_unsigned(owned, 4, groups)  # [N, groups]
+    return pack_unsigned(values.t().contiguous(), 4).t().contiguous()

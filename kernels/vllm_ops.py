@@ -182,7 +182,8 @@ def quant_linear(
     owned: bool = False,
 ) -> torch.Tensor:
     """y = x @ dequantize(W).T (+ bias), W in compressed-tensors' pack-quantized layout, or with ``owned`` its
-    int4 words in quant_layout.to_owned_order's order (:func:`owned_words`)."""
+    int4 words in quant_layout.to_owned_order's order and its zero points as to_owned_zeros lays them out
+    (:func:`owned_words`)."""
     _note("quant_matmul", x)
     group = scheme.group_size_for(x.shape[-1])
     if owned:
@@ -208,8 +209,9 @@ OWNED_CHUNK_ROWS = 1024
 
 
 def owned_words(layer: torch.nn.Module, scheme: WeightOnlyScheme) -> bool:
-    """Whether a loaded layer's int4 words go to quant_layout.to_owned_order at load: on Hopper where the
-    Gluon kernel runs, K and the groups multiples of 32, for the weights :func:`owned_shape` takes."""
+    """Whether a loaded layer's int4 words go to quant_layout.to_owned_order at load (and its zero points to
+    to_owned_zeros): on Hopper where the Gluon kernel runs, K and the groups multiples of 32, for the
+    weights :func:`owned_shape` takes."""
     qweight = layer.weight_packed
     k_in = layer.input_size_per_partition
     group = scheme.group_size_for(k_in)
@@ -242,6 +244,18 @@ def to_owned(qweight: torch.Tensor) -> torch.Tensor:
             qweight[start : start + OWNED_CHUNK_ROWS]
         )
     return owned
+
+
+def own_weights(layer: torch.nn.Module) -> None:
+    """A loaded layer's words to quant_layout.to_owned_order (:func:`to_owned`) and its zero points, where it
+    has them, to to_owned_zeros (N words of a few groups' nibbles each: no chunks needed); quant_linear then
+    takes it with ``owned``."""
+    layer.weight_packed = torch.nn.Parameter(to_owned(layer.weight_packed.data), requires_grad=False)
+    zero = getattr(layer, "weight_zero_point", None)
+    if zero is not None:
+        owned_zero = quant_layout.to_owned_zeros(zero.data, layer.weight_packed.shape[0])
+        layer.weight_zero_point = torch.nn.Parameter(owned_zero, requires_grad=False)
+    layer.owned_words = True
 
 
 # Row counts whose kernels a layer compiles at load rather than in the middle of serving: a compile in a
@@ -549,10 +563,7 @@ def _quantization_config_class() -> type:
                 prepare_cpu(layer, self.scheme)
                 return
             if owned_words(layer, self.scheme):
-                layer.weight_packed = torch.nn.Parameter(
-                    to_owned(layer.weight_packed.data), requires_grad=False
-                )
-                layer.owned_words = True
+                own_weights(layer)
             warm_prefill(layer, self.scheme, layer.weight_scale.dtype)
 
         def apply(

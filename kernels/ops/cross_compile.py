@@ -181,6 +181,7 @@ def cases() -> dict:
 
     def owned(m, n, k, group, zeros=False):  # quant_matmul_owned (the vLLM method's owned_shape layers)
         _, (x, qw, scales, zp, _, _) = qm(m, n, k, group, zeros=zeros)
+        zp = quant_layout.to_owned_zeros(zp, n) if zeros else None
         return quant_matmul._quant_matmul_owned, (x, quant_layout.to_owned_order(qw), scales, zp, group)
 
     def owned_dequantize(n, k, group):
@@ -242,6 +243,9 @@ def cases() -> dict:
         # thread-owned words: one row of g32 on the FMA kernel, the Gluon decode, the dequantize kernel
         "quant_matmul_owned 1x28672x4096 int4 g32 zp (FMA kernel)": lambda: owned(1, 28672, 4096, 32, True),
         "quant_matmul_owned 16x28672x4096 int4 g128 (Gluon decode)": lambda: owned(16, 28672, 4096, 128),
+        "quant_matmul_owned 16x14336x4096 int4 g32 zp (Gluon decode)": lambda: owned(
+            16, 14336, 4096, 32, True
+        ),
         "quant_matmul_owned dequantize 4096x14336 int4 g128": lambda: owned_dequantize(4096, 14336, 128),
         "codebook_matmul 1x4096x4096 4-bit g128": lambda: cb(1, 4096, 4096, 128, 4),
         "codebook_matmul 16x4096x4096 4-bit g128": lambda: cb(16, 4096, 4096, 128, 4),

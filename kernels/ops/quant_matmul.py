@@ -162,7 +162,10 @@ def check_inputs(
     zeros: torch.Tensor | None,
     group_size: int,
     bits: int,
+    owned: bool = False,
 ) -> None:
+    """Shapes and dtypes of quant_matmul's inputs; ``owned``: the owned weights' zero points
+    (quant_layout.to_owned_zeros: [N, ceil(groups / 8)])."""
     if bits not in quant_layout.SUPPORTED_BITS:
         raise ValueError(f"quant_matmul: bits must be one of {quant_layout.SUPPORTED_BITS}, got {bits}")
     if group_size < 1:
@@ -184,10 +187,11 @@ def check_inputs(
     n_groups = -(-k_in // group_size)
     if tuple(scales.shape) != (n_out, n_groups):
         raise ValueError(f"quant_matmul: scales must be [{n_out}, {n_groups}], got {tuple(scales.shape)}")
-    if zeros is not None and tuple(zeros.shape) != (-(-n_out // per_word), n_groups):
+    want = (n_out, -(-n_groups // per_word)) if owned else (-(-n_out // per_word), n_groups)
+    if zeros is not None and (tuple(zeros.shape) != want or zeros.dtype != torch.int32):
         raise ValueError(
-            f"quant_matmul: zeros must be int32 [{-(-n_out // per_word)}, {n_groups}], "
-            f"got {tuple(zeros.shape)}"
+            f"quant_matmul: zeros must be int32 [{want[0]}, {want[1]}]{' (owned)' if owned else ''}, "
+            f"got {zeros.dtype} {tuple(zeros.shape)}"
         )
 
 
@@ -682,8 +686,8 @@ def dequantize(
     owned: bool = False,
 ) -> torch.Tensor:
     """The dense [N, K] weight in ``dtype``, expanded by :func:`_dequantize_kernel` (bit-exact), into
-    ``out`` (contiguous [N, K]) where given. ``owned``: int4 words in quant_layout.to_owned_order's order (K
-    and the groups multiples of 32)."""
+    ``out`` (contiguous [N, K]) where given. ``owned``: the owned weights (int4 words in
+    quant_layout.to_owned_order's order, zero points as to_owned_zeros; K and the groups multiples of 32)."""
     if owned and (bits != 4 or k_in % 32 or group_size % 32):
         raise ValueError(f"owned words are int4 in groups of 32s over K of 32s: {bits}, {group_size}, {k_in}")
     n_out = qweight.shape[0]
@@ -714,13 +718,14 @@ def dequantize_matmul(
 ) -> torch.Tensor:
     """x2 @ W.T by dequantize + cuBLAS, ``slice_rows`` rows of W at a time (0: all at once) through one
     reused buffer, each slice's product written into its columns of the output (``out`` where given).
-    ``owned``: the words are in quant_layout.to_owned_order's order."""
+    ``owned``: the owned weights (quant_layout.to_owned_order's words, to_owned_zeros' zero points)."""
     n_out = qweight.shape[0]
     if not slice_rows or slice_rows >= n_out:
         return torch.matmul(
             x2, dequantize(qweight, scales, zeros, k_in, group_size, bits, x2.dtype, owned=owned).t(), out=out
         )
-    per_word = 32 // bits  # (zero points are packed along N: a slice starts on a whole word)
+    # (zero points packed along N: a slice starts on a whole word; the owned ones are a row's own)
+    per_word = 1 if owned else 32 // bits
     if slice_rows % per_word:
         raise ValueError(f"slice_rows must be a multiple of {per_word}, got {slice_rows}")
     y = out if out is not None else x2.new_empty((x2.shape[0], n_out))
@@ -734,20 +739,27 @@ def dequantize_matmul(
     return y
 
 
+def _standard(qweight, zeros, groups):
+    """The owned weights' words and zero points in the checkpoint's layouts."""
+    zeros = quant_layout.from_owned_zeros(zeros, groups) if zeros is not None else None
+    return quant_layout.from_owned_order(qweight), zeros
+
+
 def _quant_matmul_owned(
     x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, group_size: int
 ) -> torch.Tensor:
-    """x @ dequantize(W).T for int4 words in quant_layout.to_owned_order's order, which the Gluon kernel, the
-    FMA kernel and the dequantize kernel read (the vLLM method repacks to it, at load, the layers
-    vllm_ops.owned_shape takes, on Hopper): one row of small groups on the FMA kernel (OWNED_FMA_MAX_GROUP),
-    the Gluon decode up to SKINNY_MAX_M rows, the Gluon GEMM up to GLUON_PREFILL_MAX_M, dequantize + cuBLAS
-    past it or where the Gluon kernel does not run; the reference on CPU."""
-    check_inputs(x, qweight, scales, zeros, group_size, 4)
+    """x @ dequantize(W).T for the owned weights: int4 words in quant_layout.to_owned_order's order and zero
+    points as to_owned_zeros lays them out, which the Gluon kernel, the FMA kernel and the dequantize kernel
+    read (the vLLM method repacks to them, at load, the layers vllm_ops.owned_shape takes, on Hopper): one
+    row of small groups on the FMA kernel (OWNED_FMA_MAX_GROUP), the Gluon decode up to SKINNY_MAX_M rows,
+    the Gluon GEMM up to GLUON_PREFILL_MAX_M, dequantize + cuBLAS past it or where the Gluon kernel does not
+    run; the reference on CPU."""
+    check_inputs(x, qweight, scales, zeros, group_size, 4, owned=True)
     block = quant_layout.OWNED_BLOCK
     if x.shape[-1] % block or group_size % block:
         raise ValueError(f"quant_matmul_owned: K and the groups must be multiples of {block}")
     if use_reference(x) or x.dtype == torch.float32:
-        standard = quant_layout.from_owned_order(qweight)
+        standard, zeros = _standard(qweight, zeros, scales.shape[1])
         return reference.quant_matmul(x, standard, scales, zeros, group_size, 4)
     n_out, k_in = qweight.shape[0], x.shape[-1]
     x2, qweight, scales = _operands(x, qweight, scales)
@@ -810,12 +822,12 @@ def _setup(ctx, inputs, output):
     ctx.meta = (x.shape[-1], group_size, bits, x.dtype)
 
 
-def _grad(ctx, grad, standard=lambda qweight: qweight):
-    """Weights are frozen: only dx = grad @ dequantize(W). ``standard``: the saved words in weight_packed's
-    order."""
+def _grad(ctx, grad, standard=lambda qweight, zeros, groups: (qweight, zeros)):
+    """Weights are frozen: only dx = grad @ dequantize(W). ``standard``: the saved words and zero points in
+    weight_packed's and weight_zero_point's layouts."""
     qweight, scales, zeros = ctx.saved_tensors
     k_in, group_size, bits, dtype = ctx.meta
-    qweight = standard(qweight)
+    qweight, zeros = standard(qweight, zeros, scales.shape[1])
     weight = quant_layout.dequantize(qweight, scales, zeros, (qweight.shape[0], k_in), group_size, bits)
     return grad @ weight.to(dtype), None, None, None, None, None
 
@@ -839,8 +851,8 @@ def _setup_owned(ctx, inputs, output):
 
 
 def _grad_owned(ctx, grad):
-    """As :func:`_grad`, from owned words (the op has no ``bits``: one gradient fewer)."""
-    return _grad(ctx, grad, quant_layout.from_owned_order)[:5]
+    """As :func:`_grad`, from the owned weights (the op has no ``bits``: one gradient fewer)."""
+    return _grad(ctx, grad, _standard)[:5]
 
 
 # :func:`_quant_matmul_owned` without the dispatcher, with launch plans (as quant_matmul_eager), and as an
@@ -863,5 +875,5 @@ def quant_matmul_owned(
 
 @quant_matmul_owned.register_fake
 def _(x, qweight, scales, zeros, group_size):
-    check_inputs(x, qweight, scales, zeros, group_size, 4)
+    check_inputs(x, qweight, scales, zeros, group_size, 4, owned=True)
     return x.new_empty((*x.shape[:-1], qweight.shape[0]))

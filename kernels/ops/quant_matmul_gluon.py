@@ -65,23 +65,25 @@ _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 
 # Value pair (2 j, 2 j + 1) of a word as one bf16x2 / f16x2 register, minus (BIAS + z), times s: the pair's
 # byte alone (prmt; selector 0x4440 + j), copied 12 bits up (x 4097: bits 0-7 and 12-19), so that its low
-# nibble lands at bit 0 and its high one at bit 16, masked and OR-ed with BIAS's bits (one lop3).
-# $1 word, $2 prmt selector, $3 (BIAS + z) x2, $4 s x2. From a thread-owned word (quant_layout's
+# nibble lands at bit 0 and its high one at bit 16, the rest of the bits BIAS's, taken from $3 (one lop3:
+# BIAS + z's bits above its nibble are BIAS's; with BIAS as an immediate the lop3 had two, which ptxas met
+# with a register it rewrote before uses under the zero points' register pressure: NOTES.md, twenty-second
+# session). $1 word, $2 prmt selector, $3 (BIAS + z) x2, $4 s x2. From a thread-owned word (quant_layout's
 # to_owned_order), where pair j is nibbles j and j + 4, a shift by 4 j ($2) puts them at bits 0 and 16 in
 # place of the first two instructions.
 _PAIR_ASM = """{{
 .reg .b32 b, p;
 {place}
-lop3.b32 p, p, 0x000F000F, {magic}, 0xEA;
+lop3.b32 p, p, 0x000F000F, $3, 0xE2;
 sub.rn.{ty} p, p, $3;
 mul.rn.{ty} $0, p, $4;
 }}"""
 _PACKED_PLACE = "prmt.b32 b, $1, 0, $2;\nmul.lo.u32 p, b, 4097;"
 _OWNED_PLACE = "shr.b32 p, $1, $2;"
-_PAIR_BF16 = gl.constexpr(_PAIR_ASM.format(place=_PACKED_PLACE, magic="0x43004300", ty="bf16x2"))
-_PAIR_F16 = gl.constexpr(_PAIR_ASM.format(place=_PACKED_PLACE, magic="0x64006400", ty="f16x2"))
-_OWNED_BF16 = gl.constexpr(_PAIR_ASM.format(place=_OWNED_PLACE, magic="0x43004300", ty="bf16x2"))
-_OWNED_F16 = gl.constexpr(_PAIR_ASM.format(place=_OWNED_PLACE, magic="0x64006400", ty="f16x2"))
+_PAIR_BF16 = gl.constexpr(_PAIR_ASM.format(place=_PACKED_PLACE, ty="bf16x2"))
+_PAIR_F16 = gl.constexpr(_PAIR_ASM.format(place=_PACKED_PLACE, ty="f16x2"))
+_OWNED_BF16 = gl.constexpr(_PAIR_ASM.format(place=_OWNED_PLACE, ty="bf16x2"))
+_OWNED_F16 = gl.constexpr(_PAIR_ASM.format(place=_OWNED_PLACE, ty="f16x2"))
 
 
 @gluon.constexpr_function
@@ -121,6 +123,7 @@ def _load_params(
     zero_row_stride,
     GROUP: gl.constexpr,
     HAS_ZERO: gl.constexpr,
+    ZERO_ROWS: gl.constexpr,
     MAGIC_F: gl.constexpr,
     BLOCK_K: gl.constexpr,
     num_warps: gl.constexpr,
@@ -129,34 +132,45 @@ def _load_params(
     hold whole tiles; two when a tile holds two groups). Four or more groups a tile: (s, BIAS + z)
     [BLOCK_N, groups], each row's scales in one vector load. s in the activation dtype, BIAS + z as its 16
     bits (:func:`_bias`); :func:`_operand` makes them value pairs where it uses them, so that the scales of
-    the tiles loaded ahead stay two a register."""
+    the tiles loaded ahead stay two a register. With ``ZERO_ROWS`` and four or more groups, the zero points
+    are a row's word of nibbles as loaded (:func:`_row_zeros`), made pairs in :func:`_operand` too."""
     if BLOCK_K >= 4 * GROUP:
         # (in _group_layout: a row's scales (and zero-point words) are contiguous, one vector load a row)
         G: gl.constexpr = BLOCK_K // GROUP
         layout: gl.constexpr = _group_layout(offs_n.shape[0], G, num_warps)
-        rows = gl.expand_dims(gl.convert_layout(offs_n, gl.SliceLayout(1, layout), assert_trivial=True), 1)
+        row = gl.convert_layout(offs_n, gl.SliceLayout(1, layout), assert_trivial=True)
+        rows = gl.expand_dims(row, 1)
         groups = gl.expand_dims(tile * G + gl.arange(0, G, layout=gl.SliceLayout(0, layout)), 0)
         # (K is a whole number of tiles here, supported(): a tile is all in or all out, the pad tile of an odd
         # count out, so the mask is a row's and its groups load as one vector)
-        ok = gl.expand_dims(gl.convert_layout(mask_n, gl.SliceLayout(1, layout), assert_trivial=True), 1)
-        ok = ok & (tile * BLOCK_K < K)
+        row_ok = gl.convert_layout(mask_n, gl.SliceLayout(1, layout), assert_trivial=True)
+        row_ok = row_ok & (tile * BLOCK_K < K)
+        ok = gl.expand_dims(row_ok, 1)
         s = gl.load(scale_ptr + rows.to(gl.int64) * scale_row_stride + groups, mask=ok, other=0.0)
-        if HAS_ZERO:
-            zw = gl.load(zero_ptr + (rows // 8) * zero_row_stride + groups, mask=ok, other=0)
-            z = (zw >> ((rows % 8) * 4)) & 0xF
+        if HAS_ZERO and ZERO_ROWS:  # a row's G zero points: G nibbles, one load, as they are
+            params = (s, _row_zeros(zero_ptr, row, row_ok, tile * G, zero_row_stride, G))
         else:
-            z = gl.zeros_like(rows + groups) + 8
-        params = (s, _bias(z, MAGIC_F))  # 16-bit values: _operand makes them pairs, as it uses them
+            if HAS_ZERO:
+                zw = gl.load(zero_ptr + (rows // 8) * zero_row_stride + groups, mask=ok, other=0)
+                z = (zw >> ((rows % 8) * 4)) & 0xF
+            else:
+                z = gl.zeros_like(rows + groups) + 8
+            params = (s, _bias(z, MAGIC_F))  # 16-bit values: _operand makes them pairs, as it uses them
     else:
         g0 = (tile * BLOCK_K) // GROUP
         g1 = (tile * BLOCK_K + BLOCK_K - 1) // GROUP
         s0, z0 = _group_params(scale_ptr, zero_ptr, offs_n, mask_n, g0, K, scale_row_stride, zero_row_stride,
-                               GROUP, HAS_ZERO, MAGIC_F)  # fmt: skip
+                               GROUP, HAS_ZERO and not ZERO_ROWS, MAGIC_F)  # fmt: skip
         if BLOCK_K > GROUP:
             s1, z1 = _group_params(scale_ptr, zero_ptr, offs_n, mask_n, g1, K, scale_row_stride,
-                                   zero_row_stride, GROUP, HAS_ZERO, MAGIC_F)  # fmt: skip
+                                   zero_row_stride, GROUP, HAS_ZERO and not ZERO_ROWS, MAGIC_F)  # fmt: skip
         else:
             s1, z1 = s0, z0
+        if HAS_ZERO and ZERO_ROWS:  # the tile's one or two groups' zero points, a byte a row (g0 even if two)
+            ok = mask_n & (g0 < gl.cdiv(K, GROUP))
+            z = _row_zeros(zero_ptr, offs_n, ok, g0, zero_row_stride, 2 if BLOCK_K > GROUP else 1)
+            z0 = _bias(z & 0xF, MAGIC_F)
+            z1 = _bias((z >> 4) & 0xF, MAGIC_F) if BLOCK_K > GROUP else z0
         params = (s0, z0, s1, z1)
     return params
 
@@ -192,6 +206,8 @@ def _group_params(
     HAS_ZERO: gl.constexpr,
     MAGIC_F: gl.constexpr,
 ):
+    """(s, BIAS + z) [BLOCK_N] of group ``g``, zero points as compressed-tensors packs them (eight rows a
+    word); without them (or where the caller loads them, :func:`_row_zeros`) the symmetric z."""
     ok = mask_n & (g < gl.cdiv(K, GROUP))
     s = gl.load(scale_ptr + offs_n.to(gl.int64) * scale_row_stride + g, mask=ok, other=0.0)
     if HAS_ZERO:
@@ -200,6 +216,25 @@ def _group_params(
     else:
         z = gl.zeros_like(offs_n) + 8
     return s, _bias(z, MAGIC_F)
+
+
+@gluon.jit
+def _row_zeros(zero_ptr, row, ok, first, zero_row_stride, COUNT: gl.constexpr):
+    """Zero points as quant_layout.to_owned_zeros lays them out (word j of a row holds its groups 8 j ..
+    8 j + 7): groups first .. first + COUNT - 1 of each row as the low 4 COUNT bits of an int32 (first a
+    multiple of COUNT), one load of their size (a byte for two groups, 16 bits for four, the word for eight:
+    no shift by the tile's place in the word)."""
+    if COUNT == 8:
+        z = gl.load(zero_ptr + row * zero_row_stride + first // 8, mask=ok, other=0)
+    elif COUNT == 4:
+        at = zero_ptr.to(gl.pointer_type(gl.int16), bitcast=True) + row * (2 * zero_row_stride) + first // 4
+        z = gl.load(at, mask=ok, other=0).to(gl.int32)
+    else:
+        at = zero_ptr.to(gl.pointer_type(gl.uint8), bitcast=True) + row * (4 * zero_row_stride) + first // 2
+        z = gl.load(at, mask=ok, other=0).to(gl.int32)
+        if COUNT == 1:
+            z = z >> ((first % 2) * 4)
+    return z
 
 
 @gluon.jit
@@ -229,6 +264,24 @@ def _twice_arith(v):
 
 
 @gluon.jit
+def _bytes(v, selector: gl.constexpr):
+    """The bytes of ``v`` that ``selector`` names, one prmt (0x1010: the low half in both halves)."""
+    return gl.inline_asm_elementwise(
+        f"prmt.b32 $0, $1, 0, {selector};", "=r,r", [v], dtype=gl.int32, is_pure=True, pack=1
+    )
+
+
+@gluon.jit
+def _nibble_pairs(v, biased):
+    """The low nibble of each half of ``v`` under the rest of ``biased``'s bits (BIAS's, as in any BIAS + z
+    pair): one lop3 with one immediate. (Written as ``& 0x000F000F | BIAS``, two immediates, ptxas kept the
+    mask in a register it rewrote before most uses: 24 more instructions a K loop at g32.)"""
+    return gl.inline_asm_elementwise(
+        "lop3.b32 $0, $1, 0x000F000F, $2, 0xE2;", "=r,r,r", [v, biased], dtype=gl.int32, is_pure=True, pack=1
+    )
+
+
+@gluon.jit
 def _operand(
     w_smem,
     params,
@@ -241,6 +294,7 @@ def _operand(
     BLOCK_K: gl.constexpr,
     num_warps: gl.constexpr,
     OWNED: gl.constexpr,
+    ZERO_ROWS: gl.constexpr,
 ):
     """A K tile's words in shared memory -> its [BLOCK_N, BLOCK_K] A operand in ``a_layout``, in registers:
     each thread reads the words its fragment needs and keeps one value pair of each, which is one fragment
@@ -256,7 +310,14 @@ def _operand(
         G: gl.constexpr = BLOCK_K // GROUP
         rows_layout: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, w_layout))
         s2 = _twice(params[0])
-        z2 = _twice_arith(params[1])
+        if ZERO_ROWS:  # the tile's zero points as one word a row
+            zrow = gl.convert_layout(params[1], rows_layout, assert_trivial=True)
+            # each half word's four nibbles in both halves: pair j is then one shift and one lop3 off
+            zdup = (_bytes(zrow, 0x1010), _bytes(zrow, 0x3232))
+            biases: gl.constexpr = 0x43004300 if dtype == gl.bfloat16 else 0x64006400
+            z_first = (zdup[0] & 0x000F000F) | biases
+        else:
+            z2 = _twice_arith(params[1])
         column = gl.expand_dims(
             gl.arange(0, G, layout=gl.SliceLayout(0, _group_layout(BLOCK_N, G, num_warps))), 0
         )
@@ -267,9 +328,15 @@ def _operand(
             sj = gl.convert_layout(
                 gl.sum(gl.where(column == j, s2, 0), axis=1), rows_layout, assert_trivial=True
             )
-            zj = gl.convert_layout(
-                gl.sum(gl.where(column == j, z2, 0), axis=1), rows_layout, assert_trivial=True
-            )
+            if ZERO_ROWS:
+                if j == 0:
+                    zj = z_first
+                else:
+                    zj = _nibble_pairs(zdup[j // 4] >> (4 * (j % 4)), z_first)
+            else:
+                zj = gl.convert_layout(
+                    gl.sum(gl.where(column == j, z2, 0), axis=1), rows_layout, assert_trivial=True
+                )
             s = gl.where(group_of == j, gl.expand_dims(sj, 1), s)
             z = gl.where(group_of == j, gl.expand_dims(zj, 1), z)
     else:
@@ -469,6 +536,7 @@ def _compute_partition(
     OWNED: gl.constexpr,
     GROUP: gl.constexpr,
     HAS_ZERO: gl.constexpr,
+    ZERO_ROWS: gl.constexpr,
     MAGIC_F: gl.constexpr,
     BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr,
@@ -502,14 +570,17 @@ def _compute_partition(
         n_local = 2 * units
         # Scales and zero points run three tiles ahead of the products (plain loads: their latency is hidden).
         params0 = _load_params(scale_ptr, zero_ptr, offs_n, mask_n, first, K, scale_row_stride,
-                               zero_row_stride, GROUP, HAS_ZERO, MAGIC_F, BLOCK_K, num_warps)  # fmt: skip
+                               zero_row_stride, GROUP, HAS_ZERO, ZERO_ROWS, MAGIC_F, BLOCK_K,
+                               num_warps)  # fmt: skip
         params1 = _load_params(scale_ptr, zero_ptr, offs_n, mask_n, first + 1, K, scale_row_stride,
-                               zero_row_stride, GROUP, HAS_ZERO, MAGIC_F, BLOCK_K, num_warps)  # fmt: skip
+                               zero_row_stride, GROUP, HAS_ZERO, ZERO_ROWS, MAGIC_F, BLOCK_K,
+                               num_warps)  # fmt: skip
         params2 = _load_params(scale_ptr, zero_ptr, offs_n, mask_n, first + 2, K, scale_row_stride,
-                               zero_row_stride, GROUP, HAS_ZERO, MAGIC_F, BLOCK_K, num_warps)  # fmt: skip
+                               zero_row_stride, GROUP, HAS_ZERO, ZERO_ROWS, MAGIC_F, BLOCK_K,
+                               num_warps)  # fmt: skip
         mbarrier.wait(ready.index(g % STAGES), (g // STAGES) & 1)
         a0 = _operand(w_smem.index(g % STAGES), params0, select, dtype, w_layout, a_layout, GROUP, BLOCK_N,
-                      BLOCK_K, num_warps, OWNED)  # fmt: skip
+                      BLOCK_K, num_warps, OWNED, ZERO_ROWS)  # fmt: skip
         a1 = a0
         acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma_layout)
         # Two tiles an iteration, so that the operands of consecutive tiles are distinct registers (a
@@ -523,13 +594,13 @@ def _compute_partition(
                 # tile t - 1's products are done (its words were read into a1 before they started)
                 mbarrier.arrive(empty.index((t + STAGES - 1) % STAGES), pred=i + j > 0)
                 params3 = _load_params(scale_ptr, zero_ptr, offs_n, mask_n, first + i + j + 3, K,
-                                       scale_row_stride, zero_row_stride, GROUP, HAS_ZERO, MAGIC_F,
-                                       BLOCK_K, num_warps)  # fmt: skip
+                                       scale_row_stride, zero_row_stride, GROUP, HAS_ZERO, ZERO_ROWS,
+                                       MAGIC_F, BLOCK_K, num_warps)  # fmt: skip
                 # (the last tile makes an operand nobody uses, from whatever its stage holds)
                 nxt = (t + 1) % STAGES
                 mbarrier.wait(ready.index(nxt), ((t + 1) // STAGES) & 1, pred=i + j + 1 < n_local)
                 a_next = _operand(w_smem.index(nxt), params1, select, dtype, w_layout, a_layout,
-                                  GROUP, BLOCK_N, BLOCK_K, num_warps, OWNED)  # fmt: skip
+                                  GROUP, BLOCK_N, BLOCK_K, num_warps, OWNED, ZERO_ROWS)  # fmt: skip
                 params1, params2 = params2, params3
                 a1 = a0  # tile t's operand: in flight until the next wait
                 a0 = a_next
@@ -564,7 +635,7 @@ def _wgmma_kernel(
     x_desc,  # TMA descriptor of x [M, K], blocks [BLOCK_M, BLOCK_K]
     w_desc,  # TMA descriptor of the packed weight [N, K / 8] int32, blocks [BLOCK_N, BLOCK_K / 8]
     scale_ptr,  # [N, ceil(K / GROUP)], the activation dtype
-    zero_ptr,  # [ceil(N / 8), ceil(K / GROUP)] int32 packed zero points (only when HAS_ZERO)
+    zero_ptr,  # int32 packed zero points [ceil(N / 8), ceil(K / GROUP)] (HAS_ZERO; ZERO_ROWS: [N, ...])
     y_ptr,  # [M, N]: the activation dtype, or fp32 partial sums (MODE 1)
     ws_ptr,  # fp32 workspace, zero between calls (MODE 2)
     count_ptr,  # int32 K units done per output tile, zero between calls (MODE 2)
@@ -581,6 +652,7 @@ def _wgmma_kernel(
     OWNED: gl.constexpr,  # the words are in quant_layout.to_owned_order's order
     GROUP: gl.constexpr,
     HAS_ZERO: gl.constexpr,
+    ZERO_ROWS: gl.constexpr,  # zero points as quant_layout.to_owned_zeros lays them out
     MAGIC_F: gl.constexpr,  # 128.0 (bf16) or 1024.0 (fp16): the value of the bits OR-ed over each q
     BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr,
@@ -595,8 +667,8 @@ def _wgmma_kernel(
         [
             (_compute_partition, (x_smem, w_smem, ready, empty, scale_ptr, zero_ptr, y_ptr, ws_ptr, count_ptr,
                                   M, N, K, scale_row_stride, zero_row_stride, y_row_stride, units_per_split,
-                                  MODE, STREAM_K, LATE_FIRST, OWNED, GROUP, HAS_ZERO, MAGIC_F, BLOCK_M,
-                                  BLOCK_N, BLOCK_K, STAGES, num_warps)),
+                                  MODE, STREAM_K, LATE_FIRST, OWNED, GROUP, HAS_ZERO, ZERO_ROWS, MAGIC_F,
+                                  BLOCK_M, BLOCK_N, BLOCK_K, STAGES, num_warps)),
             (_load_partition, (x_desc, w_desc, x_smem, w_smem, ready, empty, M, N, K, units_per_split,
                                STREAM_K, BLOCK_M, BLOCK_N, BLOCK_K, STAGES)),
         ],
@@ -684,6 +756,7 @@ def launch_args(
     occupancy=1,
     late_first=True,
     owned=False,
+    zero_rows=None,
 ) -> tuple[tuple, tuple, dict]:
     """The grid, arguments and keywords of the Gluon kernel's launch for y [M, N] = x2 [M, K] @
     dequantize(W).T: each output tile's K split ``split`` ways, or, with ``programs``, all (tile, K unit)
@@ -691,7 +764,8 @@ def launch_args(
     (fp32, zeroed) or in the clean workspace ``ws``/``counts`` (a counter per output tile). Registers are
     capped for ``occupancy`` programs an SM. ``late_first``: a tile's likely last part reads the count before
     it adds its own (``_write``'s ``late``; off: as before the eighteenth session, for probes). ``owned``:
-    ``qweight`` is in quant_layout.to_owned_order's order. (Apart from
+    ``qweight`` is in quant_layout.to_owned_order's order, and ``zeros`` (by default; ``zero_rows`` says
+    otherwise, for probes) in to_owned_zeros' layout. (Apart from
     :func:`launch`, for compiling what a launch would run without a GPU: ``cross_compile.compile_for``.)"""
     m, k_in = x2.shape
     n_out = qweight.shape[0]
@@ -724,6 +798,7 @@ def launch_args(
         "OWNED": bool(owned),
         "GROUP": group_size,
         "HAS_ZERO": zeros is not None,
+        "ZERO_ROWS": zeros is not None and (owned if zero_rows is None else bool(zero_rows)),
         "MAGIC_F": 128.0 if x2.dtype == torch.bfloat16 else 1024.0,
         "BLOCK_M": block_m,
         "BLOCK_N": block_n,

@@ -57,15 +57,19 @@ import triton.language as tl
 
 @triton.jit
 def _group_params(scale_ptr, zero_ptr, rows, g, mask, scale_row_stride, zero_row_stride, BITS: tl.constexpr,
-                  HAS_ZERO: tl.constexpr):  # fmt: skip
+                  HAS_ZERO: tl.constexpr, ZERO_ROWS: tl.constexpr = False):  # fmt: skip
     """(scale, zero point) in fp32 of output rows ``rows`` in groups ``g`` (broadcast against each other).
 
-    Zero points are packed along N (``32 // BITS`` rows per int32); without them the zero point is the
+    Zero points are packed along N (``32 // BITS`` rows per int32), or with ``ZERO_ROWS`` along the groups
+    (quant_layout.to_owned_zeros: a row's ``32 // BITS`` groups a word); without them the zero point is the
     offset-binary midpoint ``2**(BITS-1)``.
     """
     PACK: tl.constexpr = 32 // BITS
     s = tl.load(scale_ptr + rows.to(tl.int64) * scale_row_stride + g, mask=mask, other=0.0).to(tl.float32)
-    if HAS_ZERO:
+    if HAS_ZERO and ZERO_ROWS:
+        zw = tl.load(zero_ptr + rows * zero_row_stride + g // PACK, mask=mask, other=0)
+        z = ((zw >> ((g % PACK) * BITS)) & ((1 << BITS) - 1)).to(tl.float32)
+    elif HAS_ZERO:
         zw = tl.load(zero_ptr + (rows // PACK) * zero_row_stride + g, mask=mask, other=0)
         z = ((zw >> ((rows % PACK) * BITS)) & ((1 << BITS) - 1)).to(tl.float32)
     else:
@@ -76,13 +80,13 @@ def _group_params(scale_ptr, zero_ptr, rows, g, mask, scale_row_stride, zero_row
 @triton.jit
 def _tile_params(scale_ptr, zero_ptr, offs_n, mask_n, tile, K, scale_row_stride, zero_row_stride,
                  BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, BLOCK_K: tl.constexpr,
-                 GPT: tl.constexpr):  # fmt: skip
+                 GPT: tl.constexpr, ZERO_ROWS: tl.constexpr = False):  # fmt: skip
     """(scale, zero point) [BLOCK_N, GPT] of the GPT groups that K tile ``tile`` spans (groups aligned to
     tiles: GPT = BLOCK_K / GROUP, or 1 when a group holds whole tiles)."""
     groups = (tile * BLOCK_K) // GROUP + tl.arange(0, GPT)
     mask = mask_n[:, None] & (groups < tl.cdiv(K, GROUP))[None, :]
     return _group_params(scale_ptr, zero_ptr, offs_n[:, None], groups[None, :], mask, scale_row_stride,
-                         zero_row_stride, BITS, HAS_ZERO)  # fmt: skip
+                         zero_row_stride, BITS, HAS_ZERO, ZERO_ROWS)  # fmt: skip
 
 
 @triton.jit
@@ -338,7 +342,7 @@ def _gemv_int4_kernel(
     x_ptr,  # [M, K] activations
     qw_ptr,  # [N, ceil(K / 8)] packed int32 weight
     scale_ptr,  # [N, ceil(K / GROUP)]
-    zero_ptr,  # [ceil(N / 8), ceil(K / GROUP)] int32 packed zero points (only when HAS_ZERO)
+    zero_ptr,  # [ceil(N / 8), ceil(K / GROUP)] int32 packed zero points (only when HAS_ZERO; OWNED: [N, ...])
     y_ptr,  # [M, N]: the output dtype, or fp32 partial sums (MODE 1)
     ws_ptr,  # fp32 workspace, zero between calls (MODE 2)
     count_ptr,  # int32 arrivals per output tile, zero between calls (MODE 2)
@@ -361,7 +365,8 @@ def _gemv_int4_kernel(
     MODE: tl.constexpr,  # how partial tiles meet: see _write_tile
     EVEN_K: tl.constexpr,
     STAGES: tl.constexpr,  # software-pipeline depth of the weight loads (1: none)
-    OWNED: tl.constexpr = False,  # words in quant_layout.to_owned_order's order: x is read in their order
+    OWNED: tl.constexpr = False,  # owned weights (quant_layout: to_owned_order's words, to_owned_zeros'
+    # zero points): x is read in the words' order
 ):
     """int4 on the FMA units, two values per integer instruction.
 
@@ -388,7 +393,7 @@ def _gemv_int4_kernel(
     tile_end = tl.minimum(tile_begin + tiles_per_split, tl.cdiv(K, BLOCK_K))
     if GPT > 0:  # the next tile's scales are loaded one iteration ahead (too small for the pipeliner)
         s_next, z_next = _tile_params(scale_ptr, zero_ptr, offs_n, mask_n, tile_begin, K, scale_row_stride,
-                                      zero_row_stride, 4, GROUP, HAS_ZERO, BLOCK_K, GPT)  # fmt: skip
+                                      zero_row_stride, 4, GROUP, HAS_ZERO, BLOCK_K, GPT, OWNED)  # fmt: skip
     for tile in tl.range(tile_begin, tile_end, num_stages=STAGES):
         k0 = tile * BLOCK_K
         words = k0 // 8 + offs_w
@@ -396,13 +401,14 @@ def _gemv_int4_kernel(
         if GPT > 0:
             s, z = _per_word(s_next, BLOCK_N, GPT, W), _per_word(z_next, BLOCK_N, GPT, W)
             following = tl.minimum(tile + 1, tile_end - 1)
-            s_next, z_next = _tile_params(scale_ptr, zero_ptr, offs_n, mask_n, following, K, scale_row_stride,
-                                          zero_row_stride, 4, GROUP, HAS_ZERO, BLOCK_K, GPT)  # fmt: skip
+            s_next, z_next = _tile_params(scale_ptr, zero_ptr, offs_n, mask_n, following, K,
+                                          scale_row_stride, zero_row_stride, 4, GROUP, HAS_ZERO, BLOCK_K, GPT,
+                                          OWNED)  # fmt: skip
         else:  # groups not aligned to tiles: the group of each word
             word_groups = ((k0 + offs_w * 8) // GROUP)[None, :]
             word_mask = mask_n[:, None] & (words < n_words)[None, :]
             s, z = _group_params(scale_ptr, zero_ptr, offs_n[:, None], word_groups, word_mask,
-                                 scale_row_stride, zero_row_stride, 4, HAS_ZERO)  # fmt: skip
+                                 scale_row_stride, zero_row_stride, 4, HAS_ZERO, OWNED)  # fmt: skip
         h, xt = _load_tile(qw_rows, x_rows, words, ks, mask_n, mask_m, n_words, K, EVEN_K)
         if OWNED:  # each activation where the owned words hold its value, in registers (the loads stay whole)
             xt = _to_owned(xt, BLOCK_M, BLOCK_K)
@@ -442,17 +448,17 @@ def _unpack(h, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BITS: tl.constexpr)
 @triton.jit
 def _value_params(scale_ptr, zero_ptr, offs_n, mask_n, tile, ks, K, scale_row_stride, zero_row_stride,
                   BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr, GPT: tl.constexpr):  # fmt: skip
+                  BLOCK_K: tl.constexpr, GPT: tl.constexpr, ZERO_ROWS: tl.constexpr = False):  # fmt: skip
     """(scale, zero point) of every value of K tile ``tile`` (columns ``ks``), broadcastable to [BLOCK_N,
     BLOCK_K]: one [BLOCK_N, GPT] load when groups align to the tile, else a gather per value."""
     if GPT > 0:
         s, z = _tile_params(scale_ptr, zero_ptr, offs_n, mask_n, tile, K, scale_row_stride, zero_row_stride,
-                            BITS, GROUP, HAS_ZERO, BLOCK_K, GPT)  # fmt: skip
+                            BITS, GROUP, HAS_ZERO, BLOCK_K, GPT, ZERO_ROWS)  # fmt: skip
         return _per_word(s, BLOCK_N, GPT, BLOCK_K), _per_word(z, BLOCK_N, GPT, BLOCK_K)
     else:
         return _group_params(scale_ptr, zero_ptr, offs_n[:, None], (ks // GROUP)[None, :],
                              mask_n[:, None] & (ks < K)[None, :], scale_row_stride, zero_row_stride, BITS,
-                             HAS_ZERO)  # fmt: skip
+                             HAS_ZERO, ZERO_ROWS)  # fmt: skip
 
 
 @triton.jit
@@ -655,7 +661,8 @@ def _dequantize_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GPT: tl.constexpr,  # groups per K tile when groups align to tiles (1 for groups of whole tiles), else 0
-    OWNED: tl.constexpr = False,  # int4 words in quant_layout.to_owned_order's order (groups of 32 or more)
+    OWNED: tl.constexpr = False,  # owned weights: words as quant_layout.to_owned_order, zero points as
+    # to_owned_zeros (groups of 32 or more)
 ):
     """W[n, k] = ((q - z) * s) in fp32, rounded once to the output dtype (compressed-tensors' formula).
 
@@ -676,7 +683,7 @@ def _dequantize_kernel(
     q = _unpack(h, BLOCK_N, BLOCK_K, BITS)
     mask = mask_n[:, None] & (offs_k < K)[None, :]
     s, z = _value_params(scale_ptr, zero_ptr, offs_n, mask_n, tile, offs_k, K, scale_row_stride,
-                         zero_row_stride, BITS, GROUP, HAS_ZERO, BLOCK_N, BLOCK_K, GPT)  # fmt: skip
+                         zero_row_stride, BITS, GROUP, HAS_ZERO, BLOCK_N, BLOCK_K, GPT, OWNED)  # fmt: skip
     w = (q.to(tl.float32) - z) * s
     if OWNED:  # into K order in registers: the stores stay contiguous (scattered, they took ~10x as long)
         w = _from_owned(w, BLOCK_N, BLOCK_K)

@@ -70,7 +70,10 @@ def run(
         ]
         dense = quant_layout.dequantize(qw, sc, zp, (n, k), group, bits).to(DTYPE)
         denses = [dense] + [dense.clone() for _ in range(_copies(dense.numel() * 2) - 1)]
-        owned_packs = [(quant_layout.to_owned_order(p[0]),) + p[1:] for p in packs] if owned else []
+        owned_packs = [
+            (quant_layout.to_owned_order(q), s, quant_layout.to_owned_zeros(z, n) if zeros else None)
+            for q, s, z in packs
+        ] if owned else []  # fmt: skip
         for m in ms_:
             x = torch.randn(m, k, device="cuda", dtype=DTYPE)
             graph = True  # GPU time, one launch per call (decode steps and prefills alike)

@@ -6,7 +6,9 @@
 Both modules launch the same tiling (``quant_matmul.gluon_decode_tiles``) on the same weights, cold (enough
 copies to exceed the L2), each in a CUDA graph, interleaved twice (old, new, old, new; the faster of each
 pair kept), at 4-64 rows of the 8B model's wide shapes, groups 128 and 32, with and without zero points.
-Weights whose N exceeds K are in thread-owned order, as the vLLM method serves them there.
+Weights whose N exceeds K are in thread-owned order, as the vLLM method serves them there, with the zero
+points in the layout each module reads with owned words (quant_layout.to_owned_zeros' where ``launch_args``
+takes ``zero_rows``, the checkpoint's before).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import argparse
 import functools
 import importlib.util
+import inspect
 import sys
 from pathlib import Path
 
@@ -48,7 +51,8 @@ def main() -> None:
                 w = torch.randn(n, k, device="cuda", dtype=dt) / 64
                 t = ql.pack_weight(w, 4, group, symmetric=not zeros)
                 qw = ql.to_owned_order(t["weight_packed"]) if owned else t["weight_packed"]
-                packs.append((qw, t["weight_scale"].to(dt), t["weight_zero_point"] if zeros else None))
+                zp = t["weight_zero_point"] if zeros else None
+                packs.append((qw, t["weight_scale"].to(dt), zp, ql.to_owned_zeros(zp, n) if zeros else None))
             row = []
             for m in map(int, args.ms.split(",")):
                 x = torch.randn(m, k, device="cuda", dtype=dt)
@@ -59,7 +63,9 @@ def main() -> None:
                 for name, mod in (("old", old), ("new", new)) * 2:
                     launch = functools.partial(mod.launch, group_size=group, y=y, ws=ws, counts=counts,
                                                mode=2, owned=owned, **cfg)  # fmt: skip
-                    fn = cycle([functools.partial(launch, x, *p) for p in packs])
+                    rows = owned and "zero_rows" in inspect.signature(mod.launch_args).parameters
+                    fn = cycle([functools.partial(launch, x, qw, sc, owned_zp if rows else zp)
+                                for qw, sc, zp, owned_zp in packs])  # fmt: skip
                     times[name].append(do_bench_cudagraph(fn, rep=40) * 1e3)
                 o, nw = min(times["old"]), min(times["new"])
                 row.append(f"m{m} {o:.1f}/{nw:.1f} ({o / nw:.3f}x)")

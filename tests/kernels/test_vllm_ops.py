@@ -211,8 +211,9 @@ def keys(n, k, g, zeros, dtype, rows):
     first = {}
     with launch.capture(sms=132, wgmma=True) as launches:
         for m in rows:
-            if owned:
-                qm._quant_matmul_owned(torch.empty(m, k, dtype=dtype), qw, sc, zp, g)
+            if owned:  # (its zero points as quant_layout.to_owned_zeros lays them out)
+                owned_zp = torch.zeros(n, -(-k // g // 8), dtype=torch.int32) if zeros else None
+                qm._quant_matmul_owned(torch.empty(m, k, dtype=dtype), qw, sc, owned_zp, g)
             else:
                 qm._quant_matmul(torch.empty(m, k, dtype=dtype), qw, sc, zp, g, 4)
             for kern, _, a, kw in launches:
@@ -456,11 +457,20 @@ def test_owned_shapes_are_the_8b_models_wide_layers():
         assert not vllm_ops.owned_shape(n, k, 128, False), (n, k)
 
 
-def test_quant_linear_on_owned_words_is_quant_linear(device):
-    scheme = vllm_ops.WeightOnlyScheme(4, 32, True, ())
-    t = quant_layout.pack_weight(torch.randn(96, 256) / 16, 4, 32, symmetric=True)
-    qw, sc = t["weight_packed"].to(device), t["weight_scale"].to(device=device, dtype=torch.float16)
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_quant_linear_on_owned_words_is_quant_linear(symmetric, device):
+    # A loaded layer made owned (its words, and its zero points where it has them) gives the products of
+    # its checkpoint's tensors.
+    scheme = vllm_ops.WeightOnlyScheme(4, 32, symmetric, ())
+    t = quant_layout.pack_weight(torch.randn(100, 256) / 16, 4, 32, symmetric=symmetric)
+    t = {name: v.to(device) for name, v in t.items() if name != "weight_shape"}
+    t["weight_scale"] = t["weight_scale"].half()
     x = torch.randn(5, 256, dtype=torch.float16, device=device)
-    want = vllm_ops.quant_linear(x, qw, sc, None, scheme)
-    got = vllm_ops.quant_linear(x, vllm_ops.to_owned(qw), sc, None, scheme, owned=True)
+    want = vllm_ops.quant_linear(x, t["weight_packed"], t["weight_scale"], t.get("weight_zero_point"), scheme)
+    layer = _loaded_layer(dict(t), 100, 256)
+    vllm_ops.own_weights(layer)
+    assert layer.owned_words and layer.weight_packed.shape == t["weight_packed"].shape
+    zero = getattr(layer, "weight_zero_point", None)
+    assert (zero is None) == symmetric and (symmetric or zero.shape == (100, 1))
+    got = vllm_ops.quant_linear(x, layer.weight_packed, layer.weight_scale, zero, scheme, owned=True)
     torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3)
