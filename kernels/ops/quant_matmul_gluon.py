@@ -124,6 +124,7 @@ def _load_params(
     GROUP: gl.constexpr,
     HAS_ZERO: gl.constexpr,
     ZERO_ROWS: gl.constexpr,
+    SCALES_TMA: gl.constexpr,
     MAGIC_F: gl.constexpr,
     BLOCK_K: gl.constexpr,
     num_warps: gl.constexpr,
@@ -133,7 +134,8 @@ def _load_params(
     [BLOCK_N, groups], each row's scales in one vector load. s in the activation dtype, BIAS + z as its 16
     bits (:func:`_bias`); :func:`_operand` makes them value pairs where it uses them, so that the scales of
     the tiles loaded ahead stay two a register. With ``ZERO_ROWS`` and four or more groups, the zero points
-    are a row's word of nibbles as loaded (:func:`_row_zeros`), made pairs in :func:`_operand` too."""
+    are a row's word of nibbles as loaded (:func:`_row_zeros`), made pairs in :func:`_operand` too. With
+    ``SCALES_TMA`` the scales come with the words, by TMA (:func:`_load_partition`): here a placeholder."""
     if BLOCK_K >= 4 * GROUP:
         # (in _group_layout: a row's scales (and zero-point words) are contiguous, one vector load a row)
         G: gl.constexpr = BLOCK_K // GROUP
@@ -146,7 +148,10 @@ def _load_params(
         row_ok = gl.convert_layout(mask_n, gl.SliceLayout(1, layout), assert_trivial=True)
         row_ok = row_ok & (tile * BLOCK_K < K)
         ok = gl.expand_dims(row_ok, 1)
-        s = gl.load(scale_ptr + rows.to(gl.int64) * scale_row_stride + groups, mask=ok, other=0.0)
+        if SCALES_TMA:
+            s = gl.zeros([offs_n.shape[0], G], scale_ptr.dtype.element_ty, layout)
+        else:
+            s = gl.load(scale_ptr + rows.to(gl.int64) * scale_row_stride + groups, mask=ok, other=0.0)
         if HAS_ZERO and ZERO_ROWS:  # a row's G zero points: G nibbles, one load, as they are
             params = (s, _row_zeros(zero_ptr, row, row_ok, tile * G, zero_row_stride, G))
         else:
@@ -261,6 +266,12 @@ def _twice_arith(v):
     groups a tile (from :func:`_twice`'s PRMT the g32 decode with zero points spilled more, 12 against 4
     registers at 16 rows under Triton 3.6)."""
     return (v.to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF) * 0x10001
+
+
+@gluon.jit
+def _stage_scales(s_smem, stage, BLOCK_N: gl.constexpr, G: gl.constexpr, num_warps: gl.constexpr):
+    """A K tile's scales [BLOCK_N, 8] from its ring stage (SCALES_TMA), in :func:`_load_params`' layout."""
+    return s_smem.index(stage).load(_group_layout(BLOCK_N, G, num_warps))
 
 
 @gluon.jit
@@ -479,8 +490,10 @@ def _segment(unit, end, k_units, tiles_m, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
 def _load_partition(
     x_desc,
     w_desc,
+    s_desc,
     x_smem,
     w_smem,
+    s_smem,
     ready,
     empty,
     M,
@@ -488,13 +501,15 @@ def _load_partition(
     K,
     units_per_split,
     STREAM_K: gl.constexpr,
+    SCALES_TMA: gl.constexpr,
     BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr,
     BLOCK_K: gl.constexpr,
     STAGES: gl.constexpr,
 ):
     """The loading warp: every K tile of the program's run, in order, into the ring's next stage once the
-    products of the tile it held are done (``empty``); TMA signals ``ready`` when the bytes are in."""
+    products of the tile it held are done (``empty``); TMA signals ``ready`` when the bytes are in. With
+    ``SCALES_TMA`` the tile's scales too ([BLOCK_N, 8] of the [N, groups] scales: eight groups a tile)."""
     start, end, k_units = _share(M, N, K, units_per_split, STREAM_K, BLOCK_M, BLOCK_N, BLOCK_K)
     tiles_m = gl.cdiv(M, BLOCK_M)
     g = 0  # K tiles loaded so far: the ring's position and phase
@@ -505,7 +520,13 @@ def _load_partition(
             stage = g % STAGES
             mbarrier.wait(empty.index(stage), ((g // STAGES) & 1) ^ 1)  # (a fresh barrier: phase 1 is done)
             bar = ready.index(stage)
-            mbarrier.expect(bar, x_desc.block_type.nbytes + w_desc.block_type.nbytes)
+            if SCALES_TMA:
+                mbarrier.expect(
+                    bar, x_desc.block_type.nbytes + w_desc.block_type.nbytes + s_desc.block_type.nbytes
+                )
+                _tma_load(s_desc, [off_n, t * 8], bar, s_smem.index(stage))
+            else:
+                mbarrier.expect(bar, x_desc.block_type.nbytes + w_desc.block_type.nbytes)
             _tma_load(x_desc, [off_m, t * BLOCK_K], bar, x_smem.index(stage))
             _tma_load(w_desc, [off_n, t * (BLOCK_K // 8)], bar, w_smem.index(stage))
             g += 1
@@ -516,6 +537,7 @@ def _load_partition(
 def _compute_partition(
     x_smem,
     w_smem,
+    s_smem,
     ready,
     empty,
     scale_ptr,
@@ -537,6 +559,7 @@ def _compute_partition(
     GROUP: gl.constexpr,
     HAS_ZERO: gl.constexpr,
     ZERO_ROWS: gl.constexpr,
+    SCALES_TMA: gl.constexpr,
     MAGIC_F: gl.constexpr,
     BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr,
@@ -570,15 +593,17 @@ def _compute_partition(
         n_local = 2 * units
         # Scales and zero points run three tiles ahead of the products (plain loads: their latency is hidden).
         params0 = _load_params(scale_ptr, zero_ptr, offs_n, mask_n, first, K, scale_row_stride,
-                               zero_row_stride, GROUP, HAS_ZERO, ZERO_ROWS, MAGIC_F, BLOCK_K,
-                               num_warps)  # fmt: skip
+                               zero_row_stride, GROUP, HAS_ZERO, ZERO_ROWS, SCALES_TMA, MAGIC_F,
+                               BLOCK_K, num_warps)  # fmt: skip
         params1 = _load_params(scale_ptr, zero_ptr, offs_n, mask_n, first + 1, K, scale_row_stride,
-                               zero_row_stride, GROUP, HAS_ZERO, ZERO_ROWS, MAGIC_F, BLOCK_K,
-                               num_warps)  # fmt: skip
+                               zero_row_stride, GROUP, HAS_ZERO, ZERO_ROWS, SCALES_TMA, MAGIC_F,
+                               BLOCK_K, num_warps)  # fmt: skip
         params2 = _load_params(scale_ptr, zero_ptr, offs_n, mask_n, first + 2, K, scale_row_stride,
-                               zero_row_stride, GROUP, HAS_ZERO, ZERO_ROWS, MAGIC_F, BLOCK_K,
-                               num_warps)  # fmt: skip
+                               zero_row_stride, GROUP, HAS_ZERO, ZERO_ROWS, SCALES_TMA, MAGIC_F,
+                               BLOCK_K, num_warps)  # fmt: skip
         mbarrier.wait(ready.index(g % STAGES), (g // STAGES) & 1)
+        if SCALES_TMA:
+            params0 = (_stage_scales(s_smem, g % STAGES, BLOCK_N, BLOCK_K // GROUP, num_warps), params0[1])
         a0 = _operand(w_smem.index(g % STAGES), params0, select, dtype, w_layout, a_layout, GROUP, BLOCK_N,
                       BLOCK_K, num_warps, OWNED, ZERO_ROWS)  # fmt: skip
         a1 = a0
@@ -595,10 +620,12 @@ def _compute_partition(
                 mbarrier.arrive(empty.index((t + STAGES - 1) % STAGES), pred=i + j > 0)
                 params3 = _load_params(scale_ptr, zero_ptr, offs_n, mask_n, first + i + j + 3, K,
                                        scale_row_stride, zero_row_stride, GROUP, HAS_ZERO, ZERO_ROWS,
-                                       MAGIC_F, BLOCK_K, num_warps)  # fmt: skip
+                                       SCALES_TMA, MAGIC_F, BLOCK_K, num_warps)  # fmt: skip
                 # (the last tile makes an operand nobody uses, from whatever its stage holds)
                 nxt = (t + 1) % STAGES
                 mbarrier.wait(ready.index(nxt), ((t + 1) // STAGES) & 1, pred=i + j + 1 < n_local)
+                if SCALES_TMA:
+                    params1 = (_stage_scales(s_smem, nxt, BLOCK_N, BLOCK_K // GROUP, num_warps), params1[1])
                 a_next = _operand(w_smem.index(nxt), params1, select, dtype, w_layout, a_layout,
                                   GROUP, BLOCK_N, BLOCK_K, num_warps, OWNED, ZERO_ROWS)  # fmt: skip
                 params1, params2 = params2, params3
@@ -616,24 +643,30 @@ def _compute_partition(
 
 
 @gluon.jit
-def _ring(x_desc, w_desc, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-          STAGES: gl.constexpr):  # fmt: skip
-    """The ring of STAGES shared-memory stages (x tile, weight words) the loading warp fills, with each
-    stage's ``ready`` (TMA's bytes in) and ``empty`` (its products done) barriers."""
+def _ring(x_desc, w_desc, s_desc, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+          STAGES: gl.constexpr, SCALES_TMA: gl.constexpr):  # fmt: skip
+    """The ring of STAGES shared-memory stages (x tile, weight words, and with ``SCALES_TMA`` the tile's
+    scales) the loading warp fills, with each stage's ``ready`` (TMA's bytes in) and ``empty`` (its
+    products done) barriers."""
     x_smem = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], x_desc.layout)
     w_smem = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N, BLOCK_K // 8], w_desc.layout)
+    if SCALES_TMA:
+        s_smem = gl.allocate_shared_memory(s_desc.dtype, [STAGES, BLOCK_N, 8], s_desc.layout)
+    else:
+        s_smem = w_smem  # (unused)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(STAGES):
         mbarrier.init(ready.index(s), count=1)
         mbarrier.init(empty.index(s), count=1)  # (one arrival: the partition syncs, then one thread arrives)
-    return x_smem, w_smem, ready, empty
+    return x_smem, w_smem, s_smem, ready, empty
 
 
 @gluon.jit
 def _wgmma_kernel(
     x_desc,  # TMA descriptor of x [M, K], blocks [BLOCK_M, BLOCK_K]
     w_desc,  # TMA descriptor of the packed weight [N, K / 8] int32, blocks [BLOCK_N, BLOCK_K / 8]
+    s_desc,  # SCALES_TMA: TMA descriptor of the scales [N, K / GROUP], blocks [BLOCK_N, 8]; else x_desc
     scale_ptr,  # [N, ceil(K / GROUP)], the activation dtype
     zero_ptr,  # int32 packed zero points [ceil(N / 8), ceil(K / GROUP)] (HAS_ZERO; ZERO_ROWS: [N, ...])
     y_ptr,  # [M, N]: the activation dtype, or fp32 partial sums (MODE 1)
@@ -653,6 +686,7 @@ def _wgmma_kernel(
     GROUP: gl.constexpr,
     HAS_ZERO: gl.constexpr,
     ZERO_ROWS: gl.constexpr,  # zero points as quant_layout.to_owned_zeros lays them out
+    SCALES_TMA: gl.constexpr,  # eight groups a K tile: the scales come with the words, by TMA
     MAGIC_F: gl.constexpr,  # 128.0 (bf16) or 1024.0 (fp16): the value of the bits OR-ed over each q
     BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr,
@@ -660,17 +694,19 @@ def _wgmma_kernel(
     STAGES: gl.constexpr,
     num_warps: gl.constexpr,
 ):
-    x_smem, w_smem, ready, empty = _ring(x_desc, w_desc, BLOCK_M, BLOCK_N, BLOCK_K, STAGES)
+    x_smem, w_smem, s_smem, ready, empty = _ring(x_desc, w_desc, s_desc, BLOCK_M, BLOCK_N, BLOCK_K, STAGES,
+                                                 SCALES_TMA)  # fmt: skip
     # One loading warp of 24 registers (scalars only; the least a warp may have). (The partitions' arguments
     # are written out in the call: a tuple bound to a name first turns the constexprs in it into tensors.)
     gl.warp_specialize(
         [
-            (_compute_partition, (x_smem, w_smem, ready, empty, scale_ptr, zero_ptr, y_ptr, ws_ptr, count_ptr,
-                                  M, N, K, scale_row_stride, zero_row_stride, y_row_stride, units_per_split,
-                                  MODE, STREAM_K, LATE_FIRST, OWNED, GROUP, HAS_ZERO, ZERO_ROWS, MAGIC_F,
-                                  BLOCK_M, BLOCK_N, BLOCK_K, STAGES, num_warps)),
-            (_load_partition, (x_desc, w_desc, x_smem, w_smem, ready, empty, M, N, K, units_per_split,
-                               STREAM_K, BLOCK_M, BLOCK_N, BLOCK_K, STAGES)),
+            (_compute_partition, (x_smem, w_smem, s_smem, ready, empty, scale_ptr, zero_ptr, y_ptr, ws_ptr,
+                                  count_ptr, M, N, K, scale_row_stride, zero_row_stride, y_row_stride,
+                                  units_per_split, MODE, STREAM_K, LATE_FIRST, OWNED, GROUP, HAS_ZERO,
+                                  ZERO_ROWS, SCALES_TMA, MAGIC_F, BLOCK_M, BLOCK_N, BLOCK_K, STAGES,
+                                  num_warps)),
+            (_load_partition, (x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, ready, empty, M, N, K,
+                               units_per_split, STREAM_K, SCALES_TMA, BLOCK_M, BLOCK_N, BLOCK_K, STAGES)),
         ],
         [1],
         [24],
@@ -786,10 +822,16 @@ def launch_args(
         qweight, [block_n, block_k // 8], _smem_layout(block_n, block_k // 8)
     )
     zero_arg = zeros if zeros is not None else qweight
+    scales_tma = _scales_by_tma(scales, group_size, block_m, block_n, block_k, stages)
+    s_desc = (
+        TensorDescriptor.from_tensor(scales, [block_n, 8], _smem_layout(block_n, 8, scales.dtype))
+        if scales_tma
+        else x_desc
+    )
     # The loading warp takes a whole warpgroup's registers: (num_warps + 4) warps of maxnreg registers, of
     # which the compute partition takes what the loader leaves.
     maxnreg = min(255, 65536 // occupancy // (32 * (num_warps + 4))) // 8 * 8
-    args = (x_desc, w_desc, scales, zero_arg, y, ws, counts, m, n_out, k_in, scales.stride(0),
+    args = (x_desc, w_desc, s_desc, scales, zero_arg, y, ws, counts, m, n_out, k_in, scales.stride(0),
             zero_arg.stride(0), y.stride(0), units_per_split)  # fmt: skip
     kwargs = {
         "MODE": mode if parts else 0,
@@ -799,6 +841,7 @@ def launch_args(
         "GROUP": group_size,
         "HAS_ZERO": zeros is not None,
         "ZERO_ROWS": zeros is not None and (owned if zero_rows is None else bool(zero_rows)),
+        "SCALES_TMA": scales_tma,
         "MAGIC_F": 128.0 if x2.dtype == torch.bfloat16 else 1024.0,
         "BLOCK_M": block_m,
         "BLOCK_N": block_n,
@@ -808,6 +851,28 @@ def launch_args(
         "maxnreg": maxnreg,
     }
     return grid, args, kwargs
+
+
+# Scales by TMA where the ring of stages holds them too, up to this many bytes of x and words: the 64-row
+# decode tiling's 192 KB ring with its scales needed 237,636 bytes of shared memory, past the H100's 232,448.
+TMA_SCALES_MAX_RING = 160 * 1024
+
+
+def _scales_by_tma(scales, group_size, block_m, block_n, block_k, stages) -> bool:
+    """Whether a K tile's scales come with its words by TMA (``SCALES_TMA``): eight groups a tile, as a
+    [block_n, 8] box of the [N, groups] scales (16 bytes a row, TMA's least; TMA's 16-byte aligned rows), and
+    room in the ring. Measured on the H100 (g32, owned words, 1-32 rows): 1.06-1.13x, up to 2.5 us of a
+    14336 x 4096 decode's 20, within 0.5-1.0 us of scales read from the L2 alone (NOTES.md, twenty-second
+    session). Four groups a tile would be an 8-byte box: plain loads."""
+    size = scales.element_size()
+    ring = stages * (block_m * block_k * size + block_n * block_k // 2)
+    return (
+        block_k == 8 * group_size
+        and scales.stride(-1) == 1
+        and (scales.stride(0) * size) % 16 == 0
+        and scales.data_ptr() % 16 == 0
+        and ring <= TMA_SCALES_MAX_RING
+    )
 
 
 def prefill(x2, qweight, scales, zeros, group_size, **tiling) -> torch.Tensor:

@@ -9,6 +9,7 @@ layer's weights once; timing one copy over and over would serve a 4096 x 4096 in
     python tests/benchmarks/bench_quant_matmul.py --marlin   # with vLLM's Marlin and Machete (vLLM staged)
     python tests/benchmarks/bench_quant_matmul.py --marlin --owned  # and int4 on thread-owned words
     python tests/benchmarks/bench_quant_matmul.py --marlin --owned --zeros  # only the zero-point rows
+    python tests/benchmarks/bench_quant_matmul.py --marlin --owned --only 32  # only int4 g32
     ncu -k regex:_gemv --launch-skip 2 -c 1 python tests/benchmarks/bench_quant_matmul.py --profile
 """
 
@@ -317,6 +318,7 @@ if __name__ == "__main__":
     parser.add_argument("--marlin", action="store_true")
     parser.add_argument("--owned", action="store_true", help="also time int4 on thread-owned words")
     parser.add_argument("--zeros", action="store_true", help="only the asymmetric (zero point) runs")
+    parser.add_argument("--only", help="only int4 of these groups, e.g. 32: with and without zero points")
     parser.add_argument("--dump", type=Path, help="write the decode kernels' Triton IR and PTX here")
     parser.add_argument("--profile", action="store_true", help="a few plain calls for ncu, nothing timed")
     parser.add_argument("--shapes", help="sweep only these K:N pairs, e.g. 4096:14336,14336:4096")
@@ -348,6 +350,13 @@ if __name__ == "__main__":
     peers = [(name, t) for name, t in (("marlin", marlin_timer()), ("machete", machete_timer()))
              if t is not None] if args.marlin else []  # fmt: skip
     wide = [(4096, 14336), (14336, 4096)]
+    if args.only:
+        for group in map(int, args.only.split(",")):
+            for zeros in (False, True):
+                run(recorder, bits=4, group=group, ms_=(1, 2, 4, 8, 16, 32, 64, 512), kn=wide, peers=peers,
+                    owned=args.owned, zeros=zeros)  # fmt: skip
+        recorder.write()
+        sys.exit(0)
     if not args.zeros:
         run(recorder, peers=peers, owned=args.owned)
         run(recorder, bits=4, group=32, ms_=(1, 4, 16, 64, 512, 2048), kn=wide, peers=peers, owned=args.owned)

@@ -1,13 +1,14 @@
-"""The Gluon decode's zero points as compressed-tensors packs them (eight rows' nibbles a word) against the
-owned weights' layout (quant_layout.to_owned_zeros: a row's eight groups a word), launch for launch, on the
-H100.
+"""The Gluon decode's group parameters, launch for launch, on the H100: zero points as compressed-tensors
+packs them (eight rows' nibbles a word) against the owned weights' layout (quant_layout.to_owned_zeros: a
+row's eight groups a word), and the scales' DRAM traffic.
 
     python tests/gpu/zero_rows_probe.py [--ms 1,2,4,8,16,32,64] [--shapes 14336x4096,4096x14336]
 
 The same tiling (``quant_matmul.gluon_decode_tiles``) on the same owned words, cold (enough copies to exceed
-the L2), each in a CUDA graph, interleaved twice (packed, owned, symmetric; the fastest of each's two runs
-kept), groups 32, 64 and 128. The symmetric weights (no zero points) are the floor. Before timing, the two
-layouts' outputs are checked against each other.
+the L2), each in a CUDA graph, interleaved twice (the fastest of each's two runs kept), groups 32, 64 and 128:
+packed zero points, owned zero points, none (symmetric), and none with every row reading row 0's scales
+(``row0``: an ``expand``ed tensor, stride 0, so the scales come from the L1 / L2, not DRAM: what the scales'
+traffic costs). Before timing, the two zero-point layouts' outputs are checked against each other.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from squeezeserve.kernels.ops import quant_matmul_gluon as qg
 sys.path.insert(0, str(Path(__file__).parent))
 from gluon_prefill_probe import COLD_BYTES, cycle  # noqa: E402
 
-LAYOUTS = ("packed", "owned", "symmetric")
+LAYOUTS = ("packed", "owned", "symmetric", "row0")
 
 
 def main() -> None:
@@ -38,7 +39,7 @@ def main() -> None:
     args = ap.parse_args()
     dt = torch.bfloat16
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    print(f"# {torch.cuda.get_device_name()}; time in us, packed / owned / symmetric (packed / owned)")
+    print(f"# {torch.cuda.get_device_name()}; us, zero points packed / owned / none / none, row 0's scales")
     for shape in args.shapes.split(","):
         n, k = map(int, shape.split("x"))
         for group in map(int, args.groups.split(",")):
@@ -53,6 +54,7 @@ def main() -> None:
                 packs["packed"].append((qw, sc, zp))
                 packs["owned"].append((qw, sc, ql.to_owned_zeros(zp, n)))
                 packs["symmetric"].append((qw, sc, None))
+                packs["row0"].append((qw, sc[:1].expand(n, -1), None))
             row = []
             for m in map(int, args.ms.split(",")):
                 x = torch.randn(m, k, device="cuda", dtype=dt)
@@ -83,8 +85,8 @@ def main() -> None:
                 for name in LAYOUTS * 2:
                     fn = cycle([functools.partial(launches[name], x, *p) for p in packs[name]])
                     times[name].append(do_bench_cudagraph(fn, rep=40) * 1e3)
-                p, o, s = (min(times[name]) for name in LAYOUTS)
-                row.append(f"m{m} {p:.1f}/{o:.1f}/{s:.1f} ({p / o:.3f}x)")
+                p, o, s, r = (min(times[name]) for name in LAYOUTS)
+                row.append(f"m{m} {p:.1f}/{o:.1f}/{s:.1f}/{r:.1f} ({p / o:.3f}x)")
             print(f"{n}x{k} g{group} owned words: " + "  ".join(row), flush=True)
 
 

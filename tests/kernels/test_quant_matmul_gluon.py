@@ -362,6 +362,26 @@ def test_owned_words_hold_each_lanes_pairs():
         ql.to_owned_order(qw[:, :3])
 
 
+def test_scales_come_by_tma_where_a_tile_holds_eight_groups():
+    # g32 in the decode's 256-deep tiles: a [block_n, 8] box of the scales (16 bytes a row) rides with the
+    # words, where the ring has room (the 1-32-row tilings; not the 64-row one, whose ring would not fit) and
+    # the scales' rows are TMA's (16-byte aligned); anything else loads them as before.
+    def tma(m, group, scales=None, **tiling):
+        qw, sc, _ = _packed(256, 4096, group, False)
+        sc = sc if scales is None else scales
+        x, y = torch.zeros(m, 4096, dtype=torch.bfloat16), torch.empty(m, 256, dtype=torch.bfloat16)
+        cfg = qm.gluon_decode_tiles(m, 132) | tiling
+        return qg.launch_args(x, qw, sc, None, group, y, y, y, mode=2, **cfg)[2]["SCALES_TMA"]
+
+    assert all(tma(m, 32) for m in (1, 8, 16, 32))
+    assert not tma(64, 32) and tma(64, 32, stages=3)  # (the 64-row ring: 192 KB at 4 stages, 144 at 3)
+    assert not tma(16, 64) and not tma(16, 128) and not tma(300, 32, block_k=64)
+    assert tma(16, 32, scales=torch.zeros(256, 136, dtype=torch.bfloat16)[:, :128])  # (rows 272 bytes apart)
+    assert not tma(16, 32, scales=torch.zeros(256, 132, dtype=torch.bfloat16)[:, :128])  # (264: not TMA's)
+    shifted = torch.zeros(256 * 128 + 1, dtype=torch.bfloat16)[1:].view(256, 128)
+    assert not tma(16, 32, scales=shifted)  # (2 bytes past a 16-byte boundary)
+
+
 def test_owned_zeros_hold_a_rows_groups():
     # Nibble i of word j of row n is the zero point of group 8 j + i of row n (a row's last word padded with
     # zeros), stored as weight_zero_point stores it; the layout round-trips, and a wrong shape is refused.
@@ -469,12 +489,12 @@ for g, zeros in ((128, False), (32, False), (128, True), (32, True)):
 
 @pytest.mark.skipif(not cross_compile.has_cuobjdump(), reason="this Triton wheel has no cuobjdump")
 def test_eight_groups_a_tile_cost_the_decode_about_what_two_do(run_compiled):
-    # A 256-deep tile of g32 holds eight groups a row where g128 holds two: its scales are made value pairs
-    # where they are used, one PRMT each, and kept as loaded till then; its zero points, one word a row a
+    # A 256-deep tile of g32 holds eight groups a row where g128 holds two: its scales come by TMA with the
+    # words and are made value pairs where they are used, one PRMT each; its zero points, one word a row a
     # tile (quant_layout.to_owned_zeros), become pairs by a shift and a lop3 each. Triton 3.6 (vLLM 0.26's)
-    # / 3.9, K loop instructions: g32 654 / 679 against g128's 646 / 706 (before the twenty-first session:
-    # 721 / 749 against 662 / 717); with zero points 737 / 776 against 701 / 722 (twenty-first session,
-    # packed zero points: 788 / 817 against 711 / 727; twentieth: 921 / 947 against 746 / 759).
+    # / 3.9, K loop instructions: g32 618 / 655 against g128's 646 / 706 (scales by plain loads: 654 / 679;
+    # before the twenty-first session 721 / 749); with zero points 702 / 754 against 701 / 722 (packed zero
+    # points, twenty-first session: 788 / 817 against 711 / 727; twentieth: 921 / 947 against 746 / 759).
     r = run_compiled(["-c", _GROUPS_COMPILE])
     assert r["g32"]["loop"] <= 1.02 * r["g128"]["loop"], r
     assert r["g32 zp"]["loop"] <= 1.1 * r["g128 zp"]["loop"], r
