@@ -212,7 +212,7 @@ def from_owned_order(owned: torch.Tensor) -> torch.Tensor:
 # thread that holds two rows of a 256-deep g32 tile loads 16 words and uses a nibble of each: the registers
 # that made it spill. The owned weights' zero points put eight consecutive groups of one row in a word:
 # nibble i of word j of row n is the zero point of group 8 j + i (the last word zero-padded), stored as in
-# ``weight_zero_point`` (offset-binary). A tile's zero points of a row are then one load (H100: 1.02-1.05x
+# ``weight_zero_point`` (offset-binary). A tile's zero points of a row are then one load (H100: 1.00-1.07x
 # at g32, tests/benchmarks/NOTES.md, twenty-second session).
 
 

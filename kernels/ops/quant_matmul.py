@@ -129,7 +129,11 @@ GEMV_BLOCK_K = 512  # the FMA kernel's K tile where groups align to it (g32_prob
 # the words' order in registers), else the Gluon decode. H100, N x K 14336 x 4096 / 4096 x 14336 / 14336^2,
 # us (results/owned_one_row_probe_h100_2026-11-26.log; NOTES.md, twentieth session): g32 FMA 16.5 / 17.3 /
 # 49.1 against the Gluon decode's 20.1 / 20.4 / 53.5 (packed words' FMA 16.2 / 17.2 / 49.4); g128 Gluon
-# 17.2 / 17.9 / 46.5 against FMA 17.8 / 18.7 / 51.3.
+# 17.2 / 17.9 / 46.5 against FMA 17.8 / 18.7 / 51.3. Except g32 with zero points, since its scales come by TMA
+# (twenty-second session, results/owned_one_row_probe_h100_2026-11-26_zeros.log), N x K 14336 x 4096 /
+# 28672 x 4096 / 4096 x 14336: the Gluon decode 18.8 / 32.1 / 19.1 against FMA 19.9 / 35.4 / 20.4 (symmetric
+# g32 and g64 with zero points stay on the FMA kernel: 16.7 / 30.1 / 17.7 against 17.9 / 30.0 / 18.0, and
+# 18.2 / 29.8 / 17.8 against 18.4 / 31.0 / 19.8).
 OWNED_FMA_MAX_GROUP = 64
 # Row split: past ROW_SPLIT_TILE rows, a remainder of at most SKINNY_MAX_M rows over whole tiles costs the
 # prefill GEMMs a tile row of their own (256-row tiles: 288 rows cost what 512 do), so those rows run as a
@@ -751,9 +755,9 @@ def _quant_matmul_owned(
     """x @ dequantize(W).T for the owned weights: int4 words in quant_layout.to_owned_order's order and zero
     points as to_owned_zeros lays them out, which the Gluon kernel, the FMA kernel and the dequantize kernel
     read (the vLLM method repacks to them, at load, the layers vllm_ops.owned_shape takes, on Hopper): one
-    row of small groups on the FMA kernel (OWNED_FMA_MAX_GROUP), the Gluon decode up to SKINNY_MAX_M rows,
-    the Gluon GEMM up to GLUON_PREFILL_MAX_M, dequantize + cuBLAS past it or where the Gluon kernel does not
-    run; the reference on CPU."""
+    row of small groups on the FMA kernel (OWNED_FMA_MAX_GROUP, but g32 with zero points), the Gluon decode
+    up to SKINNY_MAX_M rows, the Gluon GEMM up to GLUON_PREFILL_MAX_M, dequantize + cuBLAS past it or where
+    the Gluon kernel does not run; the reference on CPU."""
     check_inputs(x, qweight, scales, zeros, group_size, 4, owned=True)
     block = quant_layout.OWNED_BLOCK
     if x.shape[-1] % block or group_size % block:
@@ -767,7 +771,11 @@ def _quant_matmul_owned(
     y = None
     if m == 0:
         y = x2.new_empty((0, n_out))
-    elif m == 1 and group_size <= OWNED_FMA_MAX_GROUP:
+    elif m == 1 and group_size <= OWNED_FMA_MAX_GROUP and not (
+        zeros is not None
+        and group_size * 8 == GLUON_DECODE_BLOCK_K
+        and _gluon_runs(x2, qweight, scales, zeros, group_size, 4, GLUON_DECODE_BLOCK_K)
+    ):
         zero_arg = zeros.contiguous() if zeros is not None else qweight
         y = _rows(x2, qweight, scales, zeros, zero_arg, group_size, 4, None, owned=True)
     elif m <= SKINNY_MAX_M and _gluon_runs(x2, qweight, scales, zeros, group_size, 4, GLUON_DECODE_BLOCK_K):

@@ -597,6 +597,32 @@ for m in (1, 16, 64, 65, 512, 2048, 2049):
 """
 
 
+_OWNED_ONE_ROW = """
+import json
+import torch
+from squeezeserve.kernels.ops import launch
+from squeezeserve.kernels.ops import quant_matmul as qm
+
+n, k = 14336, 4096
+for g, zeros in ((32, True), (32, False), (64, True), (128, True)):
+    qw, sc = torch.zeros(n, k // 8, dtype=torch.int32), torch.zeros(n, k // g, dtype=torch.bfloat16)
+    zp = torch.zeros(n, -(-k // g // 8), dtype=torch.int32) if zeros else None
+    with launch.capture(sms=132, wgmma=True) as launches:
+        qm._quant_matmul_owned(torch.empty(1, k, dtype=torch.bfloat16), qw, sc, zp, g)
+    kernels = [kernel.__name__ for kernel, *_ in launches]
+    print(json.dumps({"case": f"g{g}" + (" zp" if zeros else ""), "kernels": kernels}))
+"""
+
+
+def test_one_owned_row_takes_the_gluon_decode_at_g32_with_zero_points(run_compiled):
+    # One row: the FMA kernel up to groups of 64, but g32 with zero points on the Gluon decode, whose scales
+    # come by TMA (H100: 18.8 / 32.1 / 19.1 against 19.9 / 35.4 / 20.4 us; quant_matmul.OWNED_FMA_MAX_GROUP).
+    r = run_compiled(["-c", _OWNED_ONE_ROW])
+    want = {"g32 zp": "_wgmma_kernel", "g32": "_gemv_int4_kernel", "g64 zp": "_gemv_int4_kernel",
+            "g128 zp": "_wgmma_kernel"}  # fmt: skip
+    assert {case: one["kernels"] for case, one in r.items()} == {case: [k] for case, k in want.items()}, r
+
+
 def test_owned_words_take_the_gluon_kernel_or_a_dequantize_that_reads_them(run_compiled):
     # On Hopper (replayed under launch.capture): the Gluon kernel, told the words are owned, up to the Gluon
     # GEMM's rows; past them the dequantize kernel, told the same (then cuBLAS).
