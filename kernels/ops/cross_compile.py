@@ -241,7 +241,8 @@ def cases() -> dict:
         "quant_matmul 512x4096x14336 int4 g128 (Gluon stream-K, 256-row tiles)": lambda: qm(
             512, 4096, 14336, 128),
         # thread-owned words: one row of g32 on the FMA kernel, the Gluon decode, the dequantize kernel
-        "quant_matmul_owned 1x28672x4096 int4 g32 zp (FMA kernel)": lambda: owned(1, 28672, 4096, 32, True),
+        "quant_matmul_owned 1x28672x4096 int4 g32 (FMA kernel)": lambda: owned(1, 28672, 4096, 32),
+        "quant_matmul_owned 1x28672x4096 int4 g32 zp (Gluon decode)": lambda: owned(1, 28672, 4096, 32, True),
         "quant_matmul_owned 16x28672x4096 int4 g128 (Gluon decode)": lambda: owned(16, 28672, 4096, 128),
         "quant_matmul_owned 16x14336x4096 int4 g32 zp (Gluon decode)": lambda: owned(
             16, 14336, 4096, 32, True

@@ -749,6 +749,17 @@ def _standard(qweight, zeros, groups):
     return quant_layout.from_owned_order(qweight), zeros
 
 
+def _owned_row_on_fma(x2, qweight, scales, zeros, group_size) -> bool:
+    """Whether one row of owned weights runs on the FMA kernel: groups up to OWNED_FMA_MAX_GROUP, but not g32
+    with zero points where the Gluon decode runs it (its scales by TMA: OWNED_FMA_MAX_GROUP's comment)."""
+    gluon = (
+        zeros is not None
+        and group_size * 8 == GLUON_DECODE_BLOCK_K
+        and _gluon_runs(x2, qweight, scales, zeros, group_size, 4, GLUON_DECODE_BLOCK_K)
+    )
+    return group_size <= OWNED_FMA_MAX_GROUP and not gluon
+
+
 def _quant_matmul_owned(
     x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, group_size: int
 ) -> torch.Tensor:
@@ -771,11 +782,7 @@ def _quant_matmul_owned(
     y = None
     if m == 0:
         y = x2.new_empty((0, n_out))
-    elif m == 1 and group_size <= OWNED_FMA_MAX_GROUP and not (
-        zeros is not None
-        and group_size * 8 == GLUON_DECODE_BLOCK_K
-        and _gluon_runs(x2, qweight, scales, zeros, group_size, 4, GLUON_DECODE_BLOCK_K)
-    ):
+    elif m == 1 and _owned_row_on_fma(x2, qweight, scales, zeros, group_size):
         zero_arg = zeros.contiguous() if zeros is not None else qweight
         y = _rows(x2, qweight, scales, zeros, zero_arg, group_size, 4, None, owned=True)
     elif m <= SKINNY_MAX_M and _gluon_runs(x2, qweight, scales, zeros, group_size, 4, GLUON_DECODE_BLOCK_K):
