@@ -861,9 +861,9 @@ TMA_SCALES_MAX_RING = 160 * 1024
 def _scales_by_tma(scales, group_size, block_m, block_n, block_k, stages) -> bool:
     """Whether a K tile's scales come with its words by TMA (``SCALES_TMA``): eight groups a tile, as a
     [block_n, 8] box of the [N, groups] scales (16 bytes a row, TMA's least; TMA's 16-byte aligned rows), and
-    room in the ring. Measured on the H100 (g32, owned words, 1-32 rows): 1.06-1.13x, up to 2.5 us of a
-    14336 x 4096 decode's 20, within 0.5-1.0 us of scales read from the L2 alone (NOTES.md, twenty-second
-    session). Four groups a tile would be an 8-byte box: plain loads."""
+    room in the ring. Measured on the H100 (g32, owned words, 1-32 rows): 1.07-1.15x, up to 2.4 us of a
+    14336 x 4096 decode's 19-23, within 0.6-1.0 us there of scales read from the L2 alone (1.3-2.4 us at
+    28672 x 4096; NOTES.md, twenty-second session). Four groups a tile would be an 8-byte box: plain loads."""
     size = scales.element_size()
     ring = stages * (block_m * block_k * size + block_n * block_k // 2)
     return (
