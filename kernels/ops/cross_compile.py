@@ -240,12 +240,17 @@ def cases() -> dict:
             128, 4096, 14336, 128, zeros=True),
         "quant_matmul 512x4096x14336 int4 g128 (Gluon stream-K, 256-row tiles)": lambda: qm(
             512, 4096, 14336, 128),
+        "quant_matmul 1536x6144x4096 int4 g128 (Gluon whole waves, then stream-K, 256-row tiles)": lambda: qm(
+            1536, 6144, 4096, 128),
         # thread-owned words: one row of g32 on the FMA kernel, the Gluon decode, the dequantize kernel
         "quant_matmul_owned 1x28672x4096 int4 g32 (FMA kernel)": lambda: owned(1, 28672, 4096, 32),
         "quant_matmul_owned 1x28672x4096 int4 g32 zp (Gluon decode)": lambda: owned(1, 28672, 4096, 32, True),
         "quant_matmul_owned 16x28672x4096 int4 g128 (Gluon decode)": lambda: owned(16, 28672, 4096, 128),
         "quant_matmul_owned 16x14336x4096 int4 g32 zp (Gluon decode)": lambda: owned(
             16, 14336, 4096, 32, True
+        ),
+        "quant_matmul_owned 512x28672x4096 int4 g128 (Gluon whole waves, then stream-K, 256-row tiles)": (
+            lambda: owned(512, 28672, 4096, 128)
         ),
         "quant_matmul_owned dequantize 4096x14336 int4 g128": lambda: owned_dequantize(4096, 14336, 128),
         "codebook_matmul 1x4096x4096 4-bit g128": lambda: cb(1, 4096, 4096, 128, 4),

@@ -537,6 +537,20 @@ def gluon_in_auto(m: int, n_out: int, k_in: int, group_size: int, zeros: bool = 
 # where its weight (int4 bytes) streams from DRAM: past the H100's L2 (50 MB) or already split among programs.
 GLUON_NARROW_MAX_M = 384
 GLUON_L2_BYTES = 50 * 2**20
+# gluon_tiles: 256-row tiles of outputs at least GLUON_DP_MIN_N wide whose last wave fills at most
+# GLUON_DP_LAST_WAVE of the SMs run their full waves but one a tile a program, then share the rest stream-K
+# (the last wave's idle SMs against parts of tiles meeting in the workspace), where x stays in the L2
+# (programs that share stream-K read x at different K offsets: past the L2 they re-read it from DRAM). H100,
+# two runs against the tiles a program a wave, g128 (tests/gpu/prefill_tiling_probe.py, NOTES.md,
+# "twenty-third session"): qkv 768 / 1536 rows 73.0-73.7 / 129.7-130.4 us against 90.3-94.8 / 142.4-146.4;
+# 14336 x 4096 1536 rows 277.5-277.6 against 297.2-302.2; 14336^2 1536 rows 919.8-931.9 against 1024.9-1038.8;
+# gate_up 512 / 768 rows 193.4-195.4 / 278.9-282.5 against 199.3-201.0 / 300.7-304.6. Parts of 256 x 128
+# tiles cost 15-40 us a program to meet (tests/gpu/stream_k_meeting_probe.py: the same launches with stores
+# that never happen; plain stores into a slot a program were no faster than the atomics), so a last wave
+# over half full stays (14336 x 4096 at 768 rows, 0.55: 159.8 against 148.2 in one run), as do 4096-wide
+# outputs (o_proj at 1536 rows, 0.45: 94-98 against 94-95) and x past the L2 (14336^2 at 4096 rows: 2750
+# against 2534).
+GLUON_DP_LAST_WAVE, GLUON_DP_MIN_N = 0.4, 6144
 
 
 def gluon_tiles(m: int, n_out: int, k_in: int, sms: int) -> dict:
@@ -548,7 +562,8 @@ def gluon_tiles(m: int, n_out: int, k_in: int, sms: int) -> dict:
     371 us against 335 a tile a program); fewer share all (tile, K unit) pairs among one program an SM
     (stream-K: 128 rows of 4096 x 14336 40.9 us against the Triton GEMM's 44.5). At 257-384 rows, where a
     256-row tile would be at most half full, 128-row tiles stream-K where the weight streams from DRAM
-    (GLUON_NARROW_MAX_M; NOTES.md, "twenty-first session")."""
+    (GLUON_NARROW_MAX_M; NOTES.md, "twenty-first session"). Wide outputs whose last wave of 256-row tiles is
+    mostly idle run all their full waves but one a tile a program, the rest stream-K (GLUON_DP_LAST_WAVE)."""
     block_m = 128
     if m > 128 and (cdiv(n_out, 128) * cdiv(m, 256) >= sms // 2 or cdiv(k_in, 64) >= 128):
         block_m = 256
@@ -562,7 +577,17 @@ def gluon_tiles(m: int, n_out: int, k_in: int, sms: int) -> dict:
         # against 96.6; 448 rows lose everywhere: NOTES.md, twenty-first session).
         return {"block_m": 128, "stages": 6, "programs": sms}
     cfg = {"block_m": block_m, "stages": 6 if block_m == 128 else 4}
-    return cfg | ({"programs": sms} if stream_k else {})
+    if stream_k:
+        return cfg | {"programs": sms}
+    last = cdiv(n_out, 128) * cdiv(m, block_m) % sms  # tiles in the last, partial wave
+    if (
+        block_m == 256
+        and n_out >= GLUON_DP_MIN_N
+        and 0 < last <= GLUON_DP_LAST_WAVE * sms
+        and m * k_in * 2 <= GLUON_L2_BYTES
+    ):  # the last wave mostly idle: whole tiles a wave but one, then the rest shared stream-K (GLUON_DP_*)
+        return cfg | {"programs": sms, "dp_waves": -1}
+    return cfg
 
 
 def _gluon(x2, qweight, scales, zeros, group_size, cfg: dict, out=None) -> torch.Tensor | None:

@@ -450,25 +450,51 @@ def _share(
     N,
     K,
     units_per_split,
+    dp_tiles,
     STREAM_K: gl.constexpr,
+    DP: gl.constexpr,
     BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr,
     BLOCK_K: gl.constexpr,
 ):
     """This program's run [start, end) of the (output tile, K unit) pairs, a unit two K tiles (a unit past
     K's last tile is zeros), tiles ordered so that programs sharing a weight tile run together: stream-K,
-    program p of P takes [p U / P, (p + 1) U / P) of all U, parts of one or more tiles; else program (t, s)
-    takes split s of tile t."""
+    program p of P takes [p U / P, (p + 1) U / P) of the U pairs of the tiles past the first ``dp_tiles``
+    (those go whole, a wave at a time, first), parts of one or more tiles; else program (t, s) takes split s
+    of tile t. Also how many stretches of pairs the program runs (:func:`_stretch`)."""
     k_units = gl.cdiv(gl.cdiv(K, BLOCK_K), 2)
     if STREAM_K:
-        total = (gl.cdiv(M, BLOCK_M) * gl.cdiv(N, BLOCK_N)).to(gl.int64) * k_units
+        tiles = gl.cdiv(M, BLOCK_M) * gl.cdiv(N, BLOCK_N)
+        if DP:
+            tiles -= dp_tiles
+        total = tiles.to(gl.int64) * k_units
         pid = gl.program_id(0).to(gl.int64)
         start = (pid * total // gl.num_programs(0)).to(gl.int32)
         end = ((pid + 1) * total // gl.num_programs(0)).to(gl.int32)
+        if DP:
+            start += dp_tiles * k_units
+            end += dp_tiles * k_units
     else:
         start = gl.program_id(0) * k_units + gl.program_id(1) * units_per_split
         end = gl.minimum(start + units_per_split, (gl.program_id(0) + 1) * k_units)
-    return start, end, k_units
+    if DP:
+        stretches = dp_tiles // gl.num_programs(0) + 1  # the whole tiles' waves, then the run
+    else:
+        stretches = 1  # (a loop of one step: folded away)
+    return start, end, k_units, stretches
+
+
+@gluon.jit
+def _stretch(s, start, end, k_units, dp_tiles, DP: gl.constexpr):
+    """Stretch ``s`` of a program's pairs: with ``DP``, wave s's whole tile (tile s P + p of program p) while
+    s < dp_tiles / P, then the program's stream-K run [start, end)."""
+    lo = start
+    hi = end
+    if DP:
+        if s < dp_tiles // gl.num_programs(0):
+            lo = (s * gl.num_programs(0) + gl.program_id(0)) * k_units
+            hi = lo + k_units
+    return lo, hi
 
 
 @gluon.jit
@@ -500,7 +526,9 @@ def _load_partition(
     N,
     K,
     units_per_split,
+    dp_tiles,
     STREAM_K: gl.constexpr,
+    DP: gl.constexpr,
     SCALES_TMA: gl.constexpr,
     BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr,
@@ -510,27 +538,31 @@ def _load_partition(
     """The loading warp: every K tile of the program's run, in order, into the ring's next stage once the
     products of the tile it held are done (``empty``); TMA signals ``ready`` when the bytes are in. With
     ``SCALES_TMA`` the tile's scales too ([BLOCK_N, 8] of the [N, groups] scales: eight groups a tile)."""
-    start, end, k_units = _share(M, N, K, units_per_split, STREAM_K, BLOCK_M, BLOCK_N, BLOCK_K)
+    start, end, k_units, stretches = _share(M, N, K, units_per_split, dp_tiles, STREAM_K, DP, BLOCK_M,
+                                            BLOCK_N, BLOCK_K)  # fmt: skip
     tiles_m = gl.cdiv(M, BLOCK_M)
     g = 0  # K tiles loaded so far: the ring's position and phase
-    unit = start
-    while unit < end:
-        tile, u0, units, off_m, off_n = _segment(unit, end, k_units, tiles_m, BLOCK_M, BLOCK_N)
-        for t in range(2 * u0, 2 * (u0 + units)):
-            stage = g % STAGES
-            mbarrier.wait(empty.index(stage), ((g // STAGES) & 1) ^ 1)  # (a fresh barrier: phase 1 is done)
-            bar = ready.index(stage)
-            if SCALES_TMA:
-                mbarrier.expect(
-                    bar, x_desc.block_type.nbytes + w_desc.block_type.nbytes + s_desc.block_type.nbytes
-                )
-                _tma_load(s_desc, [off_n, t * 8], bar, s_smem.index(stage))
-            else:
-                mbarrier.expect(bar, x_desc.block_type.nbytes + w_desc.block_type.nbytes)
-            _tma_load(x_desc, [off_m, t * BLOCK_K], bar, x_smem.index(stage))
-            _tma_load(w_desc, [off_n, t * (BLOCK_K // 8)], bar, w_smem.index(stage))
-            g += 1
-        unit += units
+    for s in range(stretches):
+        lo, hi = _stretch(s, start, end, k_units, dp_tiles, DP)
+        unit = lo
+        while unit < hi:
+            tile, u0, units, off_m, off_n = _segment(unit, hi, k_units, tiles_m, BLOCK_M, BLOCK_N)
+            for t in range(2 * u0, 2 * (u0 + units)):
+                stage = g % STAGES
+                # (a fresh barrier: phase 1 is done)
+                mbarrier.wait(empty.index(stage), ((g // STAGES) & 1) ^ 1)
+                bar = ready.index(stage)
+                if SCALES_TMA:
+                    mbarrier.expect(
+                        bar, x_desc.block_type.nbytes + w_desc.block_type.nbytes + s_desc.block_type.nbytes
+                    )
+                    _tma_load(s_desc, [off_n, t * 8], bar, s_smem.index(stage))
+                else:
+                    mbarrier.expect(bar, x_desc.block_type.nbytes + w_desc.block_type.nbytes)
+                _tma_load(x_desc, [off_m, t * BLOCK_K], bar, x_smem.index(stage))
+                _tma_load(w_desc, [off_n, t * (BLOCK_K // 8)], bar, w_smem.index(stage))
+                g += 1
+            unit += units
 
 
 @gluon.jit
@@ -552,8 +584,10 @@ def _compute_partition(
     zero_row_stride,
     y_row_stride,
     units_per_split,
+    dp_tiles,
     MODE: gl.constexpr,
     STREAM_K: gl.constexpr,
+    DP: gl.constexpr,
     LATE_FIRST: gl.constexpr,
     OWNED: gl.constexpr,
     GROUP: gl.constexpr,
@@ -581,65 +615,71 @@ def _compute_partition(
         select = gl.expand_dims(gl.expand_dims(4 * p, 0), 1)  # [1, 1, 4]: pair p's shift
     else:
         select = gl.expand_dims(gl.expand_dims(p + 0x4440, 0), 1)  # [1, 1, 4]: byte p, as prmt takes it
-    start, end, k_units = _share(M, N, K, units_per_split, STREAM_K, BLOCK_M, BLOCK_N, BLOCK_K)
+    start, end, k_units, stretches = _share(M, N, K, units_per_split, dp_tiles, STREAM_K, DP, BLOCK_M,
+                                            BLOCK_N, BLOCK_K)  # fmt: skip
     tiles_m = gl.cdiv(M, BLOCK_M)
     g = 0  # K tiles consumed so far, as the loader counts them
-    unit = start
-    while unit < end:
-        tile, u0, units, off_m, off_n = _segment(unit, end, k_units, tiles_m, BLOCK_M, BLOCK_N)
-        offs_n = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, gl.SliceLayout(2, w_layout)))
-        mask_n = offs_n < N
-        first = 2 * u0
-        n_local = 2 * units
-        # Scales and zero points run three tiles ahead of the products (plain loads: their latency is hidden).
-        params0 = _load_params(scale_ptr, zero_ptr, offs_n, mask_n, first, K, scale_row_stride,
-                               zero_row_stride, GROUP, HAS_ZERO, ZERO_ROWS, SCALES_TMA, MAGIC_F,
-                               BLOCK_K, num_warps)  # fmt: skip
-        params1 = _load_params(scale_ptr, zero_ptr, offs_n, mask_n, first + 1, K, scale_row_stride,
-                               zero_row_stride, GROUP, HAS_ZERO, ZERO_ROWS, SCALES_TMA, MAGIC_F,
-                               BLOCK_K, num_warps)  # fmt: skip
-        params2 = _load_params(scale_ptr, zero_ptr, offs_n, mask_n, first + 2, K, scale_row_stride,
-                               zero_row_stride, GROUP, HAS_ZERO, ZERO_ROWS, SCALES_TMA, MAGIC_F,
-                               BLOCK_K, num_warps)  # fmt: skip
-        mbarrier.wait(ready.index(g % STAGES), (g // STAGES) & 1)
-        if SCALES_TMA:
-            params0 = (_stage_scales(s_smem, g % STAGES, BLOCK_N, BLOCK_K // GROUP, num_warps), params0[1])
-        a0 = _operand(w_smem.index(g % STAGES), params0, select, dtype, w_layout, a_layout, GROUP, BLOCK_N,
-                      BLOCK_K, num_warps, OWNED, ZERO_ROWS)  # fmt: skip
-        a1 = a0
-        acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma_layout)
-        # Two tiles an iteration, so that the operands of consecutive tiles are distinct registers (a
-        # loop-carried operand would be rewritten in place while its products may still read it, and ptxas
-        # then runs every product synchronously).
-        for i in range(0, n_local, 2):
-            for j in gl.static_range(2):
-                t = g + i + j
-                acc = warpgroup_mma(a0, x_smem.index(t % STAGES).permute((1, 0)), acc, is_async=True)
-                acc, a1 = warpgroup_mma_wait(num_outstanding=1, deps=[acc, a1])
-                # tile t - 1's products are done (its words were read into a1 before they started)
-                mbarrier.arrive(empty.index((t + STAGES - 1) % STAGES), pred=i + j > 0)
-                params3 = _load_params(scale_ptr, zero_ptr, offs_n, mask_n, first + i + j + 3, K,
-                                       scale_row_stride, zero_row_stride, GROUP, HAS_ZERO, ZERO_ROWS,
-                                       SCALES_TMA, MAGIC_F, BLOCK_K, num_warps)  # fmt: skip
-                # (the last tile makes an operand nobody uses, from whatever its stage holds)
-                nxt = (t + 1) % STAGES
-                mbarrier.wait(ready.index(nxt), ((t + 1) // STAGES) & 1, pred=i + j + 1 < n_local)
-                if SCALES_TMA:
-                    params1 = (_stage_scales(s_smem, nxt, BLOCK_N, BLOCK_K // GROUP, num_warps), params1[1])
-                a_next = _operand(w_smem.index(nxt), params1, select, dtype, w_layout, a_layout,
-                                  GROUP, BLOCK_N, BLOCK_K, num_warps, OWNED, ZERO_ROWS)  # fmt: skip
-                params1, params2 = params2, params3
-                a1 = a0  # tile t's operand: in flight until the next wait
-                a0 = a_next
-        acc, a0, a1 = warpgroup_mma_wait(num_outstanding=0, deps=[acc, a0, a1])
-        g += n_local
-        mbarrier.arrive(empty.index((g + STAGES - 1) % STAGES))
-        # A run's part of a tile is likely its tile's last where it ends the run and starts the tile after
-        # other work of the run: the tile's other parts began other runs, as all the programs began.
-        late = (u0 == 0) & (unit > start) & (unit + units == end) & LATE_FIRST
-        _write(acc, y_ptr, ws_ptr, count_ptr, tile, units == k_units, late, units, k_units, off_m, off_n, M,
-               N, y_row_stride, MODE, BLOCK_M, BLOCK_N, num_warps)  # fmt: skip
-        unit += units
+    for s in range(stretches):
+        lo, hi = _stretch(s, start, end, k_units, dp_tiles, DP)
+        unit = lo
+        while unit < hi:
+            tile, u0, units, off_m, off_n = _segment(unit, hi, k_units, tiles_m, BLOCK_M, BLOCK_N)
+            offs_n = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, gl.SliceLayout(2, w_layout)))
+            mask_n = offs_n < N
+            first = 2 * u0
+            n_local = 2 * units
+            # Scales and zero points run three tiles ahead of the products (plain loads: their latency is
+            # hidden).
+            params0 = _load_params(scale_ptr, zero_ptr, offs_n, mask_n, first, K, scale_row_stride,
+                                   zero_row_stride, GROUP, HAS_ZERO, ZERO_ROWS, SCALES_TMA, MAGIC_F,
+                                   BLOCK_K, num_warps)  # fmt: skip
+            params1 = _load_params(scale_ptr, zero_ptr, offs_n, mask_n, first + 1, K, scale_row_stride,
+                                   zero_row_stride, GROUP, HAS_ZERO, ZERO_ROWS, SCALES_TMA, MAGIC_F,
+                                   BLOCK_K, num_warps)  # fmt: skip
+            params2 = _load_params(scale_ptr, zero_ptr, offs_n, mask_n, first + 2, K, scale_row_stride,
+                                   zero_row_stride, GROUP, HAS_ZERO, ZERO_ROWS, SCALES_TMA, MAGIC_F,
+                                   BLOCK_K, num_warps)  # fmt: skip
+            mbarrier.wait(ready.index(g % STAGES), (g // STAGES) & 1)
+            if SCALES_TMA:
+                staged = _stage_scales(s_smem, g % STAGES, BLOCK_N, BLOCK_K // GROUP, num_warps)
+                params0 = (staged, params0[1])
+            a0 = _operand(w_smem.index(g % STAGES), params0, select, dtype, w_layout, a_layout, GROUP,
+                          BLOCK_N, BLOCK_K, num_warps, OWNED, ZERO_ROWS)  # fmt: skip
+            a1 = a0
+            acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma_layout)
+            # Two tiles an iteration, so that the operands of consecutive tiles are distinct registers (a
+            # loop-carried operand would be rewritten in place while its products may still read it, and ptxas
+            # then runs every product synchronously).
+            for i in range(0, n_local, 2):
+                for j in gl.static_range(2):
+                    t = g + i + j
+                    acc = warpgroup_mma(a0, x_smem.index(t % STAGES).permute((1, 0)), acc, is_async=True)
+                    acc, a1 = warpgroup_mma_wait(num_outstanding=1, deps=[acc, a1])
+                    # tile t - 1's products are done (its words were read into a1 before they started)
+                    mbarrier.arrive(empty.index((t + STAGES - 1) % STAGES), pred=i + j > 0)
+                    params3 = _load_params(scale_ptr, zero_ptr, offs_n, mask_n, first + i + j + 3, K,
+                                           scale_row_stride, zero_row_stride, GROUP, HAS_ZERO, ZERO_ROWS,
+                                           SCALES_TMA, MAGIC_F, BLOCK_K, num_warps)  # fmt: skip
+                    # (the last tile makes an operand nobody uses, from whatever its stage holds)
+                    nxt = (t + 1) % STAGES
+                    mbarrier.wait(ready.index(nxt), ((t + 1) // STAGES) & 1, pred=i + j + 1 < n_local)
+                    if SCALES_TMA:
+                        staged = _stage_scales(s_smem, nxt, BLOCK_N, BLOCK_K // GROUP, num_warps)
+                        params1 = (staged, params1[1])
+                    a_next = _operand(w_smem.index(nxt), params1, select, dtype, w_layout, a_layout,
+                                      GROUP, BLOCK_N, BLOCK_K, num_warps, OWNED, ZERO_ROWS)  # fmt: skip
+                    params1, params2 = params2, params3
+                    a1 = a0  # tile t's operand: in flight until the next wait
+                    a0 = a_next
+            acc, a0, a1 = warpgroup_mma_wait(num_outstanding=0, deps=[acc, a0, a1])
+            g += n_local
+            mbarrier.arrive(empty.index((g + STAGES - 1) % STAGES))
+            # A run's part of a tile is likely its tile's last where it ends the run and starts the tile after
+            # other work of the run: the tile's other parts began other runs, as all the programs began.
+            late = (u0 == 0) & (unit > start) & (unit + units == hi) & LATE_FIRST
+            _write(acc, y_ptr, ws_ptr, count_ptr, tile, units == k_units, late, units, k_units, off_m, off_n,
+                   M, N, y_row_stride, MODE, BLOCK_M, BLOCK_N, num_warps)  # fmt: skip
+            unit += units
 
 
 @gluon.jit
@@ -679,8 +719,10 @@ def _wgmma_kernel(
     zero_row_stride,
     y_row_stride,
     units_per_split,  # split mode: K units (two K tiles each) a program_id(1)
+    dp_tiles,  # stream-K: tiles the programs take whole first, a wave at a time (a multiple of the programs)
     MODE: gl.constexpr,  # how parts of a tile meet: 0 never split, 1 fp32 atomics into y, 2 workspace
     STREAM_K: gl.constexpr,  # the programs share the (tile, K unit) pairs evenly, in order
+    DP: gl.constexpr,  # dp_tiles > 0
     LATE_FIRST: gl.constexpr,  # MODE 2: a tile's likely last part reads the count first (_write's ``late``)
     OWNED: gl.constexpr,  # the words are in quant_layout.to_owned_order's order
     GROUP: gl.constexpr,
@@ -702,11 +744,12 @@ def _wgmma_kernel(
         [
             (_compute_partition, (x_smem, w_smem, s_smem, ready, empty, scale_ptr, zero_ptr, y_ptr, ws_ptr,
                                   count_ptr, M, N, K, scale_row_stride, zero_row_stride, y_row_stride,
-                                  units_per_split, MODE, STREAM_K, LATE_FIRST, OWNED, GROUP, HAS_ZERO,
-                                  ZERO_ROWS, SCALES_TMA, MAGIC_F, BLOCK_M, BLOCK_N, BLOCK_K, STAGES,
+                                  units_per_split, dp_tiles, MODE, STREAM_K, DP, LATE_FIRST, OWNED, GROUP,
+                                  HAS_ZERO, ZERO_ROWS, SCALES_TMA, MAGIC_F, BLOCK_M, BLOCK_N, BLOCK_K, STAGES,
                                   num_warps)),
             (_load_partition, (x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, ready, empty, M, N, K,
-                               units_per_split, STREAM_K, SCALES_TMA, BLOCK_M, BLOCK_N, BLOCK_K, STAGES)),
+                               units_per_split, dp_tiles, STREAM_K, DP, SCALES_TMA, BLOCK_M, BLOCK_N, BLOCK_K,
+                               STAGES)),
         ],
         [1],
         [24],
@@ -784,6 +827,7 @@ def launch_args(
     block_m,
     split=1,
     programs=0,
+    dp_waves=0,
     mode=0,
     block_n=128,
     block_k=64,
@@ -796,21 +840,26 @@ def launch_args(
 ) -> tuple[tuple, tuple, dict]:
     """The grid, arguments and keywords of the Gluon kernel's launch for y [M, N] = x2 [M, K] @
     dequantize(W).T: each output tile's K split ``split`` ways, or, with ``programs``, all (tile, K unit)
-    pairs shared evenly by that many programs (stream-K). Parts of a tile meet as ``mode`` says, in ``y``
-    (fp32, zeroed) or in the clean workspace ``ws``/``counts`` (a counter per output tile). Registers are
-    capped for ``occupancy`` programs an SM. ``late_first``: a tile's likely last part reads the count before
-    it adds its own (``_write``'s ``late``; off: as before the eighteenth session, for probes). ``owned``:
-    ``qweight`` is in quant_layout.to_owned_order's order, and ``zeros`` (by default; ``zero_rows`` says
-    otherwise, for probes) in to_owned_zeros' layout. (Apart from
+    pairs shared evenly by that many programs (stream-K); with ``dp_waves`` these first take that many waves
+    of whole tiles, one a program a wave, and share the rest (negative: all the full waves but that many).
+    Parts of a tile meet as ``mode`` says, in ``y`` (fp32, zeroed) or in the clean workspace ``ws``/``counts``
+    (a counter per output tile). Registers are capped for ``occupancy``
+    programs an SM. ``late_first``: a tile's likely last part reads the count before it adds its own
+    (``_write``'s ``late``; off: as before the eighteenth session, for probes). ``owned``: ``qweight`` is in
+    quant_layout.to_owned_order's order, and ``zeros`` (by default; ``zero_rows`` says otherwise, for probes)
+    in to_owned_zeros' layout. (Apart from
     :func:`launch`, for compiling what a launch would run without a GPU: ``cross_compile.compile_for``.)"""
     m, k_in = x2.shape
     n_out = qweight.shape[0]
     k_units = cdiv(cdiv(k_in, block_k), 2)
     tiles = cdiv(m, block_m) * cdiv(n_out, block_n)
+    dp_tiles = 0
     if programs:
         grid = (min(programs, tiles * k_units),)
         units_per_split = k_units
-        parts = tiles % grid[0] != 0  # a program's share ends inside a tile
+        waves = tiles // grid[0]
+        dp_tiles = max(0, min(dp_waves, waves) if dp_waves >= 0 else waves + dp_waves) * grid[0]
+        parts = (tiles - dp_tiles) % grid[0] != 0  # a program's share ends inside a tile
     else:
         units_per_split = cdiv(k_units, split)
         grid = (tiles, cdiv(k_units, units_per_split))
@@ -832,10 +881,11 @@ def launch_args(
     # which the compute partition takes what the loader leaves.
     maxnreg = min(255, 65536 // occupancy // (32 * (num_warps + 4))) // 8 * 8
     args = (x_desc, w_desc, s_desc, scales, zero_arg, y, ws, counts, m, n_out, k_in, scales.stride(0),
-            zero_arg.stride(0), y.stride(0), units_per_split)  # fmt: skip
+            zero_arg.stride(0), y.stride(0), units_per_split, dp_tiles)  # fmt: skip
     kwargs = {
         "MODE": mode if parts else 0,
         "STREAM_K": bool(programs),
+        "DP": dp_tiles > 0,
         "LATE_FIRST": bool(late_first),
         "OWNED": bool(owned),
         "GROUP": group_size,

@@ -11,8 +11,10 @@ time of cold weights in CUDA graphs, as bench_quant_matmul.py times them.
 staged) on the same weights, re-quantized to its symmetric format, beside each row.
 
 A tiling is BLOCK_M:STAGES:SPLIT[:BLOCK_N[:BLOCK_K[:WARPS]]]; SPLIT ``pN`` shares the work among N programs
-(stream-K, N // 132 an SM) instead of splitting each tile's K. Tilings run through ``prefill()`` (parts of
-tiles meet in a zeroed fp32 output, then a cast: slower than quant_matmul's workspace at many rows).
+(stream-K, N // 132 an SM) instead of splitting each tile's K; ``pNwW`` first runs W waves of whole tiles a
+program (``launch_args``' ``dp_waves``: a negative W, all the full waves but -W), then shares the rest.
+Tilings run through ``prefill()`` (parts of tiles meet in a zeroed fp32 output, then a cast: slower than
+quant_matmul's workspace at many rows).
 """
 
 from __future__ import annotations
@@ -101,7 +103,9 @@ def tiling(spec: str) -> dict:
     bn, bk, warps = [int(v) for v in rest] + [128, 64, 8][len(rest) :]
     out = {"block_m": int(bm), "stages": int(stages), "block_n": bn, "block_k": bk, "num_warps": warps}
     if split.startswith("p"):
-        return out | {"programs": int(split[1:]), "occupancy": max(1, int(split[1:]) // 132)}
+        programs, _, waves = split[1:].partition("w")
+        dp = {"dp_waves": int(waves)} if waves else {}
+        return out | {"programs": int(programs), "occupancy": max(1, int(programs) // 132)} | dp
     return out | {"split": int(split)}
 
 

@@ -1,13 +1,16 @@
 """Issue 16 item 2: the Gluon GEMM's tilings at 128-512 rows through quant_matmul's own path (its workspace,
 where parts of stream-K tiles meet), against the tiling ``quant_matmul.gluon_tiles`` chooses today.
 
-    python tests/gpu/prefill_tiling_probe.py [--ms 128,256,512] [--tiles 128:6:p132,256:4:p132]
+    python tests/gpu/prefill_tiling_probe.py [--ms 128,256,512] [--tiles 128:6:p132,256:4:p132] \\
+        [--machete] [--gluon-max-m 8192]
 
 Each candidate replaces ``gluon_tiles`` for the call (a tiling as ``gluon_prefill_probe.py`` writes it,
 BLOCK_M:STAGES:SPLIT[:BLOCK_N[:BLOCK_K[:WARPS]]], ``pN`` stream-K over N programs). Weights are cold (copies
 past the L2), each call in a CUDA graph; the 8B model's gate_up and down_proj run on thread-owned words
 (``quant_matmul_owned``), as the vLLM method serves them on Hopper, the others on packed words. Each result is
-checked against bf16 cuBLAS on the dequantized weight before it is timed.
+checked against bf16 cuBLAS on the dequantized weight before it is timed. ``--machete`` adds vLLM's Machete
+(vLLM staged) on the same weights; ``--gluon-max-m`` lets the Gluon GEMM take rows past GLUON_PREFILL_MAX_M
+(the rule's column then is its tiling, where dequantize + cuBLAS would run).
 """
 
 from __future__ import annotations
@@ -25,10 +28,10 @@ from squeezeserve.kernels import quant_layout
 from squeezeserve.kernels.ops import quant_matmul as qm
 
 sys.path.insert(0, str(Path(__file__).parent))
-from gluon_prefill_probe import COLD_BYTES, cycle, tiling  # noqa: E402
+from gluon_prefill_probe import COLD_BYTES, cycle, machete, tiling  # noqa: E402
 
 SHAPES = {"gate_up": (28672, 4096), "down": (4096, 14336), "qkv": (6144, 4096), "o": (4096, 4096),
-          "14336x4096": (14336, 4096)}  # fmt: skip
+          "14336x4096": (14336, 4096), "14336x14336": (14336, 14336)}  # fmt: skip
 OWNED = ("gate_up", "down")
 
 
@@ -40,7 +43,12 @@ def main() -> None:
     ap.add_argument("--tiles", default="128:6:p132,128:6:1,64:6:p132")
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--group", type=int, default=128)
+    ap.add_argument("--machete", action="store_true")
+    ap.add_argument("--gluon-max-m", type=int, default=0)
     args = ap.parse_args()
+    if args.gluon_max_m:
+        qm.GLUON_PREFILL_MAX_M = max(qm.GLUON_PREFILL_MAX_M, args.gluon_max_m)
+        qm.PREFILL = "gluon"
     rule = qm.gluon_tiles
     print(f"# {torch.cuda.get_device_name()}; g{args.group}; us (x bf16 cuBLAS), the rule's tiling first")
     for name in args.shapes.split(","):
@@ -59,6 +67,7 @@ def main() -> None:
         ]
         # (the ops' bodies: no launch plan holds a tiling from an earlier call)
         op = qm._quant_matmul_owned if owned else functools.partial(qm._quant_matmul, bits=4)
+        peer = machete(dense, args.group) if args.machete else []
         for m in map(int, args.ms.split(",")):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             ref = (x @ dense.t()).float()
@@ -77,6 +86,9 @@ def main() -> None:
                     row.append(f"{label} {t_q * 1e3:.1f} ({t_bf16 / t_q:.2f}x)")
                 finally:
                     qm.gluon_tiles = rule
+            if peer:
+                t_peer = do_bench_cudagraph(cycle([lambda f=f, x=x: f(x) for f in peer]), rep=40)
+                row.append(f"machete {t_peer * 1e3:.1f} ({t_bf16 / t_peer:.2f}x)")
             print(
                 f"{name} m={m}{' owned' if owned else ''}: bf16 {t_bf16 * 1e3:.1f} | " + " | ".join(row),
                 flush=True,

@@ -45,10 +45,16 @@ EXPECTED = {
     "quant_matmul 128x4096x14336 int4 g128 (Gluon stream-K)": ["_wgmma_kernel"],
     "quant_matmul 128x4096x14336 int4 g128 zp (Gluon stream-K)": ["_wgmma_kernel"],
     "quant_matmul 512x4096x14336 int4 g128 (Gluon stream-K, 256-row tiles)": ["_wgmma_kernel"],
+    "quant_matmul 1536x6144x4096 int4 g128 (Gluon whole waves, then stream-K, 256-row tiles)": [
+        "_wgmma_kernel"
+    ],
     "quant_matmul_owned 1x28672x4096 int4 g32 (FMA kernel)": ["_gemv_int4_kernel"],
     "quant_matmul_owned 1x28672x4096 int4 g32 zp (Gluon decode)": ["_wgmma_kernel"],
     "quant_matmul_owned 16x28672x4096 int4 g128 (Gluon decode)": ["_wgmma_kernel"],
     "quant_matmul_owned 16x14336x4096 int4 g32 zp (Gluon decode)": ["_wgmma_kernel"],
+    "quant_matmul_owned 512x28672x4096 int4 g128 (Gluon whole waves, then stream-K, 256-row tiles)": [
+        "_wgmma_kernel"
+    ],
     "quant_matmul_owned dequantize 4096x14336 int4 g128": ["_dequantize_kernel"],
     "codebook_matmul 1x4096x4096 4-bit g128": ["_codebook_fma_kernel"],
     "codebook_matmul 16x4096x4096 4-bit g128": ["_codebook_matmul_kernel"],

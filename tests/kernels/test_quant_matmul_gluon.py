@@ -73,8 +73,18 @@ def test_gluon_tiles_measured_choices():
     assert qm.gluon_tiles(257, 4096, 14336, 132) == sk128
     assert qm.gluon_tiles(384, 4096, 14336, 132) == sk128
     assert qm.gluon_tiles(320, 14336, 4096, 132) == {"block_m": 256, "stages": 4}
-    assert qm.gluon_tiles(448, 28672, 4096, 132) == {"block_m": 256, "stages": 4}
     assert qm.gluon_tiles(256, 28672, 4096, 132) == {"block_m": 256, "stages": 4}
+    # 256-row tiles whose last wave is at most half full, of outputs 6144 wide or more, x in the L2: all full
+    # waves but one a tile a program, then the rest stream-K (prefill_tiling_probe.py on the H100: NOTES.md,
+    # twenty-third session)
+    hybrid = {"block_m": 256, "stages": 4, "programs": 132, "dp_waves": -1}
+    assert qm.gluon_tiles(768, 6144, 4096, 132) == hybrid  # 144 tiles: 12 in the last wave
+    assert qm.gluon_tiles(1536, 14336, 14336, 132) == hybrid  # 672 tiles: 12 in the last wave
+    assert qm.gluon_tiles(448, 28672, 4096, 132) == hybrid  # 448 tiles: 52
+    assert qm.gluon_tiles(768, 14336, 4096, 132) == {"block_m": 256, "stages": 4}  # 336 tiles: 72
+    assert qm.gluon_tiles(2048, 14336, 4096, 132) == {"block_m": 256, "stages": 4}  # 896 tiles: 104
+    assert qm.gluon_tiles(1536, 4096, 4096, 132) == {"block_m": 256, "stages": 4}  # 4096 wide
+    assert qm.gluon_tiles(4096, 14336, 14336, 132) == {"block_m": 256, "stages": 4}  # x 117 MB: past the L2
 
 
 def test_gluon_in_auto_measured_choices():
@@ -155,6 +165,25 @@ def test_a_tiles_likely_last_part_reads_the_count_first_unless_asked_not_to():
     assert on["LATE_FIRST"] and not off["LATE_FIRST"] and on["MODE"] == off["MODE"] == 2
 
 
+def test_data_parallel_waves_take_whole_tiles_before_the_shared_rest():
+    # 640 x 4096 on 128 x 128 tiles: 160 tiles over 7 programs, 22 full waves and 6 tiles over
+    x, qw = torch.zeros(640, 4096, dtype=torch.bfloat16), torch.zeros(4096, 512, dtype=torch.int32)
+    sc = torch.zeros(4096, 32, dtype=torch.bfloat16)
+    y = torch.zeros(640, 4096)
+
+    def dp_tiles(**tiling):
+        grid, args, kwargs = qg.launch_args(x, qw, sc, None, 128, y, y, y, block_m=128, mode=2, **tiling)
+        return args[-1], kwargs["MODE"], grid
+
+    assert dp_tiles(programs=7) == (0, 2, (7,))  # all shared
+    assert dp_tiles(programs=7, dp_waves=2) == (14, 2, (7,))
+    assert dp_tiles(programs=7, dp_waves=-1) == (21 * 7, 2, (7,))  # all the full waves but one
+    assert dp_tiles(programs=7, dp_waves=99)[0] == 22 * 7  # at most the full waves
+    assert dp_tiles(programs=7, dp_waves=-99)[0] == 0
+    assert dp_tiles(programs=8, dp_waves=99) == (160, 0, (8,))  # 20 whole waves: no tile in parts
+    assert dp_tiles(split=2, dp_waves=3)[0] == 0  # split mode: no waves
+
+
 _DEEP = {"block_n": 64, "block_k": 256, "num_warps": 4}  # decode's tiles: one warpgroup, 256-deep K tiles
 
 
@@ -176,6 +205,10 @@ _DEEP = {"block_n": 64, "block_k": 256, "num_warps": 4}  # decode's tiles: one w
         # runs of about ten tiles (whole tiles between a first and a last part), and of part of one tile
         (16, 4096, 2048, 128, True, {"block_m": 16, "programs": 7} | _DEEP),
         (3, 4096, 4096, 128, False, {"block_m": 8, "programs": 500} | _DEEP),
+        # whole tiles a wave first (data-parallel), then the rest shared: parts of tiles, none, all
+        (640, 4096, 4096, 128, False, {"block_m": 128, "programs": 7, "dp_waves": 2}),  # 160 tiles: 2 x 7
+        (512, 2304, 4160, 32, True, {"block_m": 128, "programs": 9, "dp_waves": -1}),  # 72 tiles: 7 x 9, 9
+        (256, 4096, 2048, 128, True, {"block_m": 128, "programs": 16, "dp_waves": 99}),  # 64: whole
     ],
 )
 def test_gluon_stream_k_is_dequantize_then_matmul(m, n, k, group, zeros, tiling):
