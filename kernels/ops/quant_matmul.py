@@ -547,9 +547,9 @@ GLUON_L2_BYTES = 50 * 2**20
 # gate_up 512 / 768 rows 193.4-195.4 / 278.9-282.5 against 199.3-201.0 / 300.7-304.6. Parts of 256 x 128
 # tiles cost 15-40 us a program to meet (tests/gpu/stream_k_meeting_probe.py: the same launches with stores
 # that never happen; plain stores into a slot a program were no faster than the atomics), so a last wave
-# over half full stays (14336 x 4096 at 768 rows, 0.55: 159.8 against 148.2 in one run), as do 4096-wide
-# outputs (o_proj at 1536 rows, 0.45: 94-98 against 94-95) and x past the L2 (14336^2 at 4096 rows: 2750
-# against 2534).
+# over 40% full stays (qkv at 1024 rows, 0.45: +2%, +4%, -4% in three runs; 14336 x 4096 at 768 rows, 0.55:
+# 159.8 against 148.2 in one), as do 4096-wide outputs (o_proj at 1536 rows, 0.45: 94-98 against 94-95) and
+# x past the L2 (14336^2 at 4096 rows: 2750 against 2534).
 GLUON_DP_LAST_WAVE, GLUON_DP_MIN_N = 0.4, 6144
 
 

@@ -74,7 +74,7 @@ def test_gluon_tiles_measured_choices():
     assert qm.gluon_tiles(384, 4096, 14336, 132) == sk128
     assert qm.gluon_tiles(320, 14336, 4096, 132) == {"block_m": 256, "stages": 4}
     assert qm.gluon_tiles(256, 28672, 4096, 132) == {"block_m": 256, "stages": 4}
-    # 256-row tiles whose last wave is at most half full, of outputs 6144 wide or more, x in the L2: all full
+    # 256-row tiles whose last wave is at most 40% full, of outputs 6144 wide or more, x in the L2: all full
     # waves but one a tile a program, then the rest stream-K (prefill_tiling_probe.py on the H100: NOTES.md,
     # twenty-third session)
     hybrid = {"block_m": 256, "stages": 4, "programs": 132, "dp_waves": -1}
@@ -82,6 +82,7 @@ def test_gluon_tiles_measured_choices():
     assert qm.gluon_tiles(1536, 14336, 14336, 132) == hybrid  # 672 tiles: 12 in the last wave
     assert qm.gluon_tiles(448, 28672, 4096, 132) == hybrid  # 448 tiles: 52
     assert qm.gluon_tiles(768, 14336, 4096, 132) == {"block_m": 256, "stages": 4}  # 336 tiles: 72
+    assert qm.gluon_tiles(1024, 6144, 4096, 132) == {"block_m": 256, "stages": 4}  # 192 tiles: 60
     assert qm.gluon_tiles(2048, 14336, 4096, 132) == {"block_m": 256, "stages": 4}  # 896 tiles: 104
     assert qm.gluon_tiles(1536, 4096, 4096, 132) == {"block_m": 256, "stages": 4}  # 4096 wide
     assert qm.gluon_tiles(4096, 14336, 14336, 132) == {"block_m": 256, "stages": 4}  # x 117 MB: past the L2
