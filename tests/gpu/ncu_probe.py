@@ -12,8 +12,11 @@ them). ``run_ncu`` runs every case under ncu and writes one text report per case
 
 Cases: ``prefill-M-N-K`` (``_prefill_kernel`` forced, int4 g128), ``bf16-M-N-K`` (cuBLAS, ``x @ w.t()``),
 ``decode-M-N-K[-g32z]`` (the skinny / FMA kernel as ``quant_matmul`` picks it; ``g32z``: int4 g32 with zero
-points), ``gluon-M-N-K[-g32z]`` (the Gluon kernel forced: stream-K decode up to 64 rows, the prefill GEMM past
-that). Any M, N, K parse; ``--list`` gives the ones the 2026-11-25 reports hold.
+points), ``gluon-M-N-K[-g32z][-tTILING]`` (the Gluon kernel forced: stream-K decode up to 64 rows, the prefill
+GEMM past that, at ``quant_matmul.gluon_tiles``' tiling or, with ``-t``, at TILING as gluon_prefill_probe.py
+writes it, dots for its colons: ``gluon-384-6144-4096-t256.4.1`` a tile a program, ``-t256.4.p132`` stream-K,
+``-t256.4.p132w-1`` whole waves first). Any M, N, K parse; ``--list`` gives the ones the 2026-11-25 reports
+hold.
 """
 
 from __future__ import annotations
@@ -96,8 +99,22 @@ def summarize(path: Path) -> str:
     return "\n".join(lines)
 
 
+def split_tiling(name: str) -> tuple[str, dict | None]:
+    """A case's name without its ``-tTILING`` suffix, and the Gluon prefill tiling that suffix gives."""
+    name, _, spec = name.partition("-t")
+    if not spec:
+        return name, None
+    sys.path.insert(0, str(Path(__file__).parent))
+    from gluon_prefill_probe import tiling
+
+    return name, tiling(spec.replace(".", ":"))
+
+
 def _case(name: str):
     """The product ``name`` names, as a no-argument callable."""
+    name, cfg = split_tiling(name)
+    if cfg is not None:
+        qm.gluon_tiles = lambda *_: dict(cfg)
     kind, *dims = name.split("-")
     fmt = dims.pop() if not dims[-1].isdigit() else "g128"
     m, n, k = (int(d) for d in dims)
