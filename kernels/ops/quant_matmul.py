@@ -540,9 +540,10 @@ GLUON_L2_BYTES = 50 * 2**20
 # gluon_tiles: 256-row tiles of outputs at least GLUON_DP_MIN_N wide whose last wave fills at most
 # GLUON_DP_LAST_WAVE of the SMs run their full waves but one a tile a program, then share the rest stream-K
 # (the last wave's idle SMs against parts of tiles meeting in the workspace), where x stays in the L2
-# (programs that share stream-K read x at different K offsets: past the L2 they re-read it from DRAM). H100,
-# two runs against the tiles a program a wave, g128 (tests/gpu/prefill_tiling_probe.py, NOTES.md,
-# "twenty-third session"): qkv 768 / 1536 rows 73.0-73.7 / 129.7-130.4 us against 90.3-94.8 / 142.4-146.4;
+# (measured slower past it; likely: programs sharing stream-K read x at different K offsets, so past the L2
+# each re-reads it from DRAM, not profiled). H100, two runs against the tiles a program a wave, g128
+# (tests/gpu/prefill_tiling_probe.py, NOTES.md, "twenty-third session"): qkv 768 / 1536 rows 73.0-73.7 /
+# 129.7-130.4 us against 90.3-94.8 / 142.4-146.4;
 # 14336 x 4096 1536 rows 277.5-277.6 against 297.2-302.2; 14336^2 1536 rows 919.8-931.9 against 1024.9-1038.8;
 # gate_up 512 / 768 rows 193.4-195.4 / 278.9-282.5 against 199.3-201.0 / 300.7-304.6. Parts of 256 x 128
 # tiles cost 15-40 us a program to meet (tests/gpu/stream_k_meeting_probe.py: the same launches with stores
