@@ -546,7 +546,7 @@ GLUON_L2_BYTES = 50 * 2**20
 # 129.7-130.4 us against 90.3-94.8 / 142.4-146.4;
 # 14336 x 4096 1536 rows 277.5-277.6 against 297.2-302.2; 14336^2 1536 rows 919.8-931.9 against 1024.9-1038.8;
 # gate_up 512 / 768 rows 193.4-195.4 / 278.9-282.5 against 199.3-201.0 / 300.7-304.6. Parts of 256 x 128
-# tiles cost 15-40 us a program to meet (tests/gpu/stream_k_meeting_probe.py: the same launches with stores
+# tiles cost 15-42 us a program to meet (tests/gpu/stream_k_meeting_probe.py: the same launches with stores
 # that never happen; plain stores into a slot a program were no faster than the atomics), so a last wave
 # over 40% full stays (qkv at 1024 rows, 0.45: +2%, +4%, -4% in three runs; 14336 x 4096 at 768 rows, 0.55:
 # 159.8 against 148.2 in one), as do 4096-wide outputs (o_proj at 1536 rows, 0.45: 94-98 against 94-95) and
