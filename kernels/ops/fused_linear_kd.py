@@ -29,7 +29,7 @@ import triton.language as tl
 from torch.library import triton_op
 
 from squeezeserve.kernels import reference
-from squeezeserve.kernels.ops.fused_linear_ce import chunk_tokens
+from squeezeserve.kernels.ops.fused_linear_ce import accumulate_weight_grad, chunk_tokens, unit_grad
 from squeezeserve.kernels.ops.launch import next_power_of_2, traceable
 from squeezeserve.kernels.registry import EagerOp, use_reference
 
@@ -225,7 +225,12 @@ def _fused_linear_kd(
     losses = torch.empty(n_tokens, dtype=torch.float32, device=student_hidden.device)
     grad_hidden = torch.empty_like(student_hidden) if compute_grad else student_hidden.new_empty(0)
     want_weight = compute_grad and weight_grad
-    grad_weight = torch.zeros_like(student_weight) if want_weight else student_weight.new_empty(0)
+    # (written by the first chunk: accumulate_weight_grad; zeros where there is none)
+    grad_weight = (
+        (torch.empty_like if n_tokens else torch.zeros_like)(student_weight)
+        if want_weight
+        else student_weight.new_empty(0)
+    )
     for start in range(0, n_tokens, chunk):
         end = min(start + chunk, n_tokens)
         h = student_hidden[start:end]
@@ -246,7 +251,7 @@ def _fused_linear_kd(
         if compute_grad:
             torch.matmul(student_logits, student_weight, out=grad_hidden[start:end])
             if want_weight:
-                grad_weight.addmm_(student_logits.t(), h)
+                accumulate_weight_grad(grad_weight, student_logits.t(), h, first=start == 0)
     return losses.sum(), grad_hidden, grad_weight
 
 
@@ -276,6 +281,8 @@ def _scaled_grads(ctx, grad_loss, in_place: bool) -> tuple:
         return (None,) * 11
     if grad_hidden.numel() == 0 and grad_weight.numel() == 0:
         raise RuntimeError("fused_linear_kd: backward called on a forward run with compute_grad=False")
+    if in_place and unit_grad(grad_loss):  # (returned as the forward made them)
+        return grad_hidden, grad_weight if grad_weight.numel() else None, *(None,) * 9
     g = grad_loss.to(grad_hidden.dtype)
     scale = torch.Tensor.mul_ if in_place else torch.Tensor.mul
     d_weight = scale(grad_weight, g) if grad_weight.numel() else None

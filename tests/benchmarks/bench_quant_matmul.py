@@ -237,37 +237,44 @@ def dump(out: Path, group=128, bits=4):
                     (out / f"{name}-{i}.{ir}").write_text(str(compiled.asm.get(ir, "")))
 
 
+def marlin_pack(dense: torch.Tensor, group: int, zeros: bool):
+    """``dense`` [N, K] re-quantized for vLLM's Marlin W4A16 GEMM: (type, q_w, s, zp, g_idx, sort_idx), the
+    symmetric weight as GPTQ's uint4b8, with zero points as uint4 and Marlin's zero points (AWQ's Marlin
+    path). Needs vLLM."""
+    from vllm.model_executor.layers.quantization.utils import marlin_utils as mu
+    from vllm.model_executor.layers.quantization.utils.marlin_utils_test import (
+        awq_marlin_quantize,
+        marlin_quantize,
+    )
+    from vllm.scalar_type import scalar_types
+
+    wtype = scalar_types.uint4 if zeros else scalar_types.uint4b8
+    empty = mu.marlin_make_empty_g_idx(dense.device)
+    if zeros:
+        _, q_w, s, zp = awq_marlin_quantize(dense.t().contiguous(), wtype, group)
+        return wtype, q_w, s, zp, empty, empty
+    _, q_w, s, g_idx, sort_idx, _ = marlin_quantize(dense.t().contiguous(), wtype, group, False)
+    return wtype, q_w, s, empty, g_idx, sort_idx
+
+
 def marlin_timer():
     """A timer for vLLM's Marlin W4A16 GEMM on the same (re-quantized) weights, or None without vLLM."""
     try:
         from vllm.model_executor.layers.quantization.utils import marlin_utils as mu
-        from vllm.model_executor.layers.quantization.utils.marlin_utils_test import (
-            awq_marlin_quantize,
-            marlin_quantize,
-        )
-        from vllm.scalar_type import scalar_types
     except Exception as exc:
         print(f"# marlin unavailable: {type(exc).__name__}: {exc}", file=sys.stderr)
         return None
     packed = {}
 
     def timer(rec, m, n, k, group, x, dense, shape, nbytes, zeros=False):
-        # symmetric: GPTQ's uint4b8; with zero points: uint4 and Marlin's zero points (AWQ's Marlin path)
-        wtype = scalar_types.uint4 if zeros else scalar_types.uint4b8
         if (n, k, group, zeros) not in packed:  # one re-quantized weight per shape, whatever the row count
-            empty = mu.marlin_make_empty_g_idx(x.device)
-            if zeros:
-                _, q_w, s, zp = awq_marlin_quantize(dense.t().contiguous(), wtype, group)
-                g_idx = sort_idx = empty
-            else:
-                _, q_w, s, g_idx, sort_idx, _ = marlin_quantize(dense.t().contiguous(), wtype, group, False)
-                zp = empty
+            wtype, q_w, s, zp, g_idx, sort_idx = marlin_pack(dense, group, zeros)
             copies = [(q_w, s, zp)] + [
                 (q_w.clone(), s.clone(), zp.clone()) for _ in range(_copies(q_w.numel() * 4) - 1)
             ]
             packed.clear()
-            packed[(n, k, group, zeros)] = (copies, g_idx, sort_idx)
-        copies, g_idx, sort_idx = packed[(n, k, group, zeros)]
+            packed[(n, k, group, zeros)] = (copies, g_idx, sort_idx, wtype)
+        copies, g_idx, sort_idx, wtype = packed[(n, k, group, zeros)]
         ws = mu.marlin_make_workspace_new(x.device)
         fn = _cycle([
             lambda c=c: mu.apply_gptq_marlin_linear(x, *c, g_idx, sort_idx, ws, wtype, n, k, True)

@@ -7,21 +7,24 @@ them). ``run_ncu`` runs every case under ncu and writes one text report per case
 
     python3 tests/gpu/ncu_probe.py --list
     python3 tests/gpu/ncu_probe.py CASE              # the case alone (what ncu launches)
-    python3 tests/gpu/ncu_probe.py --run-ncu OUTDIR [CASE ...]
+    python3 tests/gpu/ncu_probe.py --run-ncu OUTDIR [--source] [CASE ...]
     python3 tests/gpu/ncu_probe.py --summarize OUTDIR  # one block per kernel: FIGURES, the top stalls
+    python3 tests/gpu/ncu_probe.py --stalls OUTDIR/CASE.sass.csv  # where the warps' stall samples fall
 
 Cases: ``prefill-M-N-K`` (``_prefill_kernel`` forced, int4 g128), ``bf16-M-N-K`` (cuBLAS, ``x @ w.t()``),
 ``decode-M-N-K[-g32z]`` (the skinny / FMA kernel as ``quant_matmul`` picks it; ``g32z``: int4 g32 with zero
 points), ``gluon-M-N-K[-g32z][-tTILING]`` (the Gluon kernel forced: stream-K decode up to 64 rows, the prefill
 GEMM past that, at ``quant_matmul.gluon_tiles``' tiling or, with ``-t``, at TILING as gluon_prefill_probe.py
 writes it, dots for its colons: ``gluon-384-6144-4096-t256.4.1`` a tile a program, ``-t256.4.p132`` stream-K,
-``-t256.4.p132w-1`` whole waves first). Any M, N, K parse; ``--list`` gives the ones the 2026-11-25 reports
-hold.
+``-t256.4.p132w-1`` whole waves first), ``auto-M-N-K[-g32z]`` (what quant_matmul picks), ``machete-M-N-K``
+and ``marlin-M-N-K[-g32z]`` (vLLM's W4A16 kernels on the same weight re-quantized, symmetric g128 unless
+``g32z``; vLLM staged). Any M, N, K parse; ``--list`` gives the ones the 2026-11-25 reports hold.
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
 import os
 import re
 import subprocess
@@ -99,6 +102,42 @@ def summarize(path: Path) -> str:
     return "\n".join(lines)
 
 
+def stalls(path: Path, top: int = 25) -> str:
+    """Where a kernel's warp stall samples fall (a ``--source`` run's CASE.sass.csv): the ``top`` SASS
+    instructions by samples, each with its three largest stall reasons, then the samples by opcode and by
+    reason, as shares of all samples (the idle warps of the loading warp's warpgroup included: they wait at a
+    barrier the whole kernel)."""
+    rows = list(csv.reader(path.open()))
+    head_at = next(i for i, r in enumerate(rows) if r and r[0] == "Address")
+    head = rows[head_at]
+    data = [dict(zip(head, r, strict=True)) for r in rows[head_at + 1 :] if len(r) == len(head)]
+
+    def num(v: str) -> float:
+        return float(v.replace(",", "")) if v else 0.0
+
+    samples = "Warp Stall Sampling (All Samples)"
+    total = sum(num(d[samples]) for d in data) or 1.0
+    reasons = [c for c in head if c.startswith("stall_") and "Not Issued" not in c]
+    lines = [f"== {path.name}: {len(data)} instructions, {total:.0f} samples"]
+    for d in sorted(data, key=lambda d: -num(d[samples]))[:top]:
+        most = sorted(((num(d[c]), c[6:]) for c in reasons), reverse=True)[:3]
+        why = ", ".join(f"{r} {v / total * 100:.1f}" for v, r in most if v)
+        share = num(d[samples]) / total * 100
+        lines.append(f"  {share:5.1f}% {d['Source'][:64]:64s} x{d['Instructions Executed']} | {why}")
+    by_op: dict[str, float] = {}
+    by_reason: dict[str, float] = {}
+    for d in data:
+        words = [w for w in d["Source"].split() if not w.startswith("@")]
+        op = words[0].split(".")[0] if words else "?"
+        by_op[op] = by_op.get(op, 0.0) + num(d[samples])
+        for c in reasons:
+            by_reason[c[6:]] = by_reason.get(c[6:], 0.0) + num(d[c])
+    for name, shares in (("by opcode", by_op), ("by reason", by_reason)):
+        ranked = sorted(shares.items(), key=lambda kv: -kv[1])[:14]
+        lines.append(f"  {name}: " + ", ".join(f"{k} {v / total * 100:.1f}%" for k, v in ranked))
+    return "\n".join(lines)
+
+
 def split_tiling(name: str) -> tuple[str, dict | None]:
     """A case's name without its ``-tTILING`` suffix, and the Gluon prefill tiling that suffix gives."""
     name, _, spec = name.partition("-t")
@@ -123,12 +162,40 @@ def _case(name: str):
     weight = torch.randn(n, k, device="cuda", dtype=DTYPE) / 64
     if kind == "bf16":
         return lambda: x @ weight.t()
+    if kind in ("machete", "marlin"):
+        return _vllm_case(kind, x, weight, group, zeros)
     t = quant_layout.pack_weight(weight, 4, group, symmetric=not zeros)
     qw, sc, zp = t["weight_packed"], t["weight_scale"], t.get("weight_zero_point")
-    qm.PREFILL, qm.DECODE = {"prefill": ("triton", "triton"), "gluon": ("gluon", "gluon")}.get(
-        kind, ("auto", "triton")
-    )
+    qm.PREFILL, qm.DECODE = {
+        "prefill": ("triton", "triton"),
+        "gluon": ("gluon", "gluon"),
+        "auto": ("auto", "auto"),
+    }.get(kind, ("auto", "triton"))
     return lambda: K.quant_matmul(x, qw, sc, zp, group, 4)
+
+
+def _vllm_case(kind: str, x, weight, group: int, zeros: bool):
+    """vLLM's Machete (symmetric only) or Marlin GEMM of ``weight`` re-quantized, as bench_quant_matmul.py's
+    timers call them."""
+    from vllm import _custom_ops as ops
+    from vllm.model_executor.layers.quantization.utils import marlin_utils as mu
+    from vllm.model_executor.layers.quantization.utils.quant_utils import pack_rows, quantize_weights
+    from vllm.scalar_type import scalar_types
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+    from bench_quant_matmul import marlin_pack
+
+    n, k = weight.shape
+    if kind == "machete":
+        if zeros:
+            raise SystemExit("machete cases are symmetric (Machete is item 2's peer, Marlin item 1's)")
+        wtype = scalar_types.uint4b8
+        _, w_q, w_s, _ = quantize_weights(weight.t().contiguous(), wtype, group)
+        b = ops.machete_prepack_B(pack_rows(w_q, 4, k, n).t().contiguous().t(), DTYPE, wtype, DTYPE)
+        return lambda: ops.machete_mm(a=x, b_q=b, b_type=wtype, b_group_scales=w_s, b_group_size=group)
+    wtype, q_w, s, zp, g_idx, sort_idx = marlin_pack(weight, group, zeros)
+    ws = mu.marlin_make_workspace_new(x.device)
+    return lambda: mu.apply_gptq_marlin_linear(x, q_w, s, zp, g_idx, sort_idx, ws, wtype, n, k, True)
 
 
 def run_case(name: str) -> None:
@@ -142,17 +209,27 @@ def run_case(name: str) -> None:
     torch.cuda.synchronize()
 
 
-def run_ncu(out: Path, cases) -> int:
+def run_ncu(out: Path, cases, source: bool = False) -> int:
+    """Each case under ncu: its sections' report (CASE.txt); with ``source`` also its SASS with the warp
+    stall samples of each instruction (CASE.sass.csv, ncu's source page)."""
     out.mkdir(parents=True, exist_ok=True)
     failed = 0
+    base = ["ncu", "--clock-control", "none", "--nvtx", "--nvtx-include", "prof/"]
     for name in cases:
-        cmd = ["ncu", "--clock-control", "none", "--nvtx", "--nvtx-include", "prof/"]
-        cmd += ["--print-details", "all", "--metrics", ",".join(LOCAL)]
+        cmd = base + ["--print-details", "all", "--metrics", ",".join(LOCAL)]
         for s in SECTIONS:
             cmd += ["--section", s]
-        cmd += [sys.executable, __file__, name]
-        r = subprocess.run(cmd, capture_output=True, text=True, env=os.environ)
+        r = subprocess.run(
+            cmd + [sys.executable, __file__, name], capture_output=True, text=True, env=os.environ
+        )
         (out / f"{name}.txt").write_text(r.stdout + ("\n# stderr\n" + r.stderr if r.returncode else ""))
+        if source and r.returncode == 0:
+            cmd = base + ["--section", "SourceCounters", "--section", "WarpStateStats", "--page", "source"]
+            cmd += ["--print-source", "sass", "--csv", sys.executable, __file__, name]
+            r = subprocess.run(cmd, capture_output=True, text=True, env=os.environ)
+            (out / f"{name}.sass.csv").write_text(
+                r.stdout + ("\n# stderr\n" + r.stderr if r.returncode else "")
+            )
         print(f"{name}: rc={r.returncode}", flush=True)
         failed += r.returncode != 0
     return failed
@@ -163,14 +240,20 @@ def main() -> None:
     p.add_argument("cases", nargs="*")
     p.add_argument("--list", action="store_true")
     p.add_argument("--run-ncu", metavar="OUTDIR")
+    p.add_argument(
+        "--source", action="store_true", help="with --run-ncu: each instruction's stall samples too"
+    )
     p.add_argument("--summarize", metavar="OUTDIR")
+    p.add_argument("--stalls", metavar="CSV", help="a --source run's CASE.sass.csv")
     a = p.parse_args()
     if a.list:
         print("\n".join(CASES))
+    elif a.stalls:
+        print(stalls(Path(a.stalls)))
     elif a.summarize:
         print("\n".join(summarize(f) for f in sorted(Path(a.summarize).glob("*.txt"))))
     elif a.run_ncu:
-        sys.exit(1 if run_ncu(Path(a.run_ncu), a.cases or CASES) else 0)
+        sys.exit(1 if run_ncu(Path(a.run_ncu), a.cases or CASES, a.source) else 0)
     else:
         for name in a.cases:
             run_case(name)

@@ -12,9 +12,11 @@ def _eager(hidden, weight, target, bias, **kw):
 
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize(("smoothing", "reduction"), [(0.0, "mean"), (0.1, "sum")])
-def test_flce_matches_eager_fp32(with_bias, smoothing, reduction, device):
-    n, h, v = 37, 24, 301  # v / h > 1: several chunks of tokens
-    assert chunk_tokens(n, h, v) < n
+@pytest.mark.parametrize("grad_scale", [1.0, 2.0])  # 1: the eager backward returns the gradients unscaled
+@pytest.mark.parametrize("v", [301, 20])  # v / h > 1: several chunks of tokens; v < h: one chunk
+def test_flce_matches_eager_fp32(with_bias, smoothing, reduction, grad_scale, v, device):
+    n, h = 37, 24
+    assert (chunk_tokens(n, h, v) < n) == (v > h)
     hidden = torch.randn(n, h, device=device, requires_grad=True)
     weight = (torch.randn(v, h, device=device) / h**0.5).requires_grad_()
     bias = torch.randn(v, device=device, requires_grad=True) if with_bias else None
@@ -22,13 +24,13 @@ def test_flce_matches_eager_fp32(with_bias, smoothing, reduction, device):
     target[::5] = -100
     kw = {"ignore_index": -100, "label_smoothing": smoothing, "reduction": reduction}
     loss = K.fused_linear_cross_entropy(hidden, weight, target, bias, **kw)
-    (loss * 2).backward()
+    (loss * grad_scale).backward()
     inputs = [hidden, weight] + ([bias] if with_bias else [])
     ours = [t.grad.clone() for t in inputs]
     for t in inputs:
         t.grad = None
     ref = _eager(hidden, weight, target, bias, **kw)
-    (ref * 2).backward()
+    (ref * grad_scale).backward()
     # fp32 throughout: matmul and reduction order only (chunked GEMMs, online softmax).
     torch.testing.assert_close(loss, ref, atol=1e-5, rtol=1e-5)
     for got, t in zip(ours, inputs, strict=True):
@@ -123,3 +125,21 @@ def test_fused_losses_get_no_zero_filled_grads_for_their_gradient_outputs(op_nam
     spied(*args)[0].backward()
     assert seen and all(g is None for g in seen), [type(g) for g in seen]
     assert hidden.grad is not None and weight.grad is not None
+
+
+def test_flce_eager_backward_reads_a_unit_gradient_and_skips_the_scaling(monkeypatch, device):
+    # loss.backward() hands the loss a gradient of exactly 1: the eager backward returns the gradients the
+    # forward made without a pass over them (grad_weight is 1.05 GB at V=128k, H=4096); any other gradient
+    # scales them. The values are checked against eager PyTorch in test_flce_matches_eager_fp32.
+    from squeezeserve.kernels.ops import fused_linear_ce
+
+    seen = []
+    read = fused_linear_ce.unit_grad
+    monkeypatch.setattr(fused_linear_ce, "unit_grad", lambda g: seen.append(read(g)) or seen[-1])
+    hidden = torch.randn(9, 8, device=device, requires_grad=True)
+    weight = torch.randn(30, 8, device=device, requires_grad=True)
+    target = torch.randint(0, 30, (9,), device=device)
+    K.fused_linear_cross_entropy(hidden, weight, target).backward()
+    (K.fused_linear_cross_entropy(hidden, weight, target) * 3).backward()
+    assert seen == [True, False]
+    assert read(torch.tensor(1.0)) and not read(torch.tensor(1.0 + 2**-20)) and not read(torch.ones(2))

@@ -18,7 +18,10 @@ def _inputs(n, h_s, h_t, v, device, dtype=torch.float32, teacher_scale=1.0):
     ("temperature", "lm_weight", "reduction", "with_target"),
     [(1.0, 0.0, "mean", False), (2.0, 0.0, "sum", True), (0.7, 0.3, "mean", True)],
 )
-def test_fused_kd_matches_the_unfused_loss_fp32(temperature, lm_weight, reduction, with_target, device):
+@pytest.mark.parametrize("grad_scale", [1.0, 2.0])  # 1: the eager backward returns the gradients unscaled
+def test_fused_kd_matches_the_unfused_loss_fp32(
+    temperature, lm_weight, reduction, with_target, grad_scale, device
+):
     # v / h > 1 and odd sizes: several chunks of tokens, ragged vocabulary blocks; teacher wider than the
     # student (a distilled student may be narrower).
     n, h_s, h_t, v = 37, 24, 40, 301
@@ -30,11 +33,11 @@ def test_fused_kd_matches_the_unfused_loss_fp32(temperature, lm_weight, reductio
         target[::5] = -100
     kw = {"temperature": temperature, "lm_weight": lm_weight, "reduction": reduction}
     loss = K.fused_linear_kd(sh, sw, th, tw, target, **kw)
-    (loss * 2).backward()
+    (loss * grad_scale).backward()
     ours = [sh.grad.clone(), sw.grad.clone()]
     sh.grad = sw.grad = None
     ref = reference.linear_kd(sh, sw, th, tw, target, **kw)
-    (ref * 2).backward()
+    (ref * grad_scale).backward()
     # fp32 throughout: matmul and reduction order only (chunked GEMMs, online softmaxes).
     torch.testing.assert_close(loss, ref, atol=1e-5, rtol=1e-5)
     for got, want in zip(ours, (sh.grad, sw.grad), strict=True):
