@@ -16,7 +16,8 @@ Cases: ``prefill-M-N-K`` (``_prefill_kernel`` forced, int4 g128), ``bf16-M-N-K``
 points), ``gluon-M-N-K[-g32z][-tTILING]`` (the Gluon kernel forced: stream-K decode up to 64 rows, the prefill
 GEMM past that, at ``quant_matmul.gluon_tiles``' tiling or, with ``-t``, at TILING as gluon_prefill_probe.py
 writes it, dots for its colons: ``gluon-384-6144-4096-t256.4.1`` a tile a program, ``-t256.4.p132`` stream-K,
-``-t256.4.p132w-1`` whole waves first), ``auto-M-N-K[-g32z]`` (what quant_matmul picks), ``machete-M-N-K``
+``-t256.4.p132w-1`` whole waves first), ``auto-M-N-K[-g32z]`` (what quant_matmul picks; ``-g128o`` /
+``-g32zo``: on owned words, quant_matmul_owned, as the vLLM method serves them on Hopper), ``machete-M-N-K``
 and ``marlin-M-N-K[-g32z]`` (vLLM's W4A16 kernels on the same weight re-quantized, symmetric g128 unless
 ``g32z``; vLLM staged). Any M, N, K parse; ``--list`` gives the ones the 2026-11-25 reports hold.
 """
@@ -157,7 +158,8 @@ def _case(name: str):
     kind, *dims = name.split("-")
     fmt = dims.pop() if not dims[-1].isdigit() else "g128"
     m, n, k = (int(d) for d in dims)
-    group, zeros = (32, True) if fmt == "g32z" else (128, False)
+    owned = fmt.endswith("o")
+    group, zeros = (32, True) if fmt.removesuffix("o") == "g32z" else (128, False)
     x = torch.randn(m, k, device="cuda", dtype=DTYPE)
     weight = torch.randn(n, k, device="cuda", dtype=DTYPE) / 64
     if kind == "bf16":
@@ -171,6 +173,10 @@ def _case(name: str):
         "gluon": ("gluon", "gluon"),
         "auto": ("auto", "auto"),
     }.get(kind, ("auto", "triton"))
+    if owned:  # the words and zero points as the vLLM method repacks them on Hopper
+        qw = quant_layout.to_owned_order(qw)
+        zp = quant_layout.to_owned_zeros(zp, n) if zp is not None else None
+        return lambda: torch.ops.squeezeserve.quant_matmul_owned(x, qw, sc, zp, group)
     return lambda: K.quant_matmul(x, qw, sc, zp, group, 4)
 
 
