@@ -61,6 +61,24 @@ from squeezeserve.kernels.ops.launch import FastLaunch, cdiv
 # Gluon's names in Triton 3.6 (vLLM 0.26's) and from 3.9 on: a CTA-wide barrier (``thread_barrier`` ->
 # ``barrier``), a TMA load into shared memory (``async_copy_global_to_shared`` -> ``async_load``).
 _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+
+
+@gluon.jit
+def _launch_dependents():
+    """``griddepcontrol.launch_dependents``: the kernel after this one, launched as a programmatic dependent,
+    may start once every program of this one has said so (or ended)."""
+    gl.inline_asm_elementwise(
+        "griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1
+    )
+
+
+@gluon.jit
+def _grid_dependency_wait():
+    """``griddepcontrol.wait``: under programmatic dependent launch (PDL), until the kernel before this one
+    in the stream has finished and its writes are visible; a no-op otherwise."""
+    gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
+
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 
 # Value pair (2 j, 2 j + 1) of a word as one bf16x2 / f16x2 register, minus (BIAS + z), times s: the pair's
@@ -513,6 +531,22 @@ def _segment(unit, end, k_units, tiles_m, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
 
 
 @gluon.jit
+def _load_words(w_desc, s_desc, w_smem, s_smem, x_desc, ready, empty, stage, g, t, off_n,
+                SCALES_TMA: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+    """PDL's loader: K tile ``t``'s words (and scales) into ring stage ``stage`` (the ``g``-th tile loaded)
+    once it is free, the stage's ``ready`` expecting x's tile too (issued apart: after the wait)."""
+    # (a fresh barrier: phase 1 is done)
+    mbarrier.wait(empty.index(stage), ((g // STAGES) & 1) ^ 1)
+    bar = ready.index(stage)
+    if SCALES_TMA:
+        mbarrier.expect(bar, x_desc.block_type.nbytes + w_desc.block_type.nbytes + s_desc.block_type.nbytes)
+        _tma_load(s_desc, [off_n, t * 8], bar, s_smem.index(stage))
+    else:
+        mbarrier.expect(bar, x_desc.block_type.nbytes + w_desc.block_type.nbytes)
+    _tma_load(w_desc, [off_n, t * (BLOCK_K // 8)], bar, w_smem.index(stage))
+
+
+@gluon.jit
 def _load_partition(
     x_desc,
     w_desc,
@@ -534,13 +568,28 @@ def _load_partition(
     BLOCK_N: gl.constexpr,
     BLOCK_K: gl.constexpr,
     STAGES: gl.constexpr,
+    PDL: gl.constexpr,
 ):
     """The loading warp: every K tile of the program's run, in order, into the ring's next stage once the
     products of the tile it held are done (``empty``); TMA signals ``ready`` when the bytes are in. With
-    ``SCALES_TMA`` the tile's scales too ([BLOCK_N, 8] of the [N, groups] scales: eight groups a tile)."""
+    ``SCALES_TMA`` the tile's scales too ([BLOCK_N, 8] of the [N, groups] scales: eight groups a tile).
+    ``PDL`` (launched as a programmatic dependent): the weight's words (and scales) of the run's first
+    stages, which no kernel before this one writes, go out before the wait for that kernel
+    (:func:`_grid_dependency_wait`); x's tiles after it."""
     start, end, k_units, stretches = _share(M, N, K, units_per_split, dp_tiles, STREAM_K, DP, BLOCK_M,
                                             BLOCK_N, BLOCK_K)  # fmt: skip
     tiles_m = gl.cdiv(M, BLOCK_M)
+    if PDL:
+        _launch_dependents()
+        lo, hi = _stretch(0, start, end, k_units, dp_tiles, DP)
+        ahead = lo * 0  # the run's first K tiles whose words went out before the wait
+        if lo < hi:
+            tile, u0, units, off_m, off_n = _segment(lo, hi, k_units, tiles_m, BLOCK_M, BLOCK_N)
+            ahead = gl.minimum(2 * units, STAGES)
+            for t in range(2 * u0, 2 * u0 + ahead):
+                _load_words(w_desc, s_desc, w_smem, s_smem, x_desc, ready, empty, t - 2 * u0, t - 2 * u0, t,
+                            off_n, SCALES_TMA, BLOCK_K, STAGES)  # fmt: skip
+        _grid_dependency_wait()
     g = 0  # K tiles loaded so far: the ring's position and phase
     for s in range(stretches):
         lo, hi = _stretch(s, start, end, k_units, dp_tiles, DP)
@@ -549,18 +598,25 @@ def _load_partition(
             tile, u0, units, off_m, off_n = _segment(unit, hi, k_units, tiles_m, BLOCK_M, BLOCK_N)
             for t in range(2 * u0, 2 * (u0 + units)):
                 stage = g % STAGES
-                # (a fresh barrier: phase 1 is done)
-                mbarrier.wait(empty.index(stage), ((g // STAGES) & 1) ^ 1)
                 bar = ready.index(stage)
-                if SCALES_TMA:
-                    mbarrier.expect(
-                        bar, x_desc.block_type.nbytes + w_desc.block_type.nbytes + s_desc.block_type.nbytes
-                    )
-                    _tma_load(s_desc, [off_n, t * 8], bar, s_smem.index(stage))
+                if PDL:
+                    if g >= ahead:  # (the first ``ahead`` tiles' words are out already)
+                        _load_words(w_desc, s_desc, w_smem, s_smem, x_desc, ready, empty, stage, g, t, off_n,
+                                    SCALES_TMA, BLOCK_K, STAGES)  # fmt: skip
+                    _tma_load(x_desc, [off_m, t * BLOCK_K], bar, x_smem.index(stage))
                 else:
-                    mbarrier.expect(bar, x_desc.block_type.nbytes + w_desc.block_type.nbytes)
-                _tma_load(x_desc, [off_m, t * BLOCK_K], bar, x_smem.index(stage))
-                _tma_load(w_desc, [off_n, t * (BLOCK_K // 8)], bar, w_smem.index(stage))
+                    # (a fresh barrier: phase 1 is done)
+                    mbarrier.wait(empty.index(stage), ((g // STAGES) & 1) ^ 1)
+                    if SCALES_TMA:
+                        mbarrier.expect(
+                            bar,
+                            x_desc.block_type.nbytes + w_desc.block_type.nbytes + s_desc.block_type.nbytes,
+                        )
+                        _tma_load(s_desc, [off_n, t * 8], bar, s_smem.index(stage))
+                    else:
+                        mbarrier.expect(bar, x_desc.block_type.nbytes + w_desc.block_type.nbytes)
+                    _tma_load(x_desc, [off_m, t * BLOCK_K], bar, x_smem.index(stage))
+                    _tma_load(w_desc, [off_n, t * (BLOCK_K // 8)], bar, w_smem.index(stage))
                 g += 1
             unit += units
 
@@ -599,6 +655,7 @@ def _compute_partition(
     BLOCK_N: gl.constexpr,
     BLOCK_K: gl.constexpr,
     STAGES: gl.constexpr,
+    PDL: gl.constexpr,
     num_warps: gl.constexpr,
 ):
     """The products, tile by tile: tile t's run on the tensor cores while tile t + 1's operand is made from
@@ -618,6 +675,8 @@ def _compute_partition(
     start, end, k_units, stretches = _share(M, N, K, units_per_split, dp_tiles, STREAM_K, DP, BLOCK_M,
                                             BLOCK_N, BLOCK_K)  # fmt: skip
     tiles_m = gl.cdiv(M, BLOCK_M)
+    if PDL:  # (y, the workspace and its counts may still be the kernel before's)
+        _grid_dependency_wait()
     g = 0  # K tiles consumed so far, as the loader counts them
     for s in range(stretches):
         lo, hi = _stretch(s, start, end, k_units, dp_tiles, DP)
@@ -734,6 +793,7 @@ def _wgmma_kernel(
     BLOCK_N: gl.constexpr,
     BLOCK_K: gl.constexpr,
     STAGES: gl.constexpr,
+    PDL: gl.constexpr,  # launched as a programmatic dependent (launch_args' ``pdl``)
     num_warps: gl.constexpr,
 ):
     x_smem, w_smem, s_smem, ready, empty = _ring(x_desc, w_desc, s_desc, BLOCK_M, BLOCK_N, BLOCK_K, STAGES,
@@ -746,10 +806,10 @@ def _wgmma_kernel(
                                   count_ptr, M, N, K, scale_row_stride, zero_row_stride, y_row_stride,
                                   units_per_split, dp_tiles, MODE, STREAM_K, DP, LATE_FIRST, OWNED, GROUP,
                                   HAS_ZERO, ZERO_ROWS, SCALES_TMA, MAGIC_F, BLOCK_M, BLOCK_N, BLOCK_K, STAGES,
-                                  num_warps)),
+                                  PDL, num_warps)),
             (_load_partition, (x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, ready, empty, M, N, K,
                                units_per_split, dp_tiles, STREAM_K, DP, SCALES_TMA, BLOCK_M, BLOCK_N, BLOCK_K,
-                               STAGES)),
+                               STAGES, PDL)),
         ],
         [1],
         [24],
@@ -837,6 +897,7 @@ def launch_args(
     late_first=True,
     owned=False,
     zero_rows=None,
+    pdl=None,
 ) -> tuple[tuple, tuple, dict]:
     """The grid, arguments and keywords of the Gluon kernel's launch for y [M, N] = x2 [M, K] @
     dequantize(W).T: each output tile's K split ``split`` ways, or, with ``programs``, all (tile, K unit)
@@ -897,10 +958,26 @@ def launch_args(
         "BLOCK_N": block_n,
         "BLOCK_K": block_k,
         "STAGES": stages,
+        "PDL": PDL if pdl is None else bool(pdl),
         "num_warps": num_warps,
         "maxnreg": maxnreg,
     }
+    if kwargs["PDL"]:
+        kwargs["launch_pdl"] = (
+            True  # (Triton's launcher: CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION)
+        )
     return grid, args, kwargs
+
+
+# Launch as a programmatic dependent (PDL): the kernel may start as the one before it in the stream drains
+# (it calls launch_dependents first itself), its first stages' weight loads out before it waits for that
+# kernel (``_load_partition``). H100, tests/gpu/pdl_probe.py (NOTES.md, twenty-fourth session): after a
+# kernel that calls launch_dependents (back to back) the decode is 6-13% faster (14336 x 4096 at 1-16 rows
+# 17.2-18.1 -> 15.5-16.5 us, g32 with zero points 18.3-19.3 -> 16.3-17.5; 14336^2 47 -> 44), 512-row prefill
+# within noise; after one that does not (torch's RMSNorm) 4-8% slower (14336 x 4096 22.2 -> 23.8-24.1 us).
+# Off until the kernels before the GEMMs of a decoder layer call launch_dependents and the launch takes PDL
+# only after those.
+PDL = False
 
 
 # Scales by TMA where the ring of stages holds them too, up to this many bytes of x and words: the 64-row

@@ -664,3 +664,86 @@ def test_owned_words_take_the_gluon_kernel_or_a_dequantize_that_reads_them(run_c
     for m, r in results.items():
         kernel = "_wgmma_kernel" if int(m) <= qm.GLUON_PREFILL_MAX_M else "_dequantize_kernel"
         assert r["launches"] and all(one == [kernel, True] for one in r["launches"]), (m, r)
+
+
+def test_a_programmatic_dependent_launch_is_asked_for_only_under_pdl(monkeypatch):
+    # quant_matmul_gluon.PDL (off: a trial, NOTES.md, twenty-fourth session) or launch_args' ``pdl`` make the
+    # kernel a programmatic dependent: the PDL constexpr and Triton's launch_pdl option, which its launcher
+    # turns into CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION. Otherwise neither.
+    m, n, k = 16, 14336, 4096
+    x, qw, sc = torch.zeros(m, k, dtype=torch.bfloat16), torch.zeros(n, k // 8, dtype=torch.int32), None
+    sc = torch.zeros(n, k // 128, dtype=torch.bfloat16)
+    y = torch.empty(m, n, dtype=torch.bfloat16)
+    cfg = qm.gluon_decode_tiles(m, 132)
+    kwargs = qg.launch_args(x, qw, sc, None, 128, y, y, y, mode=2, **cfg)[2]
+    assert kwargs["PDL"] is False and "launch_pdl" not in kwargs
+    kwargs = qg.launch_args(x, qw, sc, None, 128, y, y, y, mode=2, pdl=True, **cfg)[2]
+    assert kwargs["PDL"] is True and kwargs["launch_pdl"] is True
+    monkeypatch.setattr(qg, "PDL", True)
+    assert qg.launch_args(x, qw, sc, None, 128, y, y, y, mode=2, **cfg)[2]["launch_pdl"] is True
+    assert "launch_pdl" not in qg.launch_args(x, qw, sc, None, 128, y, y, y, mode=2, pdl=False, **cfg)[2]
+
+
+_PDL_COMPILE = """
+import json
+import torch
+from squeezeserve.kernels.ops import cross_compile
+from squeezeserve.kernels.ops import quant_matmul as qm
+from squeezeserve.kernels.ops import quant_matmul_gluon as qg
+
+for m, n, k in ((16, 14336, 4096), (2048, 14336, 4096)):  # the decode and a prefill of the 8B model's gate
+    x = torch.zeros(m, k, dtype=torch.bfloat16)
+    qw, sc = torch.zeros(n, k // 8, dtype=torch.int32), torch.zeros(n, k // 128, dtype=torch.bfloat16)
+    y, ws, counts = torch.empty(m, n, dtype=x.dtype), torch.zeros(m * n), torch.zeros(4096, dtype=torch.int32)
+    cfg = qm.gluon_decode_tiles(m, 132) if m <= 64 else qm.gluon_tiles(m, n, k, 132)
+    out = {"case": m}
+    for pdl in (False, True):
+        launch = qg.launch_args(x, qw, sc, None, 128, y, ws, counts, mode=2, owned=True, pdl=pdl, **cfg)
+        compiled = cross_compile.compile_for(qg._wgmma_kernel, launch[1], launch[2])
+        s = cross_compile.summary(cross_compile.sass(compiled))
+        ptx = compiled.asm["ptx"]
+        out[str(pdl)] = {key: s[key] for key in ("local", "loop_local", "groups", "wait_one", "wait_all")} | {
+            "waits": ptx.count("griddepcontrol.wait"),
+            "triggers": ptx.count("griddepcontrol.launch_dependents"),
+            "launch_pdl": bool(compiled.metadata.launch_pdl),
+            "loop": s["loop_instructions"],
+        }
+    print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(not cross_compile.has_cuobjdump(), reason="this Triton wheel has no cuobjdump")
+def test_a_programmatic_dependent_kernel_compiles_for_sm90_as_pipelined(run_compiled):
+    # Under PDL the loading warp lets the next kernel launch, sends the first stages' weight words, then
+    # waits (griddepcontrol.wait) for the kernel before it; the compute warps wait before their first
+    # product. The K loop is the one without PDL (its products pipelined, nothing spilled in it).
+    results = run_compiled(["-c", _PDL_COMPILE])
+    assert len(results) == 2
+    for m, r in results.items():
+        off, on = r["False"], r["True"]
+        assert (off["waits"], off["triggers"], off["launch_pdl"]) == (0, 0, False), (m, off)
+        assert on["waits"] >= 2 and on["triggers"] >= 1 and on["launch_pdl"], (
+            m,
+            on,
+        )  # (the loader's, the compute's)
+        assert on["wait_one"] == on["groups"] >= 1 and on["loop_local"] == 0, (m, on)
+        assert on["loop"] == off["loop"], (m, r)
+
+
+@needs_hopper
+@pytest.mark.parametrize(
+    ("m", "n", "k", "zeros"),
+    [(4, 14336, 4096, False), (16, 4096, 4096, True), (512, 6144, 4096, False), (2048, 4096, 4096, False)],
+)
+def test_a_programmatic_dependent_kernel_gives_the_same_products(m, n, k, zeros, monkeypatch):
+    # Back to back in a stream, the second a programmatic dependent of the first (which lets it launch
+    # early): each result as without PDL (stream-K's fp32 atomics may add in another order).
+    qw, sc, zp = _packed(n, k, 128, zeros, torch.bfloat16, "cuda")
+    qw, zp = ql.to_owned_order(qw), (ql.to_owned_zeros(zp, n) if zeros else None)
+    xs = [torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+    plain = [qm._quant_matmul_owned(x, qw, sc, zp, 128) for x in xs]
+    monkeypatch.setattr(qg, "PDL", True)
+    dependent = [qm._quant_matmul_owned(x, qw, sc, zp, 128) for x in xs]
+    torch.cuda.synchronize()
+    for got, want in zip(dependent, plain, strict=True):
+        torch.testing.assert_close(got, want, rtol=4e-3, atol=2e-3)

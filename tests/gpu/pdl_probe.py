@@ -1,0 +1,91 @@
+"""Issue 16 item 1 (and the prompts of item 3): the Gluon kernel launched as a programmatic dependent (PDL)
+against the launch it has today, through quant_matmul's own path on owned words (as the vLLM method serves
+Hopper).
+
+A decode GEMM of 30-60 MB is a ~20 us kernel that reaches under half the DRAM bandwidth: its start and its
+end cost what its streaming does not (Nsight Compute, NOTES.md, twenty-fourth session). Under PDL
+(``quant_matmul_gluon.PDL``) the kernel may start while the one before it in the stream drains: its loading
+warp sends the weight's words for the first ring stages (no kernel before writes them), then waits for the
+previous kernel (``griddepcontrol.wait``) before it loads x, and the compute warps wait before they write.
+
+    python tests/gpu/pdl_probe.py [--ms 1,4,16,64,512,2048] [--shapes 14336x4096,...] [--group 128] [--zeros]
+
+Each call is timed in a CUDA graph cycling through weight copies past the L2 (cold weights; the kernels back
+to back, so each one's predecessor is the same GEMM), with PDL off, on, off, on; each column's result is
+checked against the first (stream-K's fp32 atomics may order the sums differently: compared to 1e-3).
+``--after-norm`` puts an RMSNorm (torch's) before every GEMM in the graph, as in a decoder layer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import math
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from triton.testing import do_bench_cudagraph
+
+from squeezeserve.kernels import quant_layout
+from squeezeserve.kernels.ops import quant_matmul as qm
+from squeezeserve.kernels.ops import quant_matmul_gluon as qg
+
+sys.path.insert(0, str(Path(__file__).parent))
+from gluon_prefill_probe import COLD_BYTES, cycle  # noqa: E402
+
+SHAPES = {"14336x4096": (14336, 4096), "4096x14336": (4096, 14336), "28672x4096": (28672, 4096),
+          "14336x14336": (14336, 14336), "6144x4096": (6144, 4096)}  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ms", default="1,4,16,64,512,2048")
+    ap.add_argument("--shapes", default="14336x4096,4096x14336,28672x4096,14336x14336")
+    ap.add_argument("--group", type=int, default=128)
+    ap.add_argument("--zeros", action="store_true")
+    ap.add_argument("--after-norm", action="store_true")
+    args = ap.parse_args()
+    zeros = " zero points" if args.zeros else ""
+    norm = "; each GEMM after an RMSNorm" if args.after_norm else ""
+    device = torch.cuda.get_device_name()
+    print(f"# {device}; g{args.group}{zeros}; owned words; us, PDL off / on / off / on{norm}")
+    for name in args.shapes.split(","):
+        n, k = SHAPES[name]
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / 64
+        t = quant_layout.pack_weight(w, 4, args.group, symmetric=not args.zeros)
+        qw = quant_layout.to_owned_order(t["weight_packed"])
+        sc = t["weight_scale"].to(torch.bfloat16)
+        zp = t.get("weight_zero_point")
+        zp = quant_layout.to_owned_zeros(zp, n) if zp is not None else None
+        copies = max(1, min(64, math.ceil(COLD_BYTES / (qw.numel() * 4))))
+        packs = [(qw, sc, zp)] + [(qw.clone(), sc.clone(), zp) for _ in range(copies - 1)]
+        norm_w = torch.ones(k, device="cuda", dtype=torch.bfloat16)
+        for m in map(int, args.ms.split(",")):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+
+            def step(p, x=x, k=k, norm_w=norm_w):
+                h = F.rms_norm(x, (k,), norm_w) if args.after_norm else x
+                return qm._quant_matmul_owned(h, *p, args.group)
+
+            row, first = [], None
+            for pdl in (False, True, False, True):
+                qg.PDL = pdl
+                try:
+                    y = step(packs[0]).float()
+                    if first is None:
+                        first = y
+                    err = ((y - first).norm() / first.norm().clamp_min(1e-30)).item()
+                    assert err < 1e-3, f"{name} m={m} pdl={pdl}: rel diff {err}"
+                    t_us = (
+                        do_bench_cudagraph(cycle([functools.partial(step, p) for p in packs]), rep=40) * 1e3
+                    )
+                finally:
+                    qg.PDL = False
+                row.append(f"{t_us:.2f}")
+            print(f"{name} m={m}: " + " / ".join(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()
