@@ -13,7 +13,9 @@ previous kernel (``griddepcontrol.wait``) before it loads x, and the compute war
 Each call is timed in a CUDA graph cycling through weight copies past the L2 (cold weights; the kernels back
 to back, so each one's predecessor is the same GEMM), with PDL off, on, off, on; each column's result is
 checked against the first (stream-K's fp32 atomics may order the sums differently: compared to 1e-3).
-``--after-norm`` puts an RMSNorm (torch's) before every GEMM in the graph, as in a decoder layer.
+``--after-norm`` puts an RMSNorm (torch's) before every GEMM in the graph, as in a decoder layer. ``--marlin``
+adds vLLM's Marlin on the same weights re-quantized (its launch as vLLM makes it; vLLM staged), timed the same
+way in the same call.
 """
 
 from __future__ import annotations
@@ -39,6 +41,24 @@ SHAPES = {"14336x4096": (14336, 4096), "4096x14336": (4096, 14336), "28672x4096"
           "14336x14336": (14336, 14336), "6144x4096": (6144, 4096)}  # fmt: skip
 
 
+def _marlin(w: torch.Tensor, group: int, zeros: bool, copies: int):
+    """(call(x, copy), copies): vLLM's Marlin GEMM of ``w`` re-quantized, as bench_quant_matmul.py has it."""
+    from vllm.model_executor.layers.quantization.utils import marlin_utils as mu
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+    from bench_quant_matmul import marlin_pack
+
+    n, k = w.shape
+    wtype, q_w, s, zp, g_idx, sort_idx = marlin_pack(w, group, zeros)
+    ws = mu.marlin_make_workspace_new(w.device)
+    packs = [(q_w, s, zp)] + [(q_w.clone(), s.clone(), zp.clone()) for _ in range(copies - 1)]
+
+    def call(x, c):
+        return mu.apply_gptq_marlin_linear(x, *c, g_idx, sort_idx, ws, wtype, n, k, True)
+
+    return call, packs
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ms", default="1,4,16,64,512,2048")
@@ -46,6 +66,7 @@ def main() -> None:
     ap.add_argument("--group", type=int, default=128)
     ap.add_argument("--zeros", action="store_true")
     ap.add_argument("--after-norm", action="store_true")
+    ap.add_argument("--marlin", action="store_true")
     args = ap.parse_args()
     zeros = " zero points" if args.zeros else ""
     norm = "; each GEMM after an RMSNorm" if args.after_norm else ""
@@ -62,6 +83,7 @@ def main() -> None:
         copies = max(1, min(64, math.ceil(COLD_BYTES / (qw.numel() * 4))))
         packs = [(qw, sc, zp)] + [(qw.clone(), sc.clone(), zp) for _ in range(copies - 1)]
         norm_w = torch.ones(k, device="cuda", dtype=torch.bfloat16)
+        marlin = _marlin(w, args.group, args.zeros, copies) if args.marlin else None
         for m in map(int, args.ms.split(",")):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
 
@@ -84,6 +106,16 @@ def main() -> None:
                 finally:
                     qg.PDL = False
                 row.append(f"{t_us:.2f}")
+            if marlin is not None:
+
+                def peer(c, x=x, k=k, norm_w=norm_w, gemm=marlin[0]):
+                    h = F.rms_norm(x, (k,), norm_w) if args.after_norm else x
+                    return gemm(h, c)
+
+                t_us = (
+                    do_bench_cudagraph(cycle([functools.partial(peer, c) for c in marlin[1]]), rep=40) * 1e3
+                )
+                row.append(f"Marlin {t_us:.2f}")
             print(f"{name} m={m}: " + " / ".join(row), flush=True)
 
 
