@@ -24,6 +24,11 @@ explicitly:
   and each pair becomes one fragment register (``_PAIR_ASM``): no data movement between the words and the
   operand (``convert_layout(..., assert_trivial=True)`` proves it when the kernel compiles).
 
+Launched as a programmatic dependent (:data:`PDL`, a trial, off), the kernel lets the next one launch, sends
+its first stages' weight words before it waits for the kernel before it, then loads x: the decode's start
+overlaps the previous kernel's end where that kernel triggers its dependents (NOTES.md, twenty-fourth
+session).
+
 Work is counted in (output tile, K unit) pairs, a unit two K tiles. Each program takes one tile's share of
 K (``split`` ways), or, stream-K, an equal run of all the pairs, in order, which may hold the end of one
 tile and the start of the next: then parts of a tile meet in fp32 (atomics into y, or the self-cleaning
