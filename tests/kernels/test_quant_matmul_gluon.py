@@ -671,7 +671,7 @@ def test_a_programmatic_dependent_launch_is_asked_for_only_under_pdl(monkeypatch
     # kernel a programmatic dependent: the PDL constexpr and Triton's launch_pdl option, which its launcher
     # turns into CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION. Otherwise neither.
     m, n, k = 16, 14336, 4096
-    x, qw, sc = torch.zeros(m, k, dtype=torch.bfloat16), torch.zeros(n, k // 8, dtype=torch.int32), None
+    x, qw = torch.zeros(m, k, dtype=torch.bfloat16), torch.zeros(n, k // 8, dtype=torch.int32)
     sc = torch.zeros(n, k // 128, dtype=torch.bfloat16)
     y = torch.empty(m, n, dtype=torch.bfloat16)
     cfg = qm.gluon_decode_tiles(m, 132)
