@@ -536,10 +536,12 @@ def _segment(unit, end, k_units, tiles_m, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
 
 
 @gluon.jit
-def _load_words(w_desc, s_desc, w_smem, s_smem, x_desc, ready, empty, stage, g, t, off_n,
-                SCALES_TMA: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
-    """PDL's loader: K tile ``t``'s words (and scales) into ring stage ``stage`` (the ``g``-th tile loaded)
-    once it is free, the stage's ``ready`` expecting x's tile too (issued apart: after the wait)."""
+def _load_stage(x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, ready, empty, stage, g, t, off_m, off_n,
+                WITH_X: gl.constexpr, SCALES_TMA: gl.constexpr, BLOCK_K: gl.constexpr,
+                STAGES: gl.constexpr):  # fmt: skip
+    """K tile ``t`` into ring stage ``stage`` (the ``g``-th tile loaded) once it is free: its words (and
+    scales), and with ``WITH_X`` x's tile; the stage's ``ready`` expects x's tile either way (without
+    ``WITH_X`` the caller issues it apart: PDL's, after its wait)."""
     # (a fresh barrier: phase 1 is done)
     mbarrier.wait(empty.index(stage), ((g // STAGES) & 1) ^ 1)
     bar = ready.index(stage)
@@ -548,6 +550,8 @@ def _load_words(w_desc, s_desc, w_smem, s_smem, x_desc, ready, empty, stage, g, 
         _tma_load(s_desc, [off_n, t * 8], bar, s_smem.index(stage))
     else:
         mbarrier.expect(bar, x_desc.block_type.nbytes + w_desc.block_type.nbytes)
+    if WITH_X:
+        _tma_load(x_desc, [off_m, t * BLOCK_K], bar, x_smem.index(stage))
     _tma_load(w_desc, [off_n, t * (BLOCK_K // 8)], bar, w_smem.index(stage))
 
 
@@ -592,8 +596,8 @@ def _load_partition(
             tile, u0, units, off_m, off_n = _segment(lo, hi, k_units, tiles_m, BLOCK_M, BLOCK_N)
             ahead = gl.minimum(2 * units, STAGES)
             for t in range(2 * u0, 2 * u0 + ahead):
-                _load_words(w_desc, s_desc, w_smem, s_smem, x_desc, ready, empty, t - 2 * u0, t - 2 * u0, t,
-                            off_n, SCALES_TMA, BLOCK_K, STAGES)  # fmt: skip
+                _load_stage(x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, ready, empty, t - 2 * u0,
+                            t - 2 * u0, t, off_m, off_n, False, SCALES_TMA, BLOCK_K, STAGES)  # fmt: skip
         _grid_dependency_wait()
     g = 0  # K tiles loaded so far: the ring's position and phase
     for s in range(stretches):
@@ -603,25 +607,15 @@ def _load_partition(
             tile, u0, units, off_m, off_n = _segment(unit, hi, k_units, tiles_m, BLOCK_M, BLOCK_N)
             for t in range(2 * u0, 2 * (u0 + units)):
                 stage = g % STAGES
-                bar = ready.index(stage)
                 if PDL:
+                    bar = ready.index(stage)
                     if g >= ahead:  # (the first ``ahead`` tiles' words are out already)
-                        _load_words(w_desc, s_desc, w_smem, s_smem, x_desc, ready, empty, stage, g, t, off_n,
-                                    SCALES_TMA, BLOCK_K, STAGES)  # fmt: skip
+                        _load_stage(x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, ready, empty, stage, g, t,
+                                    off_m, off_n, False, SCALES_TMA, BLOCK_K, STAGES)  # fmt: skip
                     _tma_load(x_desc, [off_m, t * BLOCK_K], bar, x_smem.index(stage))
                 else:
-                    # (a fresh barrier: phase 1 is done)
-                    mbarrier.wait(empty.index(stage), ((g // STAGES) & 1) ^ 1)
-                    if SCALES_TMA:
-                        mbarrier.expect(
-                            bar,
-                            x_desc.block_type.nbytes + w_desc.block_type.nbytes + s_desc.block_type.nbytes,
-                        )
-                        _tma_load(s_desc, [off_n, t * 8], bar, s_smem.index(stage))
-                    else:
-                        mbarrier.expect(bar, x_desc.block_type.nbytes + w_desc.block_type.nbytes)
-                    _tma_load(x_desc, [off_m, t * BLOCK_K], bar, x_smem.index(stage))
-                    _tma_load(w_desc, [off_n, t * (BLOCK_K // 8)], bar, w_smem.index(stage))
+                    _load_stage(x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, ready, empty, stage, g, t,
+                                off_m, off_n, True, SCALES_TMA, BLOCK_K, STAGES)  # fmt: skip
                 g += 1
             unit += units
 
