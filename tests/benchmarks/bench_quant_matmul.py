@@ -286,12 +286,25 @@ def marlin_timer():
     return timer
 
 
+def machete_pack(dense: torch.Tensor, group: int):
+    """``dense`` [N, K] re-quantized for vLLM's Machete W4A16 GEMM (symmetric, uint4b8): (type, the
+    prepacked weight, its group scales). Needs vLLM."""
+    from vllm import _custom_ops as ops
+    from vllm.model_executor.layers.quantization.utils.quant_utils import pack_rows, quantize_weights
+    from vllm.scalar_type import scalar_types
+
+    n, k = dense.shape
+    wtype = scalar_types.uint4b8
+    _, w_q, w_s, _ = quantize_weights(dense.t().contiguous(), wtype, group)
+    w_q = pack_rows(w_q, 4, k, n).t().contiguous().t()
+    return wtype, ops.machete_prepack_B(w_q, dense.dtype, wtype, dense.dtype), w_s
+
+
 def machete_timer():
     """A timer for vLLM's Machete W4A16 GEMM (Hopper's mixed-input CUTLASS kernel, what vLLM picks for
     compressed-tensors W4A16 on an H100) on the same re-quantized weights, or None without vLLM."""
     try:
         from vllm import _custom_ops as ops
-        from vllm.model_executor.layers.quantization.utils.quant_utils import pack_rows, quantize_weights
         from vllm.scalar_type import scalar_types
     except Exception as exc:
         print(f"# machete unavailable: {type(exc).__name__}: {exc}", file=sys.stderr)
@@ -303,9 +316,7 @@ def machete_timer():
         if zeros:  # (the symmetric kernel only: Marlin is item 1's peer for zero points)
             return None
         if (n, k, group) not in packed:  # one prepacked weight per shape, whatever the row count
-            _, w_q, w_s, _ = quantize_weights(dense.t().contiguous(), wtype, group)
-            w_q = pack_rows(w_q, 4, k, n).t().contiguous().t()
-            b = ops.machete_prepack_B(w_q, DTYPE, wtype, DTYPE)
+            _, b, w_s = machete_pack(dense, group)
             copies = [(b, w_s)] + [(b.clone(), w_s.clone()) for _ in range(_copies(b.numel() * 4) - 1)]
             packed.clear()
             packed[(n, k, group)] = copies

@@ -22,6 +22,8 @@ from __future__ import annotations
 import argparse
 import itertools
 import math
+import sys
+from pathlib import Path
 
 import torch
 from triton.testing import do_bench_cudagraph
@@ -112,13 +114,11 @@ def tiling(spec: str) -> dict:
 def machete(dense, group):
     """Callables x -> vLLM's Machete GEMM of ``dense`` re-quantized (symmetric, ``group``), one a copy."""
     from vllm import _custom_ops as ops
-    from vllm.model_executor.layers.quantization.utils.quant_utils import pack_rows, quantize_weights
-    from vllm.scalar_type import scalar_types
 
-    n, k = dense.shape
-    wtype = scalar_types.uint4b8
-    _, w_q, w_s, _ = quantize_weights(dense.t().contiguous(), wtype, group)
-    b = ops.machete_prepack_B(pack_rows(w_q, 4, k, n).t().contiguous().t(), dense.dtype, wtype, dense.dtype)
+    sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+    from bench_quant_matmul import machete_pack
+
+    wtype, b, w_s = machete_pack(dense, group)
     copies = [(b, w_s)] + [(b.clone(), w_s.clone()) for _ in range(math.ceil(COLD_BYTES / b.nbytes) - 1)]
     return [
         lambda x, c=c: ops.machete_mm(a=x, b_q=c[0], b_type=wtype, b_group_scales=c[1], b_group_size=group)

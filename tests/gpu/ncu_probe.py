@@ -185,19 +185,15 @@ def _vllm_case(kind: str, x, weight, group: int, zeros: bool):
     timers call them."""
     from vllm import _custom_ops as ops
     from vllm.model_executor.layers.quantization.utils import marlin_utils as mu
-    from vllm.model_executor.layers.quantization.utils.quant_utils import pack_rows, quantize_weights
-    from vllm.scalar_type import scalar_types
 
     sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
-    from bench_quant_matmul import marlin_pack
+    from bench_quant_matmul import machete_pack, marlin_pack
 
     n, k = weight.shape
     if kind == "machete":
         if zeros:
             raise SystemExit("machete cases are symmetric (Machete is item 2's peer, Marlin item 1's)")
-        wtype = scalar_types.uint4b8
-        _, w_q, w_s, _ = quantize_weights(weight.t().contiguous(), wtype, group)
-        b = ops.machete_prepack_B(pack_rows(w_q, 4, k, n).t().contiguous().t(), DTYPE, wtype, DTYPE)
+        wtype, b, w_s = machete_pack(weight, group)
         return lambda: ops.machete_mm(a=x, b_q=b, b_type=wtype, b_group_scales=w_s, b_group_size=group)
     wtype, q_w, s, zp, g_idx, sort_idx = marlin_pack(weight, group, zeros)
     ws = mu.marlin_make_workspace_new(x.device)
