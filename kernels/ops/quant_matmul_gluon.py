@@ -971,8 +971,9 @@ def launch_args(
 # Launch as a programmatic dependent (PDL): the kernel may start as the one before it in the stream drains
 # (it calls launch_dependents first itself), its first stages' weight loads out before it waits for that
 # kernel (``_load_partition``). H100, tests/gpu/pdl_probe.py (NOTES.md, twenty-fourth session): after a
-# kernel that calls launch_dependents (back to back) the decode is 6-13% faster (14336 x 4096 at 1-16 rows
-# 17.2-18.1 -> 15.5-16.5 us, g32 with zero points 18.3-19.3 -> 16.3-17.5; 14336^2 47 -> 44), 512-row prefill
+# kernel that calls launch_dependents (back to back) the decode is 6-13% faster at 1-16 rows of 30-60 MB
+# weights (14336 x 4096 17.2-18.1 -> 15.5-16.5 us, g32 with zero points 18.3-19.3 -> 16.3-17.5), 3-7% at
+# 14336^2 (47 -> 44), 1-8% at 64 rows, 512-row prefill
 # within noise; after one that does not (torch's RMSNorm) 4-8% slower (14336 x 4096 22.2 -> 23.8-24.1 us).
 # Off until the kernels before the GEMMs of a decoder layer call launch_dependents and the launch takes PDL
 # only after those.
