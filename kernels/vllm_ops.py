@@ -58,6 +58,8 @@ CUSTOM_OPS = ("silu_and_mul", "rms_norm")
 
 _calls: collections.Counter[str] = collections.Counter()
 _calls_by_rows: collections.Counter[tuple[str, int]] = collections.Counter()
+# The ops of CUSTOM_OPS this process registered in vLLM (register_custom_ops).
+_REGISTERED: set[str] = set()
 
 
 def call_counts() -> dict[str, int]:
@@ -180,10 +182,12 @@ def quant_linear(
     scheme: WeightOnlyScheme,
     bias: torch.Tensor | None = None,
     owned: bool = False,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """y = x @ dequantize(W).T (+ bias), W in compressed-tensors' pack-quantized layout, or with ``owned`` its
     int4 words in quant_layout.to_owned_order's order and its zero points as to_owned_zeros lays them out
-    (:func:`owned_words`)."""
+    (:func:`owned_words`). ``pdl``: x comes straight from a kernel of ours that calls launch_dependents
+    (:func:`follows_our_kernel`)."""
     _note("quant_matmul", x)
     group = scheme.group_size_for(x.shape[-1])
     if owned:
@@ -192,16 +196,41 @@ def quant_linear(
     else:
         args = (x, weight_packed, weight_scale, weight_zero_point, group, scheme.bits)
         body, opaque = quant_matmul_eager, torch.ops.squeezeserve.quant_matmul_opaque
-    y = body.plans.replayed(*args)  # (its plan replayed in C++: no Python layer)
-    if y is None and eager(*args[:4]):
-        # Nothing traces (vLLM's eager prompt forwards, decode graph captures): the op's body without torch's
-        # dispatcher, with launch plans.
-        y = body(*args)
-    elif y is None:
+    y = None
+    if not torch.compiler.is_compiling():
+        now = (*args, quant_matmul.dependent(pdl, x))
+        y = body.plans.replayed(*now)  # (its plan replayed in C++: no Python layer)
+        if y is None and eager(*args[:4]):
+            # Nothing traces (vLLM's eager prompt forwards, decode graph captures): the op's body without
+            # torch's dispatcher, with launch plans.
+            y = body(*now)
+    if y is None:
         # The opaque op: vLLM compiles one graph for all batch sizes, and a traced-through quant_matmul would
         # keep the kernel choice of the size it was traced at.
-        y = opaque(*args)
+        y = opaque(*args, pdl)
     return y + bias if bias is not None else y
+
+
+# The projections of a Llama-family decoder layer whose input is the output of a kernel of ours that calls
+# launch_dependents first (launch.launches_dependents): qkv_proj after input_layernorm's RMSNorm (with the
+# residual add from the second layer on), gate_up_proj after post_attention_layernorm's add-RMSNorm, down_proj
+# after act_fn's SiluAndMul; each maps to the op of ours that must replace vLLM's for that. Not o_proj (after
+# attention, vLLM's kernel). quant_matmul launches their decode GEMMs as programmatic dependents
+# (quant_matmul.PDL_MAX_M): they load their weights while the norm or SwiGLU before them runs.
+# SQUEEZESERVE_PDL=off launches them as before.
+PDL_AFTER = {"qkv_proj": "rms_norm", "gate_up_proj": "rms_norm", "down_proj": "silu_and_mul"}
+PDL_ENV = "SQUEEZESERVE_PDL"
+
+
+def follows_our_kernel(prefix: str) -> bool:
+    """Whether the linear layer at ``prefix`` (vLLM's module path, e.g. ``model.layers.0.mlp.down_proj``)
+    takes its input straight from a kernel of ours that lets a dependent launch (:data:`PDL_AFTER`; that op
+    of ours registered in vLLM in this process; not with SQUEEZESERVE_PDL=off)."""
+    mode = os.environ.get(PDL_ENV, "auto")
+    if mode not in ("auto", "off"):
+        raise ValueError(f"{PDL_ENV} must be auto or off, got {mode!r}")
+    op = PDL_AFTER.get(prefix.rsplit(".", 1)[-1])
+    return mode == "auto" and op is not None and op in _REGISTERED
 
 
 # Rows of a weight put in the owned order at a time at load (the order's transient is 8 bytes a value).
@@ -280,10 +309,16 @@ PREFILL_WARM_ROWS = (1, 2, 3, 9, 16, 17, 32, 33, 48, 65, 80, 127, 128, 129, 144,
 
 
 def warm_prefill(
-    layer: torch.nn.Module, scheme: WeightOnlyScheme, dtype: torch.dtype, rows: tuple = PREFILL_WARM_ROWS
+    layer: torch.nn.Module,
+    scheme: WeightOnlyScheme,
+    dtype: torch.dtype,
+    rows: tuple = PREFILL_WARM_ROWS,
+    pdl: bool = False,
 ) -> None:
     """Run the layer's kernels once on zeros at each of ``rows`` row counts (each distinct kernel compiles
-    once per process). Not through quant_linear: the op probe (_note) counts serving calls only."""
+    once per process); with ``pdl`` the decode rows also as programmatic dependents (PDL_MAX_M: another
+    compiled kernel, which vLLM first launches while it captures its graphs). Not through quant_linear: the
+    op probe (_note) counts serving calls only."""
     k_in = layer.input_size_per_partition
     weight = (layer.weight_packed, layer.weight_scale, getattr(layer, "weight_zero_point", None))
     group = scheme.group_size_for(k_in)
@@ -294,6 +329,11 @@ def warm_prefill(
             torch.ops.squeezeserve.quant_matmul_owned(x, *weight, group)
         else:
             torch.ops.squeezeserve.quant_matmul_opaque(x, *weight, group, scheme.bits)
+        if pdl and m <= quant_matmul.PDL_MAX_M:  # (the bodies: the ops take pdl only while capturing)
+            if owned:
+                quant_matmul.quant_matmul_owned_eager(x, *weight, group, True)
+            else:
+                quant_matmul_eager(x, *weight, group, scheme.bits, True)
     if layer.weight_packed.shape[0] < quant_matmul.TRITON_PREFILL_MIN_N_ANY and not owned:
         quant_matmul.dequantize(*weight, k_in, group, scheme.bits, dtype)
 
@@ -414,6 +454,7 @@ def _register_silu_and_mul() -> None:
             return self.forward_native(x)
 
     CustomOp.register_oot(name="SiluAndMul")(SqueezeSiluAndMul)
+    _REGISTERED.add("silu_and_mul")
 
 
 def _register_rms_norm() -> None:
@@ -438,6 +479,7 @@ def _register_rms_norm() -> None:
             return self.forward_native(x, residual)
 
     CustomOp.register_oot(name="RMSNorm")(SqueezeRMSNorm)
+    _REGISTERED.add("rms_norm")
 
 
 _CUSTOM_OP_REGISTRARS = {"silu_and_mul": _register_silu_and_mul, "rms_norm": _register_rms_norm}
@@ -509,8 +551,9 @@ def _quantization_config_class() -> type:
         """Holds the checkpoint's tensors under their checkpoint names, in their checkpoint layout (vLLM's
         own parameter classes shard and stack them like its compressed-tensors method does)."""
 
-        def __init__(self, scheme: WeightOnlyScheme) -> None:
+        def __init__(self, scheme: WeightOnlyScheme, pdl: bool = False) -> None:
             self.scheme = scheme
+            self.pdl = pdl  # follows_our_kernel(the layer's prefix)
 
         def create_weights(
             self,
@@ -565,7 +608,7 @@ def _quantization_config_class() -> type:
                 return
             if owned_words(layer, self.scheme):
                 own_weights(layer)
-            warm_prefill(layer, self.scheme, layer.weight_scale.dtype)
+            warm_prefill(layer, self.scheme, layer.weight_scale.dtype, pdl=self.pdl)
 
         def apply(
             self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
@@ -574,7 +617,8 @@ def _quantization_config_class() -> type:
                 return cpu_linear(layer, x, bias)
             zero = getattr(layer, "weight_zero_point", None)
             owned = getattr(layer, "owned_words", False)
-            return quant_linear(x, layer.weight_packed, layer.weight_scale, zero, self.scheme, bias, owned)
+            weights = (layer.weight_packed, layer.weight_scale, zero)
+            return quant_linear(x, *weights, self.scheme, bias, owned, self.pdl)
 
     class SqueezeserveConfig(QuantizationConfig):
         """``--quantization squeezeserve`` over a compressed-tensors pack-quantized checkpoint."""
@@ -624,6 +668,6 @@ def _quantization_config_class() -> type:
             if isinstance(self.scheme, LowRankFormat | CodebookFormat):
                 method = linear_method(self.scheme, prefix, self.packed_modules_mapping)
                 return UnquantizedLinearMethod() if method is None else method
-            return SqueezeserveLinearMethod(self.scheme)
+            return SqueezeserveLinearMethod(self.scheme, follows_our_kernel(prefix))
 
     return SqueezeserveConfig

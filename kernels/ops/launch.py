@@ -327,6 +327,24 @@ def wgmma(device: torch.device) -> bool:
     return _wgmma(device.index if device.index is not None else torch.cuda.current_device())
 
 
+@functools.cache
+def _grid_dependency_control(device_index: int) -> bool:
+    return torch.version.hip is None and torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def launches_dependents(device: torch.device) -> bool:
+    """Whether our memory-bound kernels on this device call ``griddepcontrol.launch_dependents`` first
+    (their ``LAUNCH_DEPENDENTS``): a kernel launched after one of them as its programmatic dependent
+    (quant_matmul's Gluon GEMM with ``pdl``) may then start, and load its weights, while it runs. CUDA
+    compute capability 9.0 and up (the PTX instruction's least), compiled kernels (not the interpreter);
+    while :func:`capture` runs, a Hopper target's. Without such a dependent the instruction does nothing."""
+    if recording.target is not None:
+        return recording.target[1]
+    if interpreting() or device.type != "cuda":
+        return False
+    return _grid_dependency_control(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def capturing() -> bool:
     """Whether :func:`capture` runs (CPU tensors then stand for a GPU's)."""
     return recording.target is not None

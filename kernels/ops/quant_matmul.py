@@ -154,6 +154,17 @@ ROW_SPLIT = os.environ.get("SQUEEZESERVE_ROW_SPLIT", "auto")  # (for A/B runs of
 if ROW_SPLIT not in ("auto", "on", "off"):
     raise ValueError(f"SQUEEZESERVE_ROW_SPLIT must be auto, on or off, got {ROW_SPLIT!r}")
 ROW_SPLIT_TILE, ROW_SPLIT_MAX_M = 256, 1024
+# Programmatic dependent launch (PDL): where the kernel before a call calls launch_dependents first (the
+# caller says so with ``pdl``: our RMSNorm, add-RMSNorm and SwiGLU kernels do, launch.launches_dependents),
+# the Gluon kernel up to this many rows launches as its dependent: it starts as that kernel drains (calling
+# launch_dependents first itself), its first stages' weight words out before it waits for that kernel
+# (quant_matmul_gluon._load_partition). H100, tests/gpu/pdl_probe.py (NOTES.md, twenty-fourth session): after
+# a kernel that calls launch_dependents (back to back) the decode is 6-13% faster at 1-16 rows of 30-60 MB
+# weights (14336 x 4096 17.2-18.1 -> 15.5-16.5 us, g32 with zero points 18.3-19.3 -> 16.3-17.5), 3-7% at
+# 14336^2 (47 -> 44), 1-8% at 64 rows, within the noise at 512 rows (prefill launches stay as they were);
+# after one that does not (torch's RMSNorm) 4-8% slower (14336 x 4096 22.2 -> 23.8-24.1 us): hence the
+# caller's word, never a default.
+PDL_MAX_M = SKINNY_MAX_M
 # bf16: 0x4300 is 128.0 with a 7-bit mantissa (integers 128..255 exact); fp16: 0x6400 is 1024.0 with a
 # 10-bit mantissa (1024..2047 exact).
 _MAGIC = {torch.bfloat16: (0x4300, 128.0, 7), torch.float16: (0x6400, 1024.0, 10)}
@@ -298,7 +309,10 @@ def _quant_matmul(
     zeros: torch.Tensor | None,
     group_size: int,
     bits: int,
+    pdl: bool = False,
 ) -> torch.Tensor:
+    """The op's body; ``pdl``: the kernel before this call in the stream calls launch_dependents first
+    (:data:`PDL_MAX_M`)."""
     check_inputs(x, qweight, scales, zeros, group_size, bits)
     if use_reference(x) or x.dtype == torch.float32:
         # fp32 activations have no tensor-core path worth a kernel; they run the reference everywhere.
@@ -309,7 +323,8 @@ def _quant_matmul(
     weight = (qweight, scales, zeros, zeros.contiguous() if zeros is not None else qweight, group_size, bits)
     head = split_rows(x2, n_out, k_in, (qweight, scales, zeros))
     if not head:
-        return _rows(x2, *weight, None).reshape(*x.shape[:-1], n_out)
+        return _rows(x2, *weight, None, pdl=pdl).reshape(*x.shape[:-1], n_out)
+    # (the decode rows follow the prefill's kernel, which does not call launch_dependents: no PDL)
     y = torch.empty((m, n_out), dtype=x.dtype, device=x.device)
     _rows(x2[:head], *weight, y[:head])
     _rows(x2[head:], *weight, y[head:])
@@ -343,9 +358,12 @@ def split_rows(x2: torch.Tensor, n_out: int, k_in: int, weight: tuple = ()) -> i
     return m - rest if eager(x2, *weight) else 0
 
 
-def _rows(x2, qweight, scales, zeros, zero_arg, group_size, bits, out, owned=False) -> torch.Tensor:
+def _rows(
+    x2, qweight, scales, zeros, zero_arg, group_size, bits, out, owned=False, pdl=False
+) -> torch.Tensor:
     """x2 @ W.T, written into ``out`` where given (eager calls: split_rows), else into a new tensor.
-    ``owned``: int4 words in quant_layout.to_owned_order's order, for rows the FMA kernel takes."""
+    ``owned``: int4 words in quant_layout.to_owned_order's order, for rows the FMA kernel takes; ``pdl``: as
+    _quant_matmul's."""
     m, n_out, k_in = x2.shape[0], qweight.shape[0], x2.shape[1]
     if m > SKINNY_MAX_M and not owned:
         if _gluon_prefill(x2, qweight, scales, zeros, group_size, bits):
@@ -363,7 +381,8 @@ def _rows(x2, qweight, scales, zeros, zero_arg, group_size, bits, out, owned=Fal
             return dequantize_matmul(x2, qweight, scales, zeros, k_in, group_size, bits, slice_rows, out)
         return _prefill(x2, qweight, scales, zeros, zero_arg, group_size, bits, out)
     if not owned and _gluon_decode(x2, qweight, scales, zeros, group_size, bits):
-        y = _gluon(x2, qweight, scales, zeros, group_size, gluon_decode_tiles(m, sm_count(x2.device)), out)
+        cfg = gluon_decode_tiles(m, sm_count(x2.device))
+        y = _gluon(x2, qweight, scales, zeros, group_size, cfg, out, pdl)
         if y is not None:
             return y
     per16 = 16 // bits
@@ -591,13 +610,23 @@ def gluon_tiles(m: int, n_out: int, k_in: int, sms: int) -> dict:
     return cfg
 
 
-def _gluon(x2, qweight, scales, zeros, group_size, cfg: dict, out=None) -> torch.Tensor | None:
+def dependent(pdl: bool, x: torch.Tensor) -> bool:
+    """``pdl`` as a serving call takes it (the opaque ops, vLLM's quant_linear): while a CUDA graph captures
+    the call (vLLM's decode graphs), where the kernels run back to back whatever the host does. An eager call
+    launches as without it: its launch plan then replays in C++, which launches without PDL, and the kernel
+    before it may have ended before the host launched this one."""
+    return pdl and x.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def _gluon(x2, qweight, scales, zeros, group_size, cfg: dict, out=None, pdl=False) -> torch.Tensor | None:
     """Launch the Gluon kernel at tiling ``cfg`` (into ``out`` where given); parts of tiles meet in the
-    workspace (the caller checked eager()). None where the kernel does not compile with this Triton: it is
-    then off (GLUON_OFF)."""
+    workspace (the caller checked eager()). ``pdl``: the kernel before calls launch_dependents; up to
+    PDL_MAX_M rows this one then launches as its programmatic dependent. None where the kernel does not
+    compile with this Triton: it is then off (GLUON_OFF)."""
     from squeezeserve.kernels.ops import quant_matmul_gluon
 
     m, n_out = x2.shape[0], qweight.shape[0]
+    cfg = cfg | {"pdl": pdl and m <= PDL_MAX_M}
     y = _output(m, n_out, x2, 2, out)
     tiles = cdiv(m, cfg["block_m"]) * cdiv(n_out, cfg.get("block_n", 128))
     ws, counts = _workspace(x2.device, m * n_out, tiles)
@@ -787,14 +816,19 @@ def _owned_row_on_fma(x2, qweight, scales, zeros, group_size) -> bool:
 
 
 def _quant_matmul_owned(
-    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, group_size: int
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor | None,
+    group_size: int,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """x @ dequantize(W).T for the owned weights: int4 words in quant_layout.to_owned_order's order and zero
     points as to_owned_zeros lays them out, which the Gluon kernel, the FMA kernel and the dequantize kernel
     read (the vLLM method repacks to them, at load, the layers vllm_ops.owned_shape takes, on Hopper): one
     row of small groups on the FMA kernel (OWNED_FMA_MAX_GROUP, but g32 with zero points), the Gluon decode
     up to SKINNY_MAX_M rows, the Gluon GEMM up to GLUON_PREFILL_MAX_M, dequantize + cuBLAS past it or where
-    the Gluon kernel does not run; the reference on CPU."""
+    the Gluon kernel does not run; the reference on CPU. ``pdl`` as quant_matmul's."""
     check_inputs(x, qweight, scales, zeros, group_size, 4, owned=True)
     block = quant_layout.OWNED_BLOCK
     if x.shape[-1] % block or group_size % block:
@@ -813,7 +847,7 @@ def _quant_matmul_owned(
         y = _rows(x2, qweight, scales, zeros, zero_arg, group_size, 4, None, owned=True)
     elif m <= SKINNY_MAX_M and _gluon_runs(x2, qweight, scales, zeros, group_size, 4, GLUON_DECODE_BLOCK_K):
         cfg = gluon_decode_tiles(m, sm_count(x2.device))
-        y = _gluon(x2, qweight, scales, zeros, group_size, cfg | {"owned": True})
+        y = _gluon(x2, qweight, scales, zeros, group_size, cfg | {"owned": True}, pdl=pdl)
     elif SKINNY_MAX_M < m <= GLUON_PREFILL_MAX_M and _gluon_runs(
         x2, qweight, scales, zeros, group_size, 4, 64
     ):
@@ -825,7 +859,19 @@ def _quant_matmul_owned(
     return y.reshape(*x.shape[:-1], n_out)
 
 
-quant_matmul = triton_op("squeezeserve::quant_matmul", _quant_matmul, mutates_args=())
+def _quant_matmul_traced(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor | None,
+    group_size: int,
+    bits: int,
+) -> torch.Tensor:
+    """The traceable op's body (no ``pdl``: torch.compile's launches of a traced kernel take no PDL)."""
+    return _quant_matmul(x, qweight, scales, zeros, group_size, bits)
+
+
+quant_matmul = triton_op("squeezeserve::quant_matmul", _quant_matmul_traced, mutates_args=())
 
 
 @quant_matmul.register_fake
@@ -842,25 +888,29 @@ def quant_matmul_opaque(
     zeros: torch.Tensor | None,
     group_size: int,
     bits: int,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """``quant_matmul`` as an opaque op: torch.compile does not trace into it, so the row-count dispatch
     (FMA / tensor-core / dequantize + cuBLAS) runs on every call. For engines that compile one graph for a
     range of token counts (vLLM): traced through, the dispatch would be fixed at the trace's size (vLLM
     traces at its largest batch, which took the prefill path for every decode step). No autograd: serving.
+    ``pdl``: the kernel before this op in the stream calls launch_dependents (:data:`PDL_MAX_M`; taken while
+    a CUDA graph captures the call, :func:`dependent`).
     """
-    return quant_matmul_eager(x, qweight, scales, zeros, group_size, bits)
+    return quant_matmul_eager(x, qweight, scales, zeros, group_size, bits, dependent(pdl, x))
 
 
 @quant_matmul_opaque.register_fake
-def _(x, qweight, scales, zeros, group_size, bits):
+def _(x, qweight, scales, zeros, group_size, bits, pdl=False):
     check_inputs(x, qweight, scales, zeros, group_size, bits)
     return x.new_empty((*x.shape[:-1], qweight.shape[0]))
 
 
 def _setup(ctx, inputs, output):
-    x, qweight, scales, zeros, group_size, bits = inputs
+    x, qweight, scales, zeros, group_size, bits = inputs[:6]
     ctx.save_for_backward(qweight, scales, zeros)
     ctx.meta = (x.shape[-1], group_size, bits, x.dtype)
+    ctx.inputs = len(inputs)  # (an eager call may pass ``pdl`` too: a None for it)
 
 
 def _grad(ctx, grad, standard=lambda qweight, zeros, groups: (qweight, zeros)):
@@ -870,7 +920,7 @@ def _grad(ctx, grad, standard=lambda qweight, zeros, groups: (qweight, zeros)):
     k_in, group_size, bits, dtype = ctx.meta
     qweight, zeros = standard(qweight, zeros, scales.shape[1])
     weight = quant_layout.dequantize(qweight, scales, zeros, (qweight.shape[0], k_in), group_size, bits)
-    return grad @ weight.to(dtype), None, None, None, None, None
+    return grad @ weight.to(dtype), *[None] * (ctx.inputs - 1)
 
 
 quant_matmul.register_autograd(_grad, setup_context=_setup)
@@ -888,12 +938,13 @@ quant_matmul_eager = EagerOp(
 
 
 def _setup_owned(ctx, inputs, output):
-    _setup(ctx, (*inputs, 4), output)
+    _setup(ctx, (*inputs[:5], 4), output)
+    ctx.inputs = len(inputs)  # (no ``bits``; ``pdl`` where passed)
 
 
 def _grad_owned(ctx, grad):
-    """As :func:`_grad`, from the owned weights (the op has no ``bits``: one gradient fewer)."""
-    return _grad(ctx, grad, _standard)[:5]
+    """As :func:`_grad`, from the owned weights."""
+    return _grad(ctx, grad, _standard)
 
 
 # :func:`_quant_matmul_owned` without the dispatcher, with launch plans (as quant_matmul_eager), and as an
@@ -908,13 +959,19 @@ quant_matmul_owned_eager = EagerOp(
 
 @torch.library.custom_op("squeezeserve::quant_matmul_owned", mutates_args=())
 def quant_matmul_owned(
-    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, group_size: int
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor | None,
+    group_size: int,
+    pdl: bool = False,
 ) -> torch.Tensor:
-    """quant_matmul on owned words (:func:`_quant_matmul_owned`), opaque to torch.compile. No autograd."""
-    return quant_matmul_owned_eager(x, qweight, scales, zeros, group_size)
+    """quant_matmul on owned words (:func:`_quant_matmul_owned`), opaque to torch.compile (``pdl`` as
+    quant_matmul_opaque's). No autograd."""
+    return quant_matmul_owned_eager(x, qweight, scales, zeros, group_size, dependent(pdl, x))
 
 
 @quant_matmul_owned.register_fake
-def _(x, qweight, scales, zeros, group_size):
+def _(x, qweight, scales, zeros, group_size, pdl=False):
     check_inputs(x, qweight, scales, zeros, group_size, 4, owned=True)
     return x.new_empty((*x.shape[:-1], qweight.shape[0]))

@@ -24,10 +24,10 @@ explicitly:
   and each pair becomes one fragment register (``_PAIR_ASM``): no data movement between the words and the
   operand (``convert_layout(..., assert_trivial=True)`` proves it when the kernel compiles).
 
-Launched as a programmatic dependent (:data:`PDL`, a trial, off), the kernel lets the next one launch, sends
+Launched as a programmatic dependent (``launch_args``' ``pdl``), the kernel lets the next one launch, sends
 its first stages' weight words before it waits for the kernel before it, then loads x: the decode's start
-overlaps the previous kernel's end where that kernel triggers its dependents (NOTES.md, twenty-fourth
-session).
+overlaps the previous kernel's end where that kernel triggers its dependents (quant_matmul.PDL_MAX_M says
+where quant_matmul launches it so; NOTES.md, twenty-fourth and twenty-fifth sessions).
 
 Work is counted in (output tile, K unit) pairs, a unit two K tiles. Each program takes one tile's share of
 K (``split`` ways), or, stream-K, an equal run of all the pairs, in order, which may hold the end of one
@@ -896,19 +896,21 @@ def launch_args(
     late_first=True,
     owned=False,
     zero_rows=None,
-    pdl=None,
+    pdl=False,
 ) -> tuple[tuple, tuple, dict]:
     """The grid, arguments and keywords of the Gluon kernel's launch for y [M, N] = x2 [M, K] @
     dequantize(W).T: each output tile's K split ``split`` ways, or, with ``programs``, all (tile, K unit)
     pairs shared evenly by that many programs (stream-K); with ``dp_waves`` these first take that many waves
     of whole tiles, one a program a wave, and share the rest (negative: all the full waves but that many).
     Parts of a tile meet as ``mode`` says, in ``y`` (fp32, zeroed) or in the clean workspace ``ws``/``counts``
-    (a counter per output tile). Registers are capped for ``occupancy``
-    programs an SM. ``late_first``: a tile's likely last part reads the count before it adds its own
-    (``_write``'s ``late``; off: as before the eighteenth session, for probes). ``owned``: ``qweight`` is in
-    quant_layout.to_owned_order's order, and ``zeros`` (by default; ``zero_rows`` says otherwise, for probes)
-    in to_owned_zeros' layout. (Apart from
-    :func:`launch`, for compiling what a launch would run without a GPU: ``cross_compile.compile_for``.)"""
+    (a counter per output tile). Registers are capped for ``occupancy`` programs an SM. ``late_first``: a
+    tile's likely last part reads the count before it adds its own (``_write``'s ``late``; off: as before the
+    eighteenth session, for probes). ``owned``: ``qweight`` is in quant_layout.to_owned_order's order, and
+    ``zeros`` (by default; ``zero_rows`` says otherwise, for probes) in to_owned_zeros' layout. ``pdl``:
+    launched as a programmatic dependent of the kernel before it in the stream
+    (CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION), which pays only where that kernel calls
+    launch_dependents (quant_matmul.PDL_MAX_M). (Apart from :func:`launch`, for compiling what a launch would
+    run without a GPU: ``cross_compile.compile_for``.)"""
     m, k_in = x2.shape
     n_out = qweight.shape[0]
     k_units = cdiv(cdiv(k_in, block_k), 2)
@@ -957,7 +959,7 @@ def launch_args(
         "BLOCK_N": block_n,
         "BLOCK_K": block_k,
         "STAGES": stages,
-        "PDL": PDL if pdl is None else bool(pdl),
+        "PDL": bool(pdl),
         "num_warps": num_warps,
         "maxnreg": maxnreg,
     }
@@ -966,18 +968,6 @@ def launch_args(
             True  # (Triton's launcher: CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION)
         )
     return grid, args, kwargs
-
-
-# Launch as a programmatic dependent (PDL): the kernel may start as the one before it in the stream drains
-# (it calls launch_dependents first itself), its first stages' weight loads out before it waits for that
-# kernel (``_load_partition``). H100, tests/gpu/pdl_probe.py (NOTES.md, twenty-fourth session): after a
-# kernel that calls launch_dependents (back to back) the decode is 6-13% faster at 1-16 rows of 30-60 MB
-# weights (14336 x 4096 17.2-18.1 -> 15.5-16.5 us, g32 with zero points 18.3-19.3 -> 16.3-17.5), 3-7% at
-# 14336^2 (47 -> 44), 1-8% at 64 rows, 512-row prefill
-# within noise; after one that does not (torch's RMSNorm) 4-8% slower (14336 x 4096 22.2 -> 23.8-24.1 us).
-# Off until the kernels before the GEMMs of a decoder layer call launch_dependents and the launch takes PDL
-# only after those.
-PDL = False
 
 
 # Scales by TMA where the ring of stages holds them too, up to this many bytes of x and words: the 64-row

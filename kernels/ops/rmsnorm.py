@@ -21,6 +21,7 @@ from squeezeserve.kernels import reference
 from squeezeserve.kernels.ops.launch import (
     block_rows,
     cdiv,
+    launches_dependents,
     num_warps_for,
     persistent_programs,
     row_block,
@@ -49,9 +50,12 @@ def _rmsnorm_fwd(
     BLOCK: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,  # fused residual add: h = x + residual, normalise h
     FUSED_ROUNDING: tl.constexpr,  # round only the stored outputs (Inductor's numerics), not h and h * r
+    LAUNCH_DEPENDENTS: tl.constexpr,  # launch.launches_dependents: a PDL dependent may start now
 ):
     """h = x (+ residual, in the input dtype); r = rsqrt(mean(h^2) + eps) in fp32;
     y = w * cast_to_input_dtype(h * r). FUSED_ROUNDING: h and h * r stay fp32, y = w * h * r."""
+    if LAUNCH_DEPENDENTS:
+        tl.extra.cuda.gdc_launch_dependents()
     rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)[:, None]
     cols = tl.arange(0, BLOCK)[None, :]
     mask = (rows < n_rows) & (cols < n_cols)
@@ -144,7 +148,8 @@ def _forward(
             x2, res2, h2, weight, y2,
             x2.stride(0), res2.stride(0), h2.stride(0), y2.stride(0),
             n, eps, rows, BLOCK_R=rows_per_program, BLOCK=block, HAS_RESIDUAL=residual is not None,
-            FUSED_ROUNDING=fused_rounding, num_warps=num_warps_for(block),
+            FUSED_ROUNDING=fused_rounding, LAUNCH_DEPENDENTS=launches_dependents(x.device),
+            num_warps=num_warps_for(block),
         )  # fmt: skip
     return y, h
 

@@ -14,7 +14,14 @@ import triton.language as tl
 from torch.library import triton_op
 
 from squeezeserve.kernels import reference
-from squeezeserve.kernels.ops.launch import block_rows, cdiv, next_power_of_2, rows_2d, traceable
+from squeezeserve.kernels.ops.launch import (
+    block_rows,
+    cdiv,
+    launches_dependents,
+    next_power_of_2,
+    rows_2d,
+    traceable,
+)
 from squeezeserve.kernels.ops.replay import LaunchPlans
 from squeezeserve.kernels.registry import EagerOp, use_reference
 
@@ -42,9 +49,12 @@ def _swiglu_fwd(
     BLOCK_R: tl.constexpr,  # rows per tile
     BLOCK: tl.constexpr,  # columns per tile
     OAI: tl.constexpr,  # gpt-oss form: min(gate, limit) * sigmoid(alpha * .) * (clamp(up) + 1)
+    LAUNCH_DEPENDENTS: tl.constexpr,  # launch.launches_dependents: a PDL dependent may start now
 ):
     """Standard: out = a * sigmoid(a) * b.  OAI: a' = min(a, limit), b' = clamp(b, -limit, limit),
     out = a' * sigmoid(alpha a') * (b' + 1)."""
+    if LAUNCH_DEPENDENTS:
+        tl.extra.cuda.gdc_launch_dependents()
     rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)[:, None]
     cols = (tl.program_id(1) * BLOCK + tl.arange(0, BLOCK))[None, :]
     mask = (rows < n_rows) & (cols < n_cols)
@@ -141,7 +151,8 @@ def _launch_fwd(
     rows_per_tile, block, grid, warps = _tiles(rows, d)
     traceable(_swiglu_fwd)[grid](
         gate2, up2, out2, gate2.stride(0), up2.stride(0), out2.stride(0), d, alpha, limit, rows,
-        BLOCK_R=rows_per_tile, BLOCK=block, OAI=oai, num_warps=warps,
+        BLOCK_R=rows_per_tile, BLOCK=block, OAI=oai, LAUNCH_DEPENDENTS=launches_dependents(out2.device),
+        num_warps=warps,
     )  # fmt: skip
 
 

@@ -1,19 +1,21 @@
 """Issue 16 item 1 (and the prompts of item 3): the Gluon kernel launched as a programmatic dependent (PDL)
-against the launch it has today, through quant_matmul's own path on owned words (as the vLLM method serves
-Hopper).
+against its plain launch, through quant_matmul's own path on owned words (as the vLLM method serves Hopper).
 
 A decode GEMM of 30-60 MB is a ~20 us kernel that reaches under half the DRAM bandwidth: its start and its
-end cost what its streaming does not (Nsight Compute, NOTES.md, twenty-fourth session). Under PDL
-(``quant_matmul_gluon.PDL``) the kernel may start while the one before it in the stream drains: its loading
-warp sends the weight's words for the first ring stages (no kernel before writes them), then waits for the
-previous kernel (``griddepcontrol.wait``) before it loads x, and the compute warps wait before they write.
+end cost what its streaming does not (Nsight Compute, NOTES.md, twenty-fourth session). Under PDL (``pdl``,
+which vLLM's graphs give the projections after our norms and SwiGLU) the kernel may start while the one
+before it in the stream drains: its loading warp sends the weight's words for the first ring stages (no
+kernel before writes them), then waits for the previous kernel (``griddepcontrol.wait``) before it loads x,
+and the compute warps wait before they write.
 
     python tests/gpu/pdl_probe.py [--ms 1,4,16,64,512,2048] [--shapes 14336x4096,...] [--group 128] [--zeros]
 
 Each call is timed in a CUDA graph cycling through weight copies past the L2 (cold weights; the kernels back
 to back, so each one's predecessor is the same GEMM), with PDL off, on, off, on; each column's result is
 checked against the first (stream-K's fp32 atomics may order the sums differently: compared to 1e-3).
-``--after-norm`` puts an RMSNorm (torch's) before every GEMM in the graph, as in a decoder layer. ``--marlin``
+``--after-norm`` puts our add-RMSNorm before every GEMM in the graph, as in a decoder layer (it calls
+launch_dependents first: what vLLM serves with our plugin); ``--torch-norm`` torch's RMSNorm instead (which
+does not). ``--marlin``
 adds vLLM's Marlin on the same weights re-quantized (its launch as vLLM makes it; vLLM staged), timed the same
 way in the same call.
 """
@@ -30,9 +32,9 @@ import torch
 import torch.nn.functional as F
 from triton.testing import do_bench_cudagraph
 
+import squeezeserve.kernels as K
 from squeezeserve.kernels import quant_layout
 from squeezeserve.kernels.ops import quant_matmul as qm
-from squeezeserve.kernels.ops import quant_matmul_gluon as qg
 
 sys.path.insert(0, str(Path(__file__).parent))
 from gluon_prefill_probe import COLD_BYTES, cycle  # noqa: E402
@@ -66,10 +68,12 @@ def main() -> None:
     ap.add_argument("--group", type=int, default=128)
     ap.add_argument("--zeros", action="store_true")
     ap.add_argument("--after-norm", action="store_true")
+    ap.add_argument("--torch-norm", action="store_true", help="with --after-norm: torch's F.rms_norm")
     ap.add_argument("--marlin", action="store_true")
     args = ap.parse_args()
     zeros = " zero points" if args.zeros else ""
-    norm = "; each GEMM after an RMSNorm" if args.after_norm else ""
+    which = "torch's RMSNorm" if args.torch_norm else "our add-RMSNorm"
+    norm = f"; each GEMM after {which}" if args.after_norm else ""
     device = torch.cuda.get_device_name()
     print(f"# {device}; g{args.group}{zeros}; owned words; us, PDL off / on / off / on{norm}")
     for name in args.shapes.split(","):
@@ -86,31 +90,35 @@ def main() -> None:
         marlin = _marlin(w, args.group, args.zeros, copies) if args.marlin else None
         for m in map(int, args.ms.split(",")):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            res = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
 
-            def step(p, x=x, k=k, norm_w=norm_w):
-                h = F.rms_norm(x, (k,), norm_w) if args.after_norm else x
-                return qm._quant_matmul_owned(h, *p, args.group)
+            def before(x=x, res=res, k=k, norm_w=norm_w):
+                if not args.after_norm:
+                    return x
+                if args.torch_norm:
+                    return F.rms_norm(x, (k,), norm_w)
+                return K.add_rmsnorm(x, res, norm_w, 1e-6)[0]
+
+            def step(p, pdl, before=before):
+                return qm._quant_matmul_owned(before(), *p, args.group, pdl)
 
             row, first = [], None
             for pdl in (False, True, False, True):
-                qg.PDL = pdl
-                try:
-                    y = step(packs[0]).float()
-                    if first is None:
-                        first = y
-                    err = ((y - first).norm() / first.norm().clamp_min(1e-30)).item()
-                    assert err < 1e-3, f"{name} m={m} pdl={pdl}: rel diff {err}"
-                    t_us = (
-                        do_bench_cudagraph(cycle([functools.partial(step, p) for p in packs]), rep=40) * 1e3
-                    )
-                finally:
-                    qg.PDL = False
+                y = step(packs[0], pdl).float()
+                if first is None:
+                    first = y
+                err = ((y - first).norm() / first.norm().clamp_min(1e-30)).item()
+                assert err < 1e-3, f"{name} m={m} pdl={pdl}: rel diff {err}"
+                steps = [functools.partial(step, p, pdl) for p in packs]
+                t_us = do_bench_cudagraph(cycle(steps), rep=40) * 1e3
                 row.append(f"{t_us:.2f}")
+            if args.after_norm:
+                t_us = do_bench_cudagraph(before, rep=40) * 1e3
+                row.append(f"norm alone {t_us:.2f}")
             if marlin is not None:
 
-                def peer(c, x=x, k=k, norm_w=norm_w, gemm=marlin[0]):
-                    h = F.rms_norm(x, (k,), norm_w) if args.after_norm else x
-                    return gemm(h, c)
+                def peer(c, before=before, gemm=marlin[0]):
+                    return gemm(before(), c)
 
                 t_us = (
                     do_bench_cudagraph(cycle([functools.partial(peer, c) for c in marlin[1]]), rep=40) * 1e3

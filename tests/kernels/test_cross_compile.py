@@ -108,6 +108,41 @@ def test_gpu_path_compiles_for_sm90(compiled, case):
             assert s["local"] <= local or "256-row tiles" in case, (case, s)
 
 
+# The forwards that call griddepcontrol.launch_dependents first on Hopper (SASS PREEXIT), so that a GEMM after
+# them may launch as their programmatic dependent (launch.launches_dependents, quant_matmul.PDL_MAX_M).
+TRIGGERS = {"_rmsnorm_fwd", "_swiglu_fwd"}
+
+
+@pytest.mark.parametrize("case", sorted(c for c, kernels in EXPECTED.items() if TRIGGERS & set(kernels)))
+def test_norm_and_swiglu_forwards_let_a_dependent_launch_on_hopper(compiled, case):
+    for one in compiled[case]["launches"]:
+        assert one["constexprs"]["LAUNCH_DEPENDENTS"] is True, (case, one["constexprs"])
+        assert one["summary"]["instructions"].get("PREEXIT") == 1, (case, one["summary"]["instructions"])
+
+
+def test_no_other_kernel_lets_a_dependent_launch(compiled):
+    # (the Gluon kernel does only as a dependent itself, under pdl, which cross_compile's cases do not ask)
+    for case, result in compiled.items():
+        for one in result["launches"]:
+            if one["kernel"] not in TRIGGERS:
+                assert "PREEXIT" not in one["summary"]["instructions"], (case, one["kernel"])
+
+
+def test_forwards_before_hopper_take_no_trigger():
+    # griddepcontrol needs sm_90: an A100's norm compiles without it (and builds)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    cmd = [sys.executable, "-m", "squeezeserve.kernels.ops.cross_compile", "--json", "--arch", "80", "--sms",
+           "108", "--no-wgmma", "rmsnorm 16x4096", "silu_and_mul"]  # fmt: skip
+    run = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
+    results = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    assert len(results) == 2, run.stderr[-2000:]
+    for result in results:
+        assert "error" not in result, result
+        (one,) = result["launches"]
+        assert one["constexprs"]["LAUNCH_DEPENDENTS"] is False
+        assert "PREEXIT" not in one["summary"]["instructions"]
+
+
 def _check_pipelined(s: dict) -> None:
     """The Gluon kernel's products overlap: each wgmma group waited for down to one in flight, all of them
     once at the end (a loop whose operand registers ptxas saw rewritten waits for every group after each:

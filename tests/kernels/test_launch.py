@@ -100,6 +100,7 @@ def test_interpreted_and_traced_launches_bypass_the_fast_path():
         "BLOCK_R",
         "BLOCK",
         "OAI",
+        "LAUNCH_DEPENDENTS",
     }
     with set_wrap_triton_enabled(True):
         assert not isinstance(traceable(_swiglu_fwd), launch.FastLaunch)

@@ -306,7 +306,7 @@ def test_calls_through_the_opaque_op_record_plans(device, monkeypatch):
     args = (x, qweight, scales, None, 32, 4)
     with torch.no_grad(), registry.direct_launches:
         expected = qm._quant_matmul(*args)  # (the workspace made first, as above)
-    key = replay.signature(args)
+    key = replay.signature((*args, False))  # (the op hands the body its pdl: off a graph's capture, False)
     if x.is_cuda:
         key = (key, torch.cuda.current_device())
     memo = qm.quant_matmul_eager.plans

@@ -666,10 +666,10 @@ def test_owned_words_take_the_gluon_kernel_or_a_dequantize_that_reads_them(run_c
         assert r["launches"] and all(one == [kernel, True] for one in r["launches"]), (m, r)
 
 
-def test_a_programmatic_dependent_launch_is_asked_for_only_under_pdl(monkeypatch):
-    # quant_matmul_gluon.PDL (off: a trial, NOTES.md, twenty-fourth session) or launch_args' ``pdl`` make the
-    # kernel a programmatic dependent: the PDL constexpr and Triton's launch_pdl option, which its launcher
-    # turns into CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION. Otherwise neither.
+def test_a_programmatic_dependent_launch_is_asked_for_only_under_pdl():
+    # launch_args' ``pdl`` makes the kernel a programmatic dependent: the PDL constexpr and Triton's
+    # launch_pdl option, which its launcher turns into CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION.
+    # Otherwise (the default) neither.
     m, n, k = 16, 14336, 4096
     x, qw = torch.zeros(m, k, dtype=torch.bfloat16), torch.zeros(n, k // 8, dtype=torch.int32)
     sc = torch.zeros(n, k // 128, dtype=torch.bfloat16)
@@ -679,9 +679,50 @@ def test_a_programmatic_dependent_launch_is_asked_for_only_under_pdl(monkeypatch
     assert kwargs["PDL"] is False and "launch_pdl" not in kwargs
     kwargs = qg.launch_args(x, qw, sc, None, 128, y, y, y, mode=2, pdl=True, **cfg)[2]
     assert kwargs["PDL"] is True and kwargs["launch_pdl"] is True
-    monkeypatch.setattr(qg, "PDL", True)
-    assert qg.launch_args(x, qw, sc, None, 128, y, y, y, mode=2, **cfg)[2]["launch_pdl"] is True
-    assert "launch_pdl" not in qg.launch_args(x, qw, sc, None, 128, y, y, y, mode=2, pdl=False, **cfg)[2]
+
+
+_PDL_PATHS = """
+import json
+import torch
+from squeezeserve.kernels.ops import launch
+from squeezeserve.kernels.ops import quant_matmul as qm
+
+n, k = 28672, 4096  # the 8B model's gate_up: the Gluon decode from 2 rows, the Gluon GEMM past 64
+qw, sc = torch.zeros(n, k // 8, dtype=torch.int32), torch.zeros(n, k // 128, dtype=torch.bfloat16)
+for m in (1, 2, 16, 64, 65, 512, 300):
+    for owned in (True, False):
+        for pdl in (False, True):
+            x = torch.empty(m, k, dtype=torch.bfloat16)
+            with launch.capture(sms=132, wgmma=True) as launches:
+                if owned:
+                    qm._quant_matmul_owned(x, qw, sc, None, 128, pdl)
+                else:
+                    qm._quant_matmul(x, qw, sc, None, 128, 4, pdl)
+            got = [(f.__name__, bool(kw.get("PDL")), bool(kw.get("launch_pdl"))) for f, _, _, kw in launches]
+            print(json.dumps({"case": f"{m} {owned} {pdl}", "launches": got}))
+"""
+
+
+def test_quant_matmul_launches_the_gluon_decode_as_a_dependent_only_when_told_and_up_to_64_rows(run_compiled):
+    # ``pdl`` (the caller's word that the kernel before calls launch_dependents): the Gluon kernel launches
+    # as its programmatic dependent at decode rows (PDL_MAX_M), on owned and packed words; prefill tilings,
+    # the FMA kernel (one row of packed words) and a row split's parts (300 rows: the second part follows the
+    # first, which does not trigger) launch as without it. Without ``pdl`` nothing does.
+    results = run_compiled(["-c", _PDL_PATHS])
+    assert len(results) == 28
+    for case, r in results.items():
+        m, owned, pdl = case.split()
+        m = int(m)
+        launches = r["launches"]
+        assert launches, case
+        gluon = [one for one in launches if one[0] == "_wgmma_kernel"]
+        dependent = pdl == "True" and m <= qm.PDL_MAX_M and m != 300
+        for kernel, constexpr, attribute in launches:
+            assert constexpr == attribute == (dependent and kernel == "_wgmma_kernel"), (case, launches)
+        if dependent and not (m == 1 and owned == "False"):
+            assert gluon and all(one[1] for one in gluon), (case, launches)
+    assert results["300 False True"]["launches"] == results["300 False False"]["launches"]
+    assert len(results["300 False True"]["launches"]) == 2  # (the split: a prefill, then a decode)
 
 
 _PDL_COMPILE = """
@@ -732,18 +773,41 @@ def test_a_programmatic_dependent_kernel_compiles_for_sm90_as_pipelined(run_comp
 
 @needs_hopper
 @pytest.mark.parametrize(
-    ("m", "n", "k", "zeros"),
-    [(4, 14336, 4096, False), (16, 4096, 4096, True), (512, 6144, 4096, False), (2048, 4096, 4096, False)],
-)
-def test_a_programmatic_dependent_kernel_gives_the_same_products(m, n, k, zeros, monkeypatch):
-    # Back to back in a stream, the second a programmatic dependent of the first (which lets it launch
-    # early): each result as without PDL (stream-K's fp32 atomics may add in another order).
+    ("m", "n", "k", "zeros", "owned"),
+    [(4, 14336, 4096, False, True), (16, 4096, 4096, True, True), (64, 6144, 4096, False, True),
+     (8, 28672, 4096, True, False), (32, 14336, 4096, False, False)],
+)  # fmt: skip
+def test_a_programmatic_dependent_kernel_gives_the_same_products(m, n, k, zeros, owned):
+    # As in a decoder layer: our add-RMSNorm (which calls launch_dependents first) and then the GEMM launched
+    # as its programmatic dependent, eagerly and replayed from a CUDA graph: each result as without PDL
+    # (stream-K's fp32 atomics may add in another order). The GEMM reads the norm's output: a dependent that
+    # read x before the norm finished would differ.
     qw, sc, zp = _packed(n, k, 128, zeros, torch.bfloat16, "cuda")
-    qw, zp = ql.to_owned_order(qw), (ql.to_owned_zeros(zp, n) if zeros else None)
+    if owned:
+        qw, zp = ql.to_owned_order(qw), (ql.to_owned_zeros(zp, n) if zeros else None)
+    w = torch.rand(k, device="cuda", dtype=torch.bfloat16) + 0.5
     xs = [torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
-    plain = [qm._quant_matmul_owned(x, qw, sc, zp, 128) for x in xs]
-    monkeypatch.setattr(qg, "PDL", True)
-    dependent = [qm._quant_matmul_owned(x, qw, sc, zp, 128) for x in xs]
+    res = [torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+
+    def layer(x, r, pdl):
+        h, _ = K.add_rmsnorm(x, r, w, 1e-6)
+        if owned:
+            return qm.quant_matmul_owned_eager(h, qw, sc, zp, 128, pdl)
+        return qm.quant_matmul_eager(h, qw, sc, zp, 128, 4, pdl)
+
+    plain = [layer(x, r, False) for x, r in zip(xs, res, strict=True)]
+    dependent = [layer(x, r, True) for x, r in zip(xs, res, strict=True)]
     torch.cuda.synchronize()
     for got, want in zip(dependent, plain, strict=True):
         torch.testing.assert_close(got, want, rtol=4e-3, atol=2e-3)
+    x_in, r_in = xs[0].clone(), res[0].clone()
+    layer(x_in, r_in, True)  # (compiled and planned before the capture)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = layer(x_in, r_in, True)
+    for x, r, want in zip(xs, res, plain, strict=True):
+        x_in.copy_(x)
+        r_in.copy_(r)
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(out, want, rtol=4e-3, atol=2e-3)

@@ -12,6 +12,7 @@ rounding; compiled: only the outputs rounded).
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import pytest
 import torch
@@ -166,6 +167,51 @@ def test_quant_linear_skips_the_dispatcher_eagerly_and_stays_opaque_compiled(dev
     assert [t for t in targets if t in (opaque, opaque.default)], targets
 
 
+def test_projections_after_our_kernels_launch_as_programmatic_dependents(monkeypatch):
+    # qkv_proj and gate_up_proj follow our RMSNorm / add-RMSNorm, down_proj our SwiGLU (each a kernel that
+    # calls launch_dependents first); o_proj follows attention, vLLM's. Only where that op of ours replaced
+    # vLLM's in this process, and not with SQUEEZESERVE_PDL=off.
+    monkeypatch.setattr(vllm_ops, "_REGISTERED", {"rms_norm", "silu_and_mul"})
+    monkeypatch.delenv(vllm_ops.PDL_ENV, raising=False)
+    layer = "model.layers.3."
+    expected = {"self_attn.qkv_proj": True, "mlp.gate_up_proj": True, "mlp.down_proj": True,
+                "self_attn.o_proj": False, "mlp.gate_proj": False}  # fmt: skip
+    for name, want in expected.items():
+        assert vllm_ops.follows_our_kernel(layer + name) is want, name
+    assert not vllm_ops.follows_our_kernel("lm_head")
+    monkeypatch.setattr(vllm_ops, "_REGISTERED", {"rms_norm"})
+    assert vllm_ops.follows_our_kernel(layer + "mlp.gate_up_proj")
+    assert not vllm_ops.follows_our_kernel(layer + "mlp.down_proj")
+    monkeypatch.setenv(vllm_ops.PDL_ENV, "off")
+    assert not vllm_ops.follows_our_kernel(layer + "mlp.gate_up_proj")
+    monkeypatch.setenv(vllm_ops.PDL_ENV, "on")
+    with pytest.raises(ValueError, match="SQUEEZESERVE_PDL must be auto or off"):
+        vllm_ops.follows_our_kernel(layer + "mlp.gate_up_proj")
+
+
+def test_quant_linear_hands_pdl_to_the_opaque_op_it_compiles_to(device):
+    # Compiled, the op decides per call (it launches as a dependent only while a CUDA graph captures it):
+    # quant_linear's ``pdl`` goes into the graph as the opaque op's argument. Eager off a graph, as without.
+    scheme = vllm_ops.WeightOnlyScheme(4, 32, True, ())
+    stacked, _ = _stacked_checkpoint([torch.randn(24, 64, dtype=torch.float16)], scheme)
+    weights = (stacked["weight_packed"].to(device), stacked["weight_scale"].to(device), None)
+    x = torch.randn(3, 64, dtype=torch.float16, device=device)
+    expected = vllm_ops.quant_linear(x, *weights, scheme)
+    assert torch.equal(vllm_ops.quant_linear(x, *weights, scheme, None, False, True), expected)
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    dependent = functools.partial(vllm_ops.quant_linear, bias=None, owned=False, pdl=True)
+    compiled = torch.compile(lambda t: dependent(t, *weights, scheme), backend=backend, fullgraph=True)
+    assert torch.equal(compiled(x), expected)
+    opaque = torch.ops.squeezeserve.quant_matmul_opaque
+    (node,) = [n for gm in graphs for n in gm.graph.nodes if n.target in (opaque, opaque.default)]
+    assert node.args[-1] is True and len(node.args) == 7, node.args
+
+
 def test_quant_linear_counts_its_calls():
     scheme = vllm_ops.WeightOnlyScheme(8, None, True, ())
     stacked, _ = _stacked_checkpoint([torch.randn(8, 16, dtype=torch.float16)], scheme)
@@ -198,28 +244,47 @@ def test_warm_prefill_runs_each_prefill_size_without_touching_the_layer(device):
 # that stand for the GPU's, nothing computed)
 _WARM_COVERAGE = """
 import json
+import types
 import torch
 from squeezeserve.kernels import vllm_ops
 from squeezeserve.kernels.ops import launch
 from squeezeserve.kernels.ops import quant_matmul as qm
 
-def keys(n, k, g, zeros, dtype, rows):
+def weights(n, k, g, zeros, dtype):
     qw = torch.zeros(n, k // 8, dtype=torch.int32)
     sc = torch.zeros(n, k // g, dtype=dtype)
-    zp = torch.zeros((n + 7) // 8, k // g, dtype=torch.int32) if zeros else None
     owned = vllm_ops.owned_shape(n, k, g, zeros)  # (the layers the vLLM method repacks: their own dispatch)
+    if owned:  # (its zero points as quant_layout.to_owned_zeros lays them out)
+        zp = torch.zeros(n, -(-k // g // 8), dtype=torch.int32) if zeros else None
+    else:
+        zp = torch.zeros((n + 7) // 8, k // g, dtype=torch.int32) if zeros else None
+    return qw, sc, zp, owned
+
+def key(kern, a, kw):
+    return repr((kern.__name__, launch.specialization_key(a, kw)))
+
+def keys(n, k, g, zeros, dtype, rows, pdl):
+    qw, sc, zp, owned = weights(n, k, g, zeros, dtype)
     first = {}
     with launch.capture(sms=132, wgmma=True) as launches:
         for m in rows:
-            if owned:  # (its zero points as quant_layout.to_owned_zeros lays them out)
-                owned_zp = torch.zeros(n, -(-k // g // 8), dtype=torch.int32) if zeros else None
-                qm._quant_matmul_owned(torch.empty(m, k, dtype=dtype), qw, sc, owned_zp, g)
+            if owned:
+                qm._quant_matmul_owned(torch.empty(m, k, dtype=dtype), qw, sc, zp, g, pdl)
             else:
-                qm._quant_matmul(torch.empty(m, k, dtype=dtype), qw, sc, zp, g, 4)
+                qm._quant_matmul(torch.empty(m, k, dtype=dtype), qw, sc, zp, g, 4, pdl)
             for kern, _, a, kw in launches:
-                first.setdefault(repr((kern.__name__, launch.specialization_key(a, kw))), m)
+                first.setdefault(key(kern, a, kw), m)
             launches.clear()
     return first
+
+def warmed(n, k, g, zeros, dtype):
+    # what the method's warm-up at load launches, for a layer after one of our kernels (pdl)
+    qw, sc, zp, owned = weights(n, k, g, zeros, dtype)
+    layer = types.SimpleNamespace(input_size_per_partition=k, weight_packed=qw, weight_scale=sc,
+                                  weight_zero_point=zp, owned_words=owned)
+    with launch.capture(sms=132, wgmma=True) as launches:
+        vllm_ops.warm_prefill(layer, vllm_ops.WeightOnlyScheme(4, g, not zeros, ()), dtype, pdl=True)
+        return {key(kern, a, kw) for kern, _, a, kw in launches}
 
 CASES = {  # the 8B model's qkv, o, gate_up and down, g128 and g32 with zero points; the bundled model's
     "6144x4096 g128": (6144, 4096, 128, False, torch.bfloat16, 640),
@@ -231,10 +296,13 @@ CASES = {  # the 8B model's qkv, o, gate_up and down, g128 and g32 with zero poi
     "576x1536 g32 zp fp16": (576, 1536, 32, True, torch.float16, 2100),
 }
 for case, (n, k, g, zeros, dtype, most) in CASES.items():
-    every = keys(n, k, g, zeros, dtype, range(1, most + 1))
-    warmed = keys(n, k, g, zeros, dtype, vllm_ops.PREFILL_WARM_ROWS)
-    missing = sorted(every[key] for key in set(every) - set(warmed))
-    print(json.dumps({"case": case, "keys": len(every), "missing_rows": missing}))
+    every = keys(n, k, g, zeros, dtype, range(1, most + 1), False)
+    # as programmatic dependents: the decode rows (past PDL_MAX_M the launches are those without)
+    dependent = keys(n, k, g, zeros, dtype, range(1, qm.PDL_MAX_M + 2), True)
+    pdl_keys = set(dependent) - set(every)
+    every |= {key: dependent[key] for key in pdl_keys}
+    missing = sorted(every[key] for key in set(every) - warmed(n, k, g, zeros, dtype))
+    print(json.dumps({"case": case, "keys": len(every), "pdl_keys": len(pdl_keys), "missing_rows": missing}))
 """
 
 
@@ -243,11 +311,16 @@ def test_warm_rows_reach_every_kernel_that_any_row_count_launches(run_compiled):
     # up to past the rules' bounds launches at these shapes: none is left to compile in the middle of
     # serving. (To 640 rows here; to 2064 the same replay found no other key, in 6 minutes on a 2-core
     # machine. Past 2048 the 8B shapes take dequantize + cuBLAS, whose products the replay computes on CPU.)
+    # With the decode rows launched as programmatic dependents too (the projections after our kernels,
+    # vllm_ops.follows_our_kernel): other compiled kernels, where the Gluon decode runs, which the warm-up
+    # launches as well.
     results = run_compiled(["-c", _WARM_COVERAGE])
     assert len(results) == 7
     for case, result in results.items():
         assert result["keys"] >= 8, (case, result)
         assert result["missing_rows"] == [], (case, result["missing_rows"])
+        if "28672" in case or "14336" in case:
+            assert result["pdl_keys"] >= 1, (case, result)
 
 
 _SILU_AND_MUL_WARM = """
