@@ -47,7 +47,7 @@ from typing import Any
 import torch
 
 from squeezeserve.kernels import functional, quant_layout
-from squeezeserve.kernels.ops import launch, quant_matmul, swiglu
+from squeezeserve.kernels.ops import launch, quant_matmul, rmsnorm, swiglu
 from squeezeserve.kernels.ops.launch import wgmma
 from squeezeserve.kernels.ops.quant_matmul import quant_matmul_eager
 from squeezeserve.kernels.registry import eager
@@ -97,10 +97,16 @@ def rms_norm(
         _note("rms_norm", x)
         if compiled:
             return torch.ops.squeezeserve.rmsnorm(x, weight, eps, True)
+        warm_dependent_norm(x, weight, eps)
+        if launch.graph_dependent(x) and pdl_enabled():  # (PDL_AFTER)
+            return rmsnorm.rmsnorm_dependent(x, weight, eps)
         return functional.rmsnorm(x, weight, eps)
     _note("fused_add_rms_norm", x)
     if compiled:
         return torch.ops.squeezeserve.add_rmsnorm(x, residual, weight, eps, True)
+    warm_dependent_norm(x, weight, eps)
+    if launch.graph_dependent(x) and pdl_enabled():
+        return rmsnorm.add_rmsnorm_dependent(x, residual, weight, eps)
     return functional.add_rmsnorm(x, residual, weight, eps)
 
 
@@ -197,7 +203,11 @@ def quant_linear(
         args = (x, weight_packed, weight_scale, weight_zero_point, group, scheme.bits)
         body, opaque = quant_matmul_eager, torch.ops.squeezeserve.quant_matmul_opaque
     y = None
-    if not torch.compiler.is_compiling():
+    if torch.compiler.is_compiling():
+        # (compiled, Inductor launches our norms without PDL: the GEMM after one as its dependent gained
+        # nothing, NOTES.md, twenty-fifth session)
+        pdl = False
+    else:
         now = (*args, quant_matmul.dependent(pdl, x))
         y = body.plans.replayed(*now)  # (its plan replayed in C++: no Python layer)
         if y is None and eager(*args[:4]):
@@ -211,26 +221,35 @@ def quant_linear(
     return y + bias if bias is not None else y
 
 
-# The projections of a Llama-family decoder layer whose input is the output of a kernel of ours that calls
-# launch_dependents first (launch.launches_dependents): qkv_proj after input_layernorm's RMSNorm (with the
-# residual add from the second layer on), gate_up_proj after post_attention_layernorm's add-RMSNorm, down_proj
-# after act_fn's SiluAndMul; each maps to the op of ours that must replace vLLM's for that. Not o_proj (after
-# attention, vLLM's kernel). quant_matmul launches their decode GEMMs as programmatic dependents
-# (quant_matmul.PDL_MAX_M): they load their weights while the norm or SwiGLU before them runs.
-# SQUEEZESERVE_PDL=off launches them as before.
+# Programmatic dependent launch (PDL) in vLLM's decode graphs (captured without torch.compile:
+# launch.graph_dependent). Our kernels call launch_dependents first on Hopper (launch.launches_dependents),
+# our norms and SwiGLU launch as programmatic dependents of the kernel before them there
+# (rmsnorm.rmsnorm_dependent, swiglu.silu_and_mul_dependent: a decoder layer's norms follow our down_proj
+# and o_proj GEMMs, its SwiGLU our gate_up), and the projections whose input comes from one of those launch
+# as its dependent (quant_matmul.PDL_MAX_M): qkv_proj after input_layernorm's RMSNorm (with the residual add
+# from the second layer on), gate_up_proj after post_attention_layernorm's add-RMSNorm, down_proj after
+# act_fn's SiluAndMul; each maps to the op of ours that must replace vLLM's for that. Not o_proj (after
+# attention, vLLM's kernel). A GEMM then loads its weights while the GEMM two kernels before it drains.
+# SQUEEZESERVE_PDL=off launches the projections as before.
 PDL_AFTER = {"qkv_proj": "rms_norm", "gate_up_proj": "rms_norm", "down_proj": "silu_and_mul"}
 PDL_ENV = "SQUEEZESERVE_PDL"
 
 
-def follows_our_kernel(prefix: str) -> bool:
-    """Whether the linear layer at ``prefix`` (vLLM's module path, e.g. ``model.layers.0.mlp.down_proj``)
-    takes its input straight from a kernel of ours that lets a dependent launch (:data:`PDL_AFTER`; that op
-    of ours registered in vLLM in this process; not with SQUEEZESERVE_PDL=off)."""
+def pdl_enabled() -> bool:
+    """SQUEEZESERVE_PDL: ``auto`` (the default: as :data:`PDL_AFTER` says) or ``off`` (no kernel of ours
+    launches as a programmatic dependent in vLLM)."""
     mode = os.environ.get(PDL_ENV, "auto")
     if mode not in ("auto", "off"):
         raise ValueError(f"{PDL_ENV} must be auto or off, got {mode!r}")
+    return mode == "auto"
+
+
+def follows_our_kernel(prefix: str) -> bool:
+    """Whether the linear layer at ``prefix`` (vLLM's module path, e.g. ``model.layers.0.mlp.down_proj``)
+    takes its input straight from a kernel of ours launched as a programmatic dependent (:data:`PDL_AFTER`;
+    that op of ours registered in vLLM in this process; not with SQUEEZESERVE_PDL=off)."""
     op = PDL_AFTER.get(prefix.rsplit(".", 1)[-1])
-    return mode == "auto" and op is not None and op in _REGISTERED
+    return pdl_enabled() and op is not None and op in _REGISTERED
 
 
 # Rows of a weight put in the owned order at a time at load (the order's transient is 8 bytes a value).
@@ -355,8 +374,34 @@ def warm_silu_and_mul(x: torch.Tensor) -> None:
     if key in _SILU_AND_MUL_WARMED:
         return
     _SILU_AND_MUL_WARMED.add(key)
+    dependent = launch.launches_dependents(x.device)  # (its own kernels: launched in vLLM's decode graphs)
     for rows in swiglu.warm_rows(x.shape[-1] // 2):
-        functional.silu_and_mul(torch.zeros(rows, x.shape[-1], dtype=x.dtype, device=x.device))
+        zeros = torch.zeros(rows, x.shape[-1], dtype=x.dtype, device=x.device)
+        functional.silu_and_mul(zeros)
+        if dependent:
+            swiglu.silu_and_mul_dependent(zeros)
+
+
+_NORMS_WARMED: set = set()
+
+
+def warm_dependent_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+    """On the first eager GPU call at each width, dtype and device, on Hopper, run the norms launched as
+    programmatic dependents (rmsnorm.rmsnorm_dependent and add_rmsnorm_dependent: their own kernels, first
+    launched while vLLM captures its decode graphs) once on zeros at each of rmsnorm.warm_rows. Nothing while
+    torch.compile traces or a CUDA graph captures."""
+    if torch.compiler.is_compiling() or not (x.is_cuda or launch.capturing()):
+        return
+    if x.is_cuda and torch.cuda.is_current_stream_capturing():
+        return
+    key = (x.shape[-1], x.dtype, x.device)
+    if key in _NORMS_WARMED or not launch.launches_dependents(x.device):
+        return
+    _NORMS_WARMED.add(key)
+    for rows in rmsnorm.warm_rows(x.shape[-1]):
+        zeros = torch.zeros(rows, x.shape[-1], dtype=x.dtype, device=x.device)
+        rmsnorm.rmsnorm_dependent(zeros, weight, eps)
+        rmsnorm.add_rmsnorm_dependent(zeros, zeros.clone(), weight, eps)
 
 
 # --- on vLLM's CPU backend: the packed CPU forms torch has matmuls for -------------------------------------
@@ -448,6 +493,8 @@ def _register_silu_and_mul() -> None:
         def forward_native(self, x: torch.Tensor) -> torch.Tensor:
             _note("silu_and_mul", x)
             warm_silu_and_mul(x)
+            if not torch.compiler.is_compiling() and launch.graph_dependent(x) and pdl_enabled():
+                return swiglu.silu_and_mul_dependent(x)
             return functional.silu_and_mul(x)
 
         def forward_cuda(self, x: torch.Tensor) -> torch.Tensor:

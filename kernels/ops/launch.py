@@ -345,6 +345,14 @@ def launches_dependents(device: torch.device) -> bool:
     return _grid_dependency_control(device.index if device.index is not None else torch.cuda.current_device())
 
 
+def graph_dependent(x: torch.Tensor) -> bool:
+    """Whether a serving call on ``x`` launches its kernel as a programmatic dependent of the kernel before
+    it: on a GPU whose kernels call launch_dependents (:func:`launches_dependents`), while a CUDA graph
+    captures the call (vLLM's decode graphs), where the kernels then run back to back whatever the host
+    does. Eager calls launch as before: their launch plans replay in C++, which launches without PDL."""
+    return x.is_cuda and launches_dependents(x.device) and torch.cuda.is_current_stream_capturing()
+
+
 def capturing() -> bool:
     """Whether :func:`capture` runs (CPU tensors then stand for a GPU's)."""
     return recording.target is not None

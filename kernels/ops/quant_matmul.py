@@ -26,7 +26,15 @@ from triton.runtime import errors as triton_errors
 
 from squeezeserve.kernels import quant_layout, reference
 from squeezeserve.kernels.ops import launch
-from squeezeserve.kernels.ops.launch import Workspace, cdiv, next_power_of_2, sm_count, traceable, wgmma
+from squeezeserve.kernels.ops.launch import (
+    Workspace,
+    cdiv,
+    launches_dependents,
+    next_power_of_2,
+    sm_count,
+    traceable,
+    wgmma,
+)
 from squeezeserve.kernels.ops.quant_matmul_kernels import (
     _dequantize_kernel,
     _gemv_int4_kernel,
@@ -154,16 +162,18 @@ ROW_SPLIT = os.environ.get("SQUEEZESERVE_ROW_SPLIT", "auto")  # (for A/B runs of
 if ROW_SPLIT not in ("auto", "on", "off"):
     raise ValueError(f"SQUEEZESERVE_ROW_SPLIT must be auto, on or off, got {ROW_SPLIT!r}")
 ROW_SPLIT_TILE, ROW_SPLIT_MAX_M = 256, 1024
-# Programmatic dependent launch (PDL): where the kernel before a call calls launch_dependents first (the
-# caller says so with ``pdl``: our RMSNorm, add-RMSNorm and SwiGLU kernels do, launch.launches_dependents),
-# the Gluon kernel up to this many rows launches as its dependent: it starts as that kernel drains (calling
-# launch_dependents first itself), its first stages' weight words out before it waits for that kernel
-# (quant_matmul_gluon._load_partition). H100, tests/gpu/pdl_probe.py (NOTES.md, twenty-fourth session): after
-# a kernel that calls launch_dependents (back to back) the decode is 6-13% faster at 1-16 rows of 30-60 MB
-# weights (14336 x 4096 17.2-18.1 -> 15.5-16.5 us, g32 with zero points 18.3-19.3 -> 16.3-17.5), 3-7% at
-# 14336^2 (47 -> 44), 1-8% at 64 rows, within the noise at 512 rows (prefill launches stay as they were);
-# after one that does not (torch's RMSNorm) 4-8% slower (14336 x 4096 22.2 -> 23.8-24.1 us): hence the
-# caller's word, never a default.
+# Programmatic dependent launch (PDL): where the caller says the kernel before a call is one of ours
+# launched as a programmatic dependent itself (``pdl``: vLLM's decode graphs, vllm_ops.PDL_AFTER: our norms
+# and SwiGLU there, rmsnorm.rmsnorm_dependent), the Gluon kernel up to this many rows launches as that
+# kernel's dependent: it starts while that kernel and the GEMM before it drain (our kernels call
+# launch_dependents first, launch.launches_dependents), its first stages' weight words out before it waits
+# (griddepcontrol.wait) for the kernel before (quant_matmul_gluon._load_partition). H100,
+# tests/gpu/pdl_probe.py --after-norm (NOTES.md, twenty-fifth session), GEMM after a norm, PDL off / on:
+# after a norm launched as a dependent (--chain) 14336 x 4096 19.2-20.8 / 17.4-18.7 us at 1-16 rows, 28672 x
+# 4096 32.3-33.7 / 28.4-30.5, 4096 x 14336 22.2-23.6 / 19.6-20.8, 64 rows 2-7% faster; after our norm
+# launched plainly nothing (14336 x 4096 19.5-20.2 / 20.1-20.7); after torch's RMSNorm, which does not
+# trigger, 4-8% slower (twenty-fourth session). So only on the caller's word, never by default; prefill
+# launches stay as they were (512 rows: within the noise).
 PDL_MAX_M = SKINNY_MAX_M
 # bf16: 0x4300 is 128.0 with a 7-bit mantissa (integers 128..255 exact); fp16: 0x6400 is 1024.0 with a
 # 10-bit mantissa (1024..2047 exact).
@@ -421,8 +431,8 @@ def _rows(
         )  # fmt: skip
         meta = {"GROUP": group_size, "HAS_ZERO": zeros is not None, "BLOCK_M": block_m,
                 "BLOCK_N": cfg["BLOCK_N"], "BLOCK_K": block_k, "MODE": mode,
-                "EVEN_K": k_in % block_k == 0, "num_warps": cfg["num_warps"],
-                "num_stages": cfg["num_stages"]}  # fmt: skip
+                "EVEN_K": k_in % block_k == 0, "LAUNCH_DEPENDENTS": launches_dependents(x2.device),
+                "num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}  # fmt: skip
         if cfg.get("maxnreg"):  # a register cap: tests/gpu/maxnreg_probe.py sets one, no shipped tuning does
             # (H100: caps of 96 and 80 registers, 5 and 6 programs an SM, were 5-34% and 34-84% slower)
             meta["maxnreg"] = cfg["maxnreg"]
@@ -612,10 +622,8 @@ def gluon_tiles(m: int, n_out: int, k_in: int, sms: int) -> dict:
 
 def dependent(pdl: bool, x: torch.Tensor) -> bool:
     """``pdl`` as a serving call takes it (the opaque ops, vLLM's quant_linear): while a CUDA graph captures
-    the call (vLLM's decode graphs), where the kernels run back to back whatever the host does. An eager call
-    launches as without it: its launch plan then replays in C++, which launches without PDL, and the kernel
-    before it may have ended before the host launched this one."""
-    return pdl and x.is_cuda and torch.cuda.is_current_stream_capturing()
+    the call on Hopper (launch.graph_dependent)."""
+    return pdl and launch.graph_dependent(x)
 
 
 def _gluon(x2, qweight, scales, zeros, group_size, cfg: dict, out=None, pdl=False) -> torch.Tensor | None:

@@ -588,8 +588,8 @@ def _load_partition(
     start, end, k_units, stretches = _share(M, N, K, units_per_split, dp_tiles, STREAM_K, DP, BLOCK_M,
                                             BLOCK_N, BLOCK_K)  # fmt: skip
     tiles_m = gl.cdiv(M, BLOCK_M)
+    _launch_dependents()  # (a kernel launched after this one as its programmatic dependent may start)
     if PDL:
-        _launch_dependents()
         lo, hi = _stretch(0, start, end, k_units, dp_tiles, DP)
         ahead = lo * 0  # the run's first K tiles whose words went out before the wait
         if lo < hi:

@@ -250,8 +250,11 @@ def _skinny_kernel(
     EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no mask along K, so the weight loads vectorize
     GPT: tl.constexpr,  # groups per K tile when groups align to tiles (1 for groups of whole tiles), else 0
     DOT_FP32: tl.constexpr,  # upcast the dot operands (Triton's interpreter gets bf16 tl.dot wrong)
+    LAUNCH_DEPENDENTS: tl.constexpr = False,  # launch.launches_dependents: a PDL dependent may start now
 ):
     """y[m, n] = sum_k x[m, k] (q[n, k] - z[n, g]) s[n, g],  g = k // GROUP."""
+    if LAUNCH_DEPENDENTS:
+        tl.extra.cuda.gdc_launch_dependents()
     V: tl.constexpr = 16 // BITS  # values per int16 half of a word
     T: tl.constexpr = BLOCK_K // V  # int16 halves per row of a tile
     MASK: tl.constexpr = (1 << BITS) - 1
@@ -367,6 +370,7 @@ def _gemv_int4_kernel(
     STAGES: tl.constexpr,  # software-pipeline depth of the weight loads (1: none)
     OWNED: tl.constexpr = False,  # owned weights (quant_layout: to_owned_order's words, to_owned_zeros'
     # zero points): x is read in the words' order
+    LAUNCH_DEPENDENTS: tl.constexpr = False,  # launch.launches_dependents: a PDL dependent may start now
 ):
     """int4 on the FMA units, two values per integer instruction.
 
@@ -375,6 +379,8 @@ def _gemv_int4_kernel(
     operand with one shift or mask (bf16 is the top half of fp32). Products ``(128 + q) x`` accumulate
     per (row, output, word) in fp32; per tile, ``sum (q - z) s x = s (sum (128 + q) x - (128 + z) sum x)``.
     """
+    if LAUNCH_DEPENDENTS:
+        tl.extra.cuda.gdc_launch_dependents()
     W: tl.constexpr = BLOCK_K // 8  # words per row of a tile
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)

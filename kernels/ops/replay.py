@@ -126,6 +126,8 @@ def _descriptor(t: torch.Tensor, offset: int, recorded):
     base = recorded.base
     if offset or t.shape != base.shape or t.stride() != base.stride():
         base = t.as_strided(base.shape, base.stride(), t.storage_offset() + offset // t.element_size())
+    else:
+        base = t  # (the recorded call's tensor until the twenty-fifth session: replays read its memory)
     made = object.__new__(type(recorded))  # (its checks ran when it was recorded: same signature)
     made.__dict__.update(recorded.__dict__)
     made.base = base

@@ -51,11 +51,14 @@ def _rmsnorm_fwd(
     HAS_RESIDUAL: tl.constexpr,  # fused residual add: h = x + residual, normalise h
     FUSED_ROUNDING: tl.constexpr,  # round only the stored outputs (Inductor's numerics), not h and h * r
     LAUNCH_DEPENDENTS: tl.constexpr,  # launch.launches_dependents: a PDL dependent may start now
+    WAIT: tl.constexpr,  # launched as a programmatic dependent: wait for the kernel before, first
 ):
     """h = x (+ residual, in the input dtype); r = rsqrt(mean(h^2) + eps) in fp32;
     y = w * cast_to_input_dtype(h * r). FUSED_ROUNDING: h and h * r stay fp32, y = w * h * r."""
     if LAUNCH_DEPENDENTS:
         tl.extra.cuda.gdc_launch_dependents()
+    if WAIT:  # (before any load or store: x, and this kernel's outputs, may still be the kernel before's)
+        tl.extra.cuda.gdc_wait()
     rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)[:, None]
     cols = tl.arange(0, BLOCK)[None, :]
     mask = (rows < n_rows) & (cols < n_cols)
@@ -131,8 +134,15 @@ def _check(x: torch.Tensor, weight: torch.Tensor, op: str) -> None:
 
 
 def _forward(
-    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, fused_rounding: bool
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    fused_rounding: bool,
+    dependent: bool = False,
 ):
+    """(y, h); ``dependent``: launched as a programmatic dependent of the kernel before it (PDL: it may
+    start while that one runs and waits for it in the kernel; :data:`rmsnorm_dependent`)."""
     n = x.shape[-1]
     block = row_block(n, "rmsnorm")
     x2 = rows_2d(x)
@@ -148,8 +158,8 @@ def _forward(
             x2, res2, h2, weight, y2,
             x2.stride(0), res2.stride(0), h2.stride(0), y2.stride(0),
             n, eps, rows, BLOCK_R=rows_per_program, BLOCK=block, HAS_RESIDUAL=residual is not None,
-            FUSED_ROUNDING=fused_rounding, LAUNCH_DEPENDENTS=launches_dependents(x.device),
-            num_warps=num_warps_for(block),
+            FUSED_ROUNDING=fused_rounding, LAUNCH_DEPENDENTS=launches_dependents(x.device), WAIT=dependent,
+            num_warps=num_warps_for(block), **({"launch_pdl": True} if dependent else {}),
         )  # fmt: skip
     return y, h
 
@@ -297,3 +307,39 @@ add_rmsnorm_eager = EagerOp(
     partial(_add_rmsnorm_grad, backward=_add_rmsnorm_backward),
     plans=LaunchPlans(),
 )
+
+
+def _rmsnorm_dependent(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    _check(x, weight, "rmsnorm")
+    return _forward(x, None, weight, eps, False, dependent=True)[0]
+
+
+def _add_rmsnorm_dependent(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    _check(x, weight, "add_rmsnorm")
+    return _forward(x, residual, weight, eps, False, dependent=True)
+
+
+# Serving only (no autograd), on a Hopper GPU while a CUDA graph captures (launch.graph_dependent; vLLM's
+# decode graphs through vllm_ops): the forwards launched as programmatic dependents of the kernel before
+# them, which in a decoder layer is our GEMM (it calls launch_dependents first). The norm starts while that
+# GEMM drains and lets the next GEMM start too: that one's weight loads then overlap the previous GEMM's end
+# across the norm. H100, tests/gpu/pdl_probe.py --after-norm --chain (NOTES.md, twenty-fifth session): a
+# 14336 x 4096 decode GEMM after such a norm 17.4-18.7 us at 1-16 rows against 19.5-20.2 after our norm as
+# launched before (28672 x 4096: 28.4-30.5 against 31.5-33.4).
+rmsnorm_dependent = EagerOp(_rmsnorm_dependent, _rmsnorm_setup, _rmsnorm_grad, plans=LaunchPlans())
+add_rmsnorm_dependent = EagerOp(
+    _add_rmsnorm_dependent, _add_rmsnorm_setup, _add_rmsnorm_grad, plans=LaunchPlans()
+)
+
+
+def warm_rows(n: int) -> tuple[int, ...]:
+    """The fewest row counts whose forwards at width ``n`` launch every compiled kernel (launch key) that
+    the row counts up to 1024 launch: the first row count of each rows-a-program tiling that is 1, a
+    multiple of 16 or neither (what Triton specializes the row count on)."""
+    block = row_block(n, "rmsnorm")
+    first: dict[tuple, int] = {}
+    for rows in range(1, 1025):
+        first.setdefault((block_rows(rows, block), rows == 1, rows % 16 == 0), rows)
+    return tuple(sorted(first.values()))

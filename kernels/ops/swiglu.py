@@ -50,11 +50,14 @@ def _swiglu_fwd(
     BLOCK: tl.constexpr,  # columns per tile
     OAI: tl.constexpr,  # gpt-oss form: min(gate, limit) * sigmoid(alpha * .) * (clamp(up) + 1)
     LAUNCH_DEPENDENTS: tl.constexpr,  # launch.launches_dependents: a PDL dependent may start now
+    WAIT: tl.constexpr,  # launched as a programmatic dependent: wait for the kernel before, first
 ):
     """Standard: out = a * sigmoid(a) * b.  OAI: a' = min(a, limit), b' = clamp(b, -limit, limit),
     out = a' * sigmoid(alpha a') * (b' + 1)."""
     if LAUNCH_DEPENDENTS:
         tl.extra.cuda.gdc_launch_dependents()
+    if WAIT:  # (before any load or store: the input, and this kernel's output, may be the kernel before's)
+        tl.extra.cuda.gdc_wait()
     rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)[:, None]
     cols = (tl.program_id(1) * BLOCK + tl.arange(0, BLOCK))[None, :]
     mask = (rows < n_rows) & (cols < n_cols)
@@ -143,8 +146,15 @@ def warm_rows(d: int) -> tuple[int, ...]:
 
 
 def _launch_fwd(
-    gate2: torch.Tensor, up2: torch.Tensor, out2: torch.Tensor, alpha: float, limit: float, oai: bool
+    gate2: torch.Tensor,
+    up2: torch.Tensor,
+    out2: torch.Tensor,
+    alpha: float,
+    limit: float,
+    oai: bool,
+    dependent: bool = False,
 ):
+    """``dependent``: launched as a programmatic dependent of the kernel before (silu_and_mul_dependent)."""
     rows, d = out2.shape
     if rows == 0 or d == 0:
         return
@@ -152,7 +162,7 @@ def _launch_fwd(
     traceable(_swiglu_fwd)[grid](
         gate2, up2, out2, gate2.stride(0), up2.stride(0), out2.stride(0), d, alpha, limit, rows,
         BLOCK_R=rows_per_tile, BLOCK=block, OAI=oai, LAUNCH_DEPENDENTS=launches_dependents(out2.device),
-        num_warps=warps,
+        WAIT=dependent, num_warps=warps, **({"launch_pdl": True} if dependent else {}),
     )  # fmt: skip
 
 
@@ -238,14 +248,18 @@ def _check_packed(x: torch.Tensor) -> int:
     return x.shape[-1] // 2
 
 
-def _silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+def _silu_and_mul(x: torch.Tensor, dependent: bool = False) -> torch.Tensor:
     d = _check_packed(x)
     if use_reference(x):
         return reference.silu_and_mul(x)
     x2 = rows_2d(x)
     out = torch.empty((*x.shape[:-1], d), dtype=x.dtype, device=x.device)
-    _launch_fwd(x2[:, :d], x2[:, d:], out.view(-1, d), 0.0, 0.0, False)
+    _launch_fwd(x2[:, :d], x2[:, d:], out.view(-1, d), 0.0, 0.0, False, dependent)
     return out
+
+
+def _silu_and_mul_dependent(x: torch.Tensor) -> torch.Tensor:
+    return _silu_and_mul(x, dependent=True)
 
 
 def _silu_and_mul_backward(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -259,7 +273,11 @@ def _silu_and_mul_backward(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return dx
 
 
-silu_and_mul = triton_op("squeezeserve::silu_and_mul", _silu_and_mul, mutates_args=())
+def _silu_and_mul_traced(x: torch.Tensor) -> torch.Tensor:
+    return _silu_and_mul(x)
+
+
+silu_and_mul = triton_op("squeezeserve::silu_and_mul", _silu_and_mul_traced, mutates_args=())
 silu_and_mul_backward = triton_op(
     "squeezeserve::silu_and_mul_backward", _silu_and_mul_backward, mutates_args=()
 )
@@ -345,6 +363,14 @@ swiglu_oai_eager = EagerOp(
 )
 silu_and_mul_eager = EagerOp(
     _silu_and_mul,
+    _silu_and_mul_setup,
+    partial(_silu_and_mul_grad, backward=_silu_and_mul_backward),
+    plans=LaunchPlans(),
+)
+# vLLM's SwiGLU between gate_up and down, launched as a programmatic dependent of gate_up's GEMM while a CUDA
+# graph captures (as rmsnorm.rmsnorm_dependent; serving only).
+silu_and_mul_dependent = EagerOp(
+    _silu_and_mul_dependent,
     _silu_and_mul_setup,
     partial(_silu_and_mul_grad, backward=_silu_and_mul_backward),
     plans=LaunchPlans(),

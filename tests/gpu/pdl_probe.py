@@ -15,7 +15,9 @@ to back, so each one's predecessor is the same GEMM), with PDL off, on, off, on;
 checked against the first (stream-K's fp32 atomics may order the sums differently: compared to 1e-3).
 ``--after-norm`` puts our add-RMSNorm before every GEMM in the graph, as in a decoder layer (it calls
 launch_dependents first: what vLLM serves with our plugin); ``--torch-norm`` torch's RMSNorm instead (which
-does not). ``--marlin``
+does not); ``--chain`` an RMSNorm that is itself launched as a programmatic dependent of the GEMM before it
+(it lets the next kernel launch, then waits for the GEMM), so that a GEMM's start may overlap the previous
+GEMM's end across the norm. ``--marlin``
 adds vLLM's Marlin on the same weights re-quantized (its launch as vLLM makes it; vLLM staged), timed the same
 way in the same call.
 """
@@ -30,6 +32,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 from triton.testing import do_bench_cudagraph
 
 import squeezeserve.kernels as K
@@ -61,6 +65,28 @@ def _marlin(w: torch.Tensor, group: int, zeros: bool, copies: int):
     return call, packs
 
 
+@triton.jit
+def _dependent_rmsnorm(x_ptr, w_ptr, y_ptr, n, eps, BLOCK: tl.constexpr):
+    """y = x * rsqrt(mean(x^2) + eps) * w, a row a program, launched as a programmatic dependent: the next
+    kernel may launch at once, this one waits for the kernel before it before it reads or writes."""
+    tl.extra.cuda.gdc_launch_dependents()
+    tl.extra.cuda.gdc_wait()
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n
+    x = tl.load(x_ptr + row * n + cols, mask=mask, other=0.0).to(tl.float32)
+    r = tl.rsqrt(tl.sum(x * x, axis=0) / n + eps)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + row * n + cols, (x * r * w).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def dependent_rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    y = torch.empty_like(x)
+    block = triton.next_power_of_2(x.shape[-1])
+    _dependent_rmsnorm[(x.shape[0],)](x, w, y, x.shape[-1], eps, BLOCK=block, num_warps=8, launch_pdl=True)
+    return y
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ms", default="1,4,16,64,512,2048")
@@ -69,10 +95,12 @@ def main() -> None:
     ap.add_argument("--zeros", action="store_true")
     ap.add_argument("--after-norm", action="store_true")
     ap.add_argument("--torch-norm", action="store_true", help="with --after-norm: torch's F.rms_norm")
+    ap.add_argument("--chain", action="store_true", help="with --after-norm: a norm launched as a dependent")
     ap.add_argument("--marlin", action="store_true")
     args = ap.parse_args()
     zeros = " zero points" if args.zeros else ""
     which = "torch's RMSNorm" if args.torch_norm else "our add-RMSNorm"
+    which = "an RMSNorm launched as a programmatic dependent" if args.chain else which
     norm = f"; each GEMM after {which}" if args.after_norm else ""
     device = torch.cuda.get_device_name()
     print(f"# {device}; g{args.group}{zeros}; owned words; us, PDL off / on / off / on{norm}")
@@ -97,6 +125,8 @@ def main() -> None:
                     return x
                 if args.torch_norm:
                     return F.rms_norm(x, (k,), norm_w)
+                if args.chain:
+                    return dependent_rmsnorm(x, norm_w)
                 return K.add_rmsnorm(x, res, norm_w, 1e-6)[0]
 
             def step(p, pdl, before=before):

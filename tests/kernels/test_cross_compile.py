@@ -108,24 +108,56 @@ def test_gpu_path_compiles_for_sm90(compiled, case):
             assert s["local"] <= local or "256-row tiles" in case, (case, s)
 
 
-# The forwards that call griddepcontrol.launch_dependents first on Hopper (SASS PREEXIT), so that a GEMM after
-# them may launch as their programmatic dependent (launch.launches_dependents, quant_matmul.PDL_MAX_M).
-TRIGGERS = {"_rmsnorm_fwd", "_swiglu_fwd"}
+# The kernels that call griddepcontrol.launch_dependents first on Hopper (SASS PREEXIT), so that a kernel
+# after them may launch as their programmatic dependent (launch.launches_dependents, quant_matmul.PDL_MAX_M,
+# vllm_ops.PDL_AFTER): the norms, SwiGLU and the decode GEMMs.
+TRIGGERS = {"_rmsnorm_fwd", "_swiglu_fwd", "_gemv_int4_kernel", "_skinny_kernel", "_wgmma_kernel"}
 
 
 @pytest.mark.parametrize("case", sorted(c for c, kernels in EXPECTED.items() if TRIGGERS & set(kernels)))
-def test_norm_and_swiglu_forwards_let_a_dependent_launch_on_hopper(compiled, case):
+def test_forwards_let_a_dependent_launch_on_hopper(compiled, case):
     for one in compiled[case]["launches"]:
-        assert one["constexprs"]["LAUNCH_DEPENDENTS"] is True, (case, one["constexprs"])
-        assert one["summary"]["instructions"].get("PREEXIT") == 1, (case, one["summary"]["instructions"])
+        assert one["constexprs"].get("LAUNCH_DEPENDENTS", True) is True, (case, one["constexprs"])
+        ops = one["summary"]["instructions"]
+        assert ops.get("PREEXIT") == 1 and "ACQBULK" not in ops, (case, ops)  # (no wait: launched plainly)
 
 
 def test_no_other_kernel_lets_a_dependent_launch(compiled):
-    # (the Gluon kernel does only as a dependent itself, under pdl, which cross_compile's cases do not ask)
     for case, result in compiled.items():
         for one in result["launches"]:
             if one["kernel"] not in TRIGGERS:
                 assert "PREEXIT" not in one["summary"]["instructions"], (case, one["kernel"])
+
+
+_DEPENDENT = """
+import json
+import torch
+from squeezeserve.kernels.ops import cross_compile, rmsnorm, swiglu
+
+x = torch.empty(16, 4096, dtype=torch.bfloat16)
+w = torch.empty(4096, dtype=torch.bfloat16)
+cases = {
+    "rmsnorm": (rmsnorm._rmsnorm_dependent, x, w, 1e-6),
+    "add_rmsnorm": (rmsnorm._add_rmsnorm_dependent, x, x.clone(), w, 1e-6),
+    "silu_and_mul": (swiglu._silu_and_mul_dependent, torch.empty(16, 28672, dtype=torch.bfloat16)),
+}
+for case, (body, *args) in cases.items():
+    (one,) = cross_compile.compile_launches(body, *args)
+    ops = one["summary"]["instructions"]
+    constexprs = one["constexprs"]
+    print(json.dumps({"case": case, "wait": constexprs["WAIT"], "pdl": constexprs.get("launch_pdl"),
+                      "PREEXIT": ops.get("PREEXIT", 0), "ACQBULK": ops.get("ACQBULK", 0)}))
+"""
+
+
+def test_norms_and_swiglu_launched_as_dependents_wait_first(run_compiled):
+    # vLLM's decode graphs launch them as programmatic dependents of the GEMM before (launch_pdl, Triton's
+    # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION): they let the next kernel launch, then wait for
+    # the one before (griddepcontrol.wait, SASS ACQBULK) before they read or write anything.
+    results = run_compiled(["-c", _DEPENDENT])
+    assert set(results) == {"rmsnorm", "add_rmsnorm", "silu_and_mul"}
+    for case, r in results.items():
+        assert (r["wait"], r["pdl"], r["PREEXIT"], r["ACQBULK"]) == (True, True, 1, 1), (case, r)
 
 
 def test_forwards_before_hopper_take_no_trigger():

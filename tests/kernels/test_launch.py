@@ -101,6 +101,7 @@ def test_interpreted_and_traced_launches_bypass_the_fast_path():
         "BLOCK",
         "OAI",
         "LAUNCH_DEPENDENTS",
+        "WAIT",
     }
     with set_wrap_triton_enabled(True):
         assert not isinstance(traceable(_swiglu_fwd), launch.FastLaunch)

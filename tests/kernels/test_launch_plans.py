@@ -381,6 +381,14 @@ def test_a_tma_descriptor_is_made_again_over_the_call_s_tensor():
         recorded.padding,
     )
     assert recorded.base.data_ptr() == recorded_pool[1].data_ptr()  # the recorded one is left as it was
+    # Over a whole input (x's descriptor, as the decode's): the call's tensor itself. Before the twenty-fifth
+    # session the replay kept the recorded call's tensor here, and every Python replay of the Gluon kernel
+    # read the first call's x (the C++ replay encodes its own maps; the Python one ran only for launches the
+    # C++ one does not make: programmatic dependents).
+    whole = TensorDescriptor.from_tensor(recorded_pool[0], [8, 64], _smem_layout(8, 64, torch.bfloat16))
+    call = pool[0]
+    made = replay._argument(call, replay._DescriptorAt((0, whole)))
+    assert made.base is call and whole.base.data_ptr() == recorded_pool[0].data_ptr()
 
 
 def test_a_recording_is_not_tracing():

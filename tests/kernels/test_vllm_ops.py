@@ -189,9 +189,9 @@ def test_projections_after_our_kernels_launch_as_programmatic_dependents(monkeyp
         vllm_ops.follows_our_kernel(layer + "mlp.gate_up_proj")
 
 
-def test_quant_linear_hands_pdl_to_the_opaque_op_it_compiles_to(device):
-    # Compiled, the op decides per call (it launches as a dependent only while a CUDA graph captures it):
-    # quant_linear's ``pdl`` goes into the graph as the opaque op's argument. Eager off a graph, as without.
+def test_quant_linear_compiled_takes_no_pdl(device):
+    # Compiled, Inductor launches our norms plainly (no PDL), and a GEMM after one launched as its dependent
+    # gained nothing on the H100: the opaque op it compiles to gets pdl=False. Eager off a graph, as without.
     scheme = vllm_ops.WeightOnlyScheme(4, 32, True, ())
     stacked, _ = _stacked_checkpoint([torch.randn(24, 64, dtype=torch.float16)], scheme)
     weights = (stacked["weight_packed"].to(device), stacked["weight_scale"].to(device), None)
@@ -209,7 +209,7 @@ def test_quant_linear_hands_pdl_to_the_opaque_op_it_compiles_to(device):
     assert torch.equal(compiled(x), expected)
     opaque = torch.ops.squeezeserve.quant_matmul_opaque
     (node,) = [n for gm in graphs for n in gm.graph.nodes if n.target in (opaque, opaque.default)]
-    assert node.args[-1] is True and len(node.args) == 7, node.args
+    assert node.args[-1] is False and len(node.args) == 7, node.args
 
 
 def test_quant_linear_counts_its_calls():
@@ -341,6 +341,8 @@ for d, dtype in WIDTHS:
     with launch.capture(sms=132, wgmma=True) as launches:
         for rows in range(1, swiglu.BIG_GRID + 100):
             functional.silu_and_mul(torch.empty(rows, 2 * d, dtype=dtype))
+            # (as vLLM's decode graphs launch it on Hopper: a programmatic dependent, another kernel)
+            swiglu.silu_and_mul_dependent(torch.empty(rows, 2 * d, dtype=dtype))
             for k, _, a, kw in launches:
                 every.setdefault(repr((k.__name__, launch.specialization_key(a, kw))), rows)
             launches.clear()
@@ -353,11 +355,53 @@ for d, dtype in WIDTHS:
 
 def test_silu_and_mul_warms_every_kernel_that_any_row_count_launches(run_compiled):
     # vLLM's first eager call at a width runs silu_and_mul at swiglu.warm_rows: every launch key any row
-    # count reaches (past BIG_GRID rows every count takes the one-row tiles), once per width and dtype.
+    # count reaches (past BIG_GRID rows every count takes the one-row tiles), once per width and dtype; on
+    # Hopper launched plainly and as a programmatic dependent (vLLM's decode graphs).
     results = run_compiled(["-c", _SILU_AND_MUL_WARM])
     assert len(results) == 4
     for case, result in results.items():
-        assert result["keys"] >= 5 and result["warmed"] == result["keys"], (case, result)
+        assert result["keys"] >= 10 and result["warmed"] == result["keys"], (case, result)
+        assert result["missing_rows"] == [] and result["again"] == 0, (case, result)
+
+
+_NORM_WARM = """
+import json
+import torch
+from squeezeserve.kernels import vllm_ops
+from squeezeserve.kernels.ops import launch, rmsnorm
+
+def keys(run, rows_list):
+    first = {}
+    with launch.capture(sms=132, wgmma=True) as launches:
+        for rows in rows_list:
+            run(rows)
+            for k, _, a, kw in launches:
+                first.setdefault(repr((k.__name__, launch.specialization_key(a, kw))), rows)
+            launches.clear()
+    return first
+
+for n, dtype in ((4096, torch.bfloat16), (576, torch.float16)):  # the 8B model's width, the bundled model's
+    w = torch.empty(n, dtype=dtype)
+    def both(rows):
+        x = torch.empty(rows, n, dtype=dtype)
+        rmsnorm.rmsnorm_dependent(x, w, 1e-6)
+        rmsnorm.add_rmsnorm_dependent(x, x.clone(), w, 1e-6)
+    every = keys(both, range(1, 1100))
+    warmed = keys(lambda rows: vllm_ops.warm_dependent_norm(torch.empty(rows, n, dtype=dtype), w, 1e-6), [3])
+    again = keys(lambda rows: vllm_ops.warm_dependent_norm(torch.empty(rows, n, dtype=dtype), w, 1e-6), [5])
+    print(json.dumps({"case": n, "keys": len(every), "warmed": len(warmed), "again": len(again),
+                      "missing_rows": sorted(every[k] for k in set(every) - set(warmed))}))
+"""
+
+
+def test_norms_launched_as_dependents_warm_every_kernel_any_row_count_launches(run_compiled):
+    # On Hopper vLLM's decode graphs launch our norms as programmatic dependents (other kernels than the
+    # eager calls'): the first eager call at a width runs them at rmsnorm.warm_rows, which reach every launch
+    # key that any row count to past 1024 reaches, once per width and dtype.
+    results = run_compiled(["-c", _NORM_WARM])
+    assert len(results) == 2
+    for case, result in results.items():
+        assert result["keys"] >= 4 and result["warmed"] == result["keys"], (case, result)
         assert result["missing_rows"] == [] and result["again"] == 0, (case, result)
 
 
