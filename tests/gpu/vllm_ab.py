@@ -59,6 +59,8 @@ def run(args: argparse.Namespace) -> dict:
     from squeezeserve.service.worker.vllm_plugin import enabled_features
 
     extra = {"quantization": args.quantization} if args.quantization else {}
+    if args.graphs:  # synth's configuration (run_h100.sh): no torch.compile, full CUDA graphs of decode steps
+        extra["compilation_config"] = {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}
     start = time.perf_counter()
     llm = LLM(
         model=args.model, dtype=args.dtype, gpu_memory_utilization=args.gpu_mem, max_model_len=2048,
@@ -181,6 +183,7 @@ def main() -> int:
     parser.add_argument("--dtype", default="float16")
     parser.add_argument("--quantization", default=None)
     parser.add_argument("--eager", action="store_true")
+    parser.add_argument("--graphs", action="store_true", help="no torch.compile, full graphs of decode steps")
     parser.add_argument("--gpu-mem", type=float, default=0.3)
     parser.add_argument("--greedy-tokens", type=int, default=64)
     parser.add_argument("--batch", type=int, default=64)
