@@ -236,12 +236,24 @@ PDL_ENV = "SQUEEZESERVE_PDL"
 
 
 def pdl_enabled() -> bool:
-    """SQUEEZESERVE_PDL: ``auto`` (the default: as :data:`PDL_AFTER` says) or ``off`` (no kernel of ours
-    launches as a programmatic dependent in vLLM)."""
+    """SQUEEZESERVE_PDL: ``auto`` (the default: as :data:`PDL_AFTER` says, on one GPU a model; with tensor
+    parallelism the norms follow all-reduces, not our GEMMs, and that was not measured) or ``off`` (no kernel
+    of ours launches as a programmatic dependent in vLLM)."""
     mode = os.environ.get(PDL_ENV, "auto")
     if mode not in ("auto", "off"):
         raise ValueError(f"{PDL_ENV} must be auto or off, got {mode!r}")
-    return mode == "auto"
+    return mode == "auto" and _tensor_parallel_size() == 1
+
+
+def _tensor_parallel_size() -> int:
+    """vLLM's tensor-parallel size in this process (1 before its groups exist, or without vLLM)."""
+    try:
+        from vllm.distributed import parallel_state
+    except ImportError:
+        return 1
+    if not parallel_state.model_parallel_is_initialized():
+        return 1
+    return parallel_state.get_tensor_model_parallel_world_size()
 
 
 def follows_our_kernel(prefix: str) -> bool:
@@ -389,15 +401,17 @@ def warm_dependent_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> No
     """On the first eager GPU call at each width, dtype and device, on Hopper, run the norms launched as
     programmatic dependents (rmsnorm.rmsnorm_dependent and add_rmsnorm_dependent: their own kernels, first
     launched while vLLM captures its decode graphs) once on zeros at each of rmsnorm.warm_rows. Nothing while
-    torch.compile traces or a CUDA graph captures."""
-    if torch.compiler.is_compiling() or not (x.is_cuda or launch.capturing()):
+    torch.compile traces or a CUDA graph captures. (Every eager norm call passes here: the set first.)"""
+    if torch.compiler.is_compiling():
+        return
+    key = (x.shape[-1], x.dtype, x.device)
+    if key in _NORMS_WARMED or not (x.is_cuda or launch.capturing()):
         return
     if x.is_cuda and torch.cuda.is_current_stream_capturing():
         return
-    key = (x.shape[-1], x.dtype, x.device)
-    if key in _NORMS_WARMED or not launch.launches_dependents(x.device):
-        return
     _NORMS_WARMED.add(key)
+    if not launch.launches_dependents(x.device):
+        return
     for rows in rmsnorm.warm_rows(x.shape[-1]):
         zeros = torch.zeros(rows, x.shape[-1], dtype=x.dtype, device=x.device)
         rmsnorm.rmsnorm_dependent(zeros, weight, eps)

@@ -350,7 +350,7 @@ def graph_dependent(x: torch.Tensor) -> bool:
     it: on a GPU whose kernels call launch_dependents (:func:`launches_dependents`), while a CUDA graph
     captures the call (vLLM's decode graphs), where the kernels then run back to back whatever the host
     does. Eager calls launch as before: their launch plans replay in C++, which launches without PDL."""
-    return x.is_cuda and launches_dependents(x.device) and torch.cuda.is_current_stream_capturing()
+    return x.is_cuda and torch._C._cuda_isCurrentStreamCapturing() and launches_dependents(x.device)
 
 
 def capturing() -> bool:
