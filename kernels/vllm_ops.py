@@ -192,8 +192,8 @@ def quant_linear(
 ) -> torch.Tensor:
     """y = x @ dequantize(W).T (+ bias), W in compressed-tensors' pack-quantized layout, or with ``owned`` its
     int4 words in quant_layout.to_owned_order's order and its zero points as to_owned_zeros lays them out
-    (:func:`owned_words`). ``pdl``: x comes straight from a kernel of ours that calls launch_dependents
-    (:func:`follows_our_kernel`)."""
+    (:func:`owned_words`). ``pdl``: x comes straight from a kernel of ours launched as a programmatic
+    dependent (:func:`follows_our_kernel`)."""
     _note("quant_matmul", x)
     group = scheme.group_size_for(x.shape[-1])
     if owned:

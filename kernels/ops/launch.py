@@ -333,9 +333,9 @@ def _grid_dependency_control(device_index: int) -> bool:
 
 
 def launches_dependents(device: torch.device) -> bool:
-    """Whether our memory-bound kernels on this device call ``griddepcontrol.launch_dependents`` first
-    (their ``LAUNCH_DEPENDENTS``): a kernel launched after one of them as its programmatic dependent
-    (quant_matmul's Gluon GEMM with ``pdl``) may then start, and load its weights, while it runs. CUDA
+    """Whether our forward kernels on this device (norms, SwiGLU, the decode GEMMs) call
+    ``griddepcontrol.launch_dependents`` first (their ``LAUNCH_DEPENDENTS``): a kernel launched after one of
+    them as its programmatic dependent (vllm_ops.PDL_AFTER) may then start while it runs. CUDA
     compute capability 9.0 and up (the PTX instruction's least), compiled kernels (not the interpreter);
     while :func:`capture` runs, a Hopper target's. Without such a dependent the instruction does nothing."""
     if recording.target is not None:

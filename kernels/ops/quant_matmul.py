@@ -168,12 +168,12 @@ ROW_SPLIT_TILE, ROW_SPLIT_MAX_M = 256, 1024
 # kernel's dependent: it starts while that kernel and the GEMM before it drain (our kernels call
 # launch_dependents first, launch.launches_dependents), its first stages' weight words out before it waits
 # (griddepcontrol.wait) for the kernel before (quant_matmul_gluon._load_partition). H100,
-# tests/gpu/pdl_probe.py --after-norm (NOTES.md, twenty-fifth session), GEMM after a norm, PDL off / on:
-# after a norm launched as a dependent (--chain) 14336 x 4096 19.2-20.8 / 17.4-18.7 us at 1-16 rows, 28672 x
-# 4096 32.3-33.7 / 28.4-30.5, 4096 x 14336 22.2-23.6 / 19.6-20.8, 64 rows 2-7% faster; after our norm
-# launched plainly nothing (14336 x 4096 19.5-20.2 / 20.1-20.7); after torch's RMSNorm, which does not
-# trigger, 4-8% slower (twenty-fourth session). So only on the caller's word, never by default; prefill
-# launches stay as they were (512 rows: within the noise).
+# tests/gpu/pdl_probe.py --after-norm (NOTES.md, twenty-fifth session), a norm and the GEMM a step, the GEMM
+# plain / dependent: after a norm launched as a dependent (--chain) 14336 x 4096 18.8-20.9 / 17.4-19.0 us at
+# 1-16 rows, 28672 x 4096 30.8-33.0 / 28.3-30.7, 4096 x 14336 21.4-22.5 / 20.0-20.9, 64 rows 2-5% faster;
+# after our norm launched plainly nothing (14336 x 4096 19.4-20.4 / 20.0-21.0); after torch's RMSNorm, which
+# does not trigger, 4-8% slower (twenty-fourth session). So only on the caller's word, never by default;
+# prefill launches stay as they were (512 rows: within the noise).
 PDL_MAX_M = SKINNY_MAX_M
 # bf16: 0x4300 is 128.0 with a 7-bit mantissa (integers 128..255 exact); fp16: 0x6400 is 1024.0 with a
 # 10-bit mantissa (1024..2047 exact).
@@ -321,8 +321,8 @@ def _quant_matmul(
     bits: int,
     pdl: bool = False,
 ) -> torch.Tensor:
-    """The op's body; ``pdl``: the kernel before this call in the stream calls launch_dependents first
-    (:data:`PDL_MAX_M`)."""
+    """The op's body; ``pdl``: the kernel before this call in the stream is one of ours launched as a
+    programmatic dependent (:data:`PDL_MAX_M`)."""
     check_inputs(x, qweight, scales, zeros, group_size, bits)
     if use_reference(x) or x.dtype == torch.float32:
         # fp32 activations have no tensor-core path worth a kernel; they run the reference everywhere.
@@ -628,9 +628,9 @@ def dependent(pdl: bool, x: torch.Tensor) -> bool:
 
 def _gluon(x2, qweight, scales, zeros, group_size, cfg: dict, out=None, pdl=False) -> torch.Tensor | None:
     """Launch the Gluon kernel at tiling ``cfg`` (into ``out`` where given); parts of tiles meet in the
-    workspace (the caller checked eager()). ``pdl``: the kernel before calls launch_dependents; up to
-    PDL_MAX_M rows this one then launches as its programmatic dependent. None where the kernel does not
-    compile with this Triton: it is then off (GLUON_OFF)."""
+    workspace (the caller checked eager()). ``pdl``: as _quant_matmul's; up to PDL_MAX_M rows this one then
+    launches as the programmatic dependent of the kernel before. None where the kernel does not compile with
+    this Triton: it is then off (GLUON_OFF)."""
     from squeezeserve.kernels.ops import quant_matmul_gluon
 
     m, n_out = x2.shape[0], qweight.shape[0]
@@ -902,8 +902,8 @@ def quant_matmul_opaque(
     (FMA / tensor-core / dequantize + cuBLAS) runs on every call. For engines that compile one graph for a
     range of token counts (vLLM): traced through, the dispatch would be fixed at the trace's size (vLLM
     traces at its largest batch, which took the prefill path for every decode step). No autograd: serving.
-    ``pdl``: the kernel before this op in the stream calls launch_dependents (:data:`PDL_MAX_M`; taken while
-    a CUDA graph captures the call, :func:`dependent`).
+    ``pdl``: the kernel before this op in the stream is one of ours launched as a programmatic dependent
+    (:data:`PDL_MAX_M`; taken while a CUDA graph captures the call, :func:`dependent`).
     """
     return quant_matmul_eager(x, qweight, scales, zeros, group_size, bits, dependent(pdl, x))
 

@@ -326,8 +326,8 @@ def _add_rmsnorm_dependent(
 # them, which in a decoder layer is our GEMM (it calls launch_dependents first). The norm starts while that
 # GEMM drains and lets the next GEMM start too: that one's weight loads then overlap the previous GEMM's end
 # across the norm. H100, tests/gpu/pdl_probe.py --after-norm --chain (NOTES.md, twenty-fifth session): a
-# 14336 x 4096 decode GEMM after such a norm 17.4-18.7 us at 1-16 rows against 19.5-20.2 after our norm as
-# launched before (28672 x 4096: 28.4-30.5 against 31.5-33.4).
+# 14336 x 4096 decode GEMM and such a norm 17.4-19.0 us a step at 1-16 rows against 19.4-20.4 with our norm
+# launched plainly (28672 x 4096: 28.3-30.7 against 31.4-33.5).
 rmsnorm_dependent = EagerOp(_rmsnorm_dependent, _rmsnorm_setup, _rmsnorm_grad, plans=LaunchPlans())
 add_rmsnorm_dependent = EagerOp(
     _add_rmsnorm_dependent, _add_rmsnorm_setup, _add_rmsnorm_grad, plans=LaunchPlans()
