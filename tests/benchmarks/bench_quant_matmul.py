@@ -10,8 +10,6 @@ layer's weights once; timing one copy over and over would serve a 4096 x 4096 in
     python tests/benchmarks/bench_quant_matmul.py --marlin --owned  # and int4 on thread-owned words
     python tests/benchmarks/bench_quant_matmul.py --marlin --owned --zeros  # only the zero-point rows
     python tests/benchmarks/bench_quant_matmul.py --marlin --owned --only 32  # only int4 g32
-    python tests/benchmarks/bench_quant_matmul.py --marlin --owned --pdl  # and owned words launched as vLLM
-        # launches the projections after our norms and SwiGLU (programmatic dependents; rows ``-owned-pdl``)
     ncu -k regex:_gemv --launch-skip 2 -c 1 python tests/benchmarks/bench_quant_matmul.py --profile
 """
 
@@ -58,15 +56,11 @@ def _packed(n, k, bits, group, zeros=False):
 
 def run(
     rec, bits=4, group=128, ms_=(1, 2, 4, 8, 16, 32, 64, 128, 512, 2048, 8192), kn=KN, peers=(), owned=False,
-    zeros=False, pdl=False,
+    zeros=False,
 ):  # fmt: skip
     """``owned``: also time int4 quant_matmul_owned on the same weights in thread-owned order (what the vLLM
     method serves on Hopper). ``zeros``: asymmetric weights (packed zero points, as compress writes them;
-    rows tagged ``-zp``). ``pdl`` (with ``owned``): and as a programmatic dependent of the kernel before, as
-    vLLM's graphs launch qkv, gate_up and down (quant_matmul.PDL_MAX_M; rows ``-owned-pdl``): back to back,
-    each call's predecessor is the same GEMM, which lets it launch as our norms and SwiGLU do (Marlin and
-    Machete, launched as vLLM launches them, get no such overlap; tests/gpu/pdl_probe.py --after-norm times
-    both after our RMSNorm)."""
+    rows tagged ``-zp``)."""
     tag = f"int{bits}-g{group}" + ("-zp" if zeros else "")
     owned = owned and bits == 4
     for k, n in kn:
@@ -105,14 +99,6 @@ def run(
                 t_own = rec.time(name, "fwd", shape, DTYPE, fn, nbytes=w_bytes + io, graph=graph)
                 if t_own and t_ref:
                     rec.add(name, "fwd", shape, DTYPE, "speedup_vs_bf16", [t_ref / t_own], "x")
-                if pdl and m <= qm.PDL_MAX_M:
-                    # (the op takes pdl while a graph captures it; its kernel compiled before the capture)
-                    qm.quant_matmul_owned_eager(x, *owned_packs[0], group, True)
-                    mm = qm.quant_matmul_owned
-                    fn = _cycle([lambda p=p, x=x, mm=mm: mm(x, *p, group, True) for p in owned_packs])
-                    t_pdl = rec.time(f"{name}-pdl", "fwd", shape, DTYPE, fn, nbytes=w_bytes + io, graph=graph)
-                    if t_pdl and t_ref:
-                        rec.add(f"{name}-pdl", "fwd", shape, DTYPE, "speedup_vs_bf16", [t_ref / t_pdl], "x")
             for name, peer in peers if bits == 4 else ():
                 t_p = peer(rec, m, n, k, group, x, dense, shape, w_bytes + io, zeros)
                 if t_p and t_ref:
@@ -350,7 +336,6 @@ if __name__ == "__main__":
     parser.add_argument("--marlin", action="store_true")
     parser.add_argument("--owned", action="store_true", help="also time int4 on thread-owned words")
     parser.add_argument("--zeros", action="store_true", help="only the asymmetric (zero point) runs")
-    parser.add_argument("--pdl", action="store_true", help="with --owned: also as programmatic dependents")
     parser.add_argument("--only", help="only int4 of these groups, e.g. 32: with and without zero points")
     parser.add_argument("--dump", type=Path, help="write the decode kernels' Triton IR and PTX here")
     parser.add_argument("--profile", action="store_true", help="a few plain calls for ncu, nothing timed")
@@ -387,16 +372,15 @@ if __name__ == "__main__":
         for group in map(int, args.only.split(",")):
             for zeros in (False, True):
                 run(recorder, bits=4, group=group, ms_=(1, 2, 4, 8, 16, 32, 64, 512), kn=wide, peers=peers,
-                    owned=args.owned, zeros=zeros, pdl=args.pdl)  # fmt: skip
+                    owned=args.owned, zeros=zeros)  # fmt: skip
         recorder.write()
         sys.exit(0)
     if not args.zeros:
-        run(recorder, peers=peers, owned=args.owned, pdl=args.pdl)
-        run(recorder, bits=4, group=32, ms_=(1, 4, 16, 64, 512, 2048), kn=wide, peers=peers, owned=args.owned,
-            pdl=args.pdl)  # fmt: skip
+        run(recorder, peers=peers, owned=args.owned)
+        run(recorder, bits=4, group=32, ms_=(1, 4, 16, 64, 512, 2048), kn=wide, peers=peers, owned=args.owned)
         run(recorder, bits=4, group=64, ms_=(1, 16), kn=[(4096, 14336)])
         run(recorder, bits=8, group=128, ms_=(1, 4, 16, 2048), kn=wide)
     for group in (32, 128):  # asymmetric, as compress writes int4 (item 1 of issue 16: against Marlin's)
         run(recorder, bits=4, group=group, ms_=(1, 2, 4, 8, 16, 32, 64, 512), kn=wide, peers=peers,
-            owned=args.owned, zeros=True, pdl=args.pdl)  # fmt: skip
+            owned=args.owned, zeros=True)  # fmt: skip
     recorder.write()
