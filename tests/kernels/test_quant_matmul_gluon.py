@@ -704,10 +704,11 @@ for m in (1, 2, 16, 64, 65, 512, 300):
 
 
 def test_quant_matmul_launches_the_gluon_decode_as_a_dependent_only_when_told_and_up_to_64_rows(run_compiled):
-    # ``pdl`` (the caller's word that the kernel before calls launch_dependents): the Gluon kernel launches
-    # as its programmatic dependent at decode rows (PDL_MAX_M), on owned and packed words; prefill tilings,
-    # the FMA kernel (one row of packed words) and a row split's parts (300 rows: the second part follows the
-    # first, which does not trigger) launch as without it. Without ``pdl`` nothing does.
+    # ``pdl`` (the caller's word that the kernel before is one of ours launched as a programmatic dependent,
+    # which lets this one launch early): the Gluon kernel launches as its programmatic dependent at decode
+    # rows (PDL_MAX_M), on owned and packed words; prefill tilings, the FMA kernel (one row of packed words)
+    # and a row split's parts (300 rows: the second part follows the first, a prefill launched plainly)
+    # launch as without it. Without ``pdl`` nothing does.
     results = run_compiled(["-c", _PDL_PATHS])
     assert len(results) == 28
     for case, r in results.items():
