@@ -386,7 +386,8 @@ def warm_silu_and_mul(x: torch.Tensor) -> None:
     if key in _SILU_AND_MUL_WARMED:
         return
     _SILU_AND_MUL_WARMED.add(key)
-    dependent = launch.launches_dependents(x.device)  # (its own kernels: launched in vLLM's decode graphs)
+    # (its own kernels, launched in vLLM's decode graphs: compiled only where they will run)
+    dependent = launch.launches_dependents(x.device) and pdl_enabled()
     for rows in swiglu.warm_rows(x.shape[-1] // 2):
         zeros = torch.zeros(rows, x.shape[-1], dtype=x.dtype, device=x.device)
         functional.silu_and_mul(zeros)
@@ -410,7 +411,7 @@ def warm_dependent_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> No
     if x.is_cuda and torch.cuda.is_current_stream_capturing():
         return
     _NORMS_WARMED.add(key)
-    if not launch.launches_dependents(x.device):
+    if not (launch.launches_dependents(x.device) and pdl_enabled()):
         return
     for rows in rmsnorm.warm_rows(x.shape[-1]):
         zeros = torch.zeros(rows, x.shape[-1], dtype=x.dtype, device=x.device)

@@ -395,6 +395,13 @@ for n, dtype in ((4096, torch.bfloat16), (576, torch.float16)):  # the 8B model'
     again = keys(lambda rows: vllm_ops.warm_dependent_norm(torch.empty(rows, n, dtype=dtype), w, 1e-6), [5])
     print(json.dumps({"case": n, "keys": len(every), "warmed": len(warmed), "again": len(again),
                       "missing_rows": sorted(every[k] for k in set(every) - set(warmed))}))
+
+import os
+os.environ[vllm_ops.PDL_ENV] = "off"  # (never launched then: nothing to compile)
+vllm_ops._NORMS_WARMED.clear()
+off = keys(lambda rows: vllm_ops.warm_dependent_norm(torch.empty(rows, 4096, dtype=torch.bfloat16),
+                                                     torch.empty(4096, dtype=torch.bfloat16), 1e-6), [3])
+print(json.dumps({"case": "off", "warmed": len(off)}))
 """
 
 
@@ -403,7 +410,7 @@ def test_norms_launched_as_dependents_warm_every_kernel_any_row_count_launches(r
     # eager calls'): the first eager call at a width runs them at rmsnorm.warm_rows, which reach every launch
     # key that any row count to past 1024 reaches, once per width and dtype.
     results = run_compiled(["-c", _NORM_WARM])
-    assert len(results) == 2
+    assert len(results) == 3 and results.pop("off")["warmed"] == 0  # (SQUEEZESERVE_PDL=off: none)
     for case, result in results.items():
         assert result["keys"] >= 4 and result["warmed"] == result["keys"], (case, result)
         assert result["missing_rows"] == [] and result["again"] == 0, (case, result)
