@@ -85,17 +85,25 @@ def _note(op: str, x: torch.Tensor) -> None:
 
 
 def rms_norm(
-    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, compiled: bool
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    compiled: bool,
+    chain: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """vLLM's RMSNorm (``residual``: the fused add, returning (y, x + residual)) through our ops.
 
     Rounding follows the path replaced. Eager vLLM runs its CUDA kernels, which round x + residual and the
     normalised row to the activation dtype as Hugging Face does (our default). Compiled vLLM runs its IR
     ops fused by Inductor, which keeps both in fp32 and rounds only y and the new residual: ``compiled``
-    selects our kernel's ``fused_rounding`` for that."""
+    selects our kernel's ``fused_rounding`` for that. ``chain`` (compiled only, :func:`compiled_chain`):
+    through the opaque op that launches as a programmatic dependent in CUDA graphs."""
     if residual is None:
         _note("rms_norm", x)
         if compiled:
+            if chain:
+                return torch.ops.squeezeserve.rms_norm_chain(x, weight, eps)
             return torch.ops.squeezeserve.rmsnorm(x, weight, eps, True)
         warm_dependent_norm(x, weight, eps)
         if launch.graph_dependent(x) and pdl_enabled():  # (PDL_AFTER)
@@ -103,6 +111,8 @@ def rms_norm(
         return functional.rmsnorm(x, weight, eps)
     _note("fused_add_rms_norm", x)
     if compiled:
+        if chain:
+            return torch.ops.squeezeserve.fused_add_rms_norm_chain(x, residual, weight, eps)
         return torch.ops.squeezeserve.add_rmsnorm(x, residual, weight, eps, True)
     warm_dependent_norm(x, weight, eps)
     if launch.graph_dependent(x) and pdl_enabled():
@@ -203,11 +213,7 @@ def quant_linear(
         args = (x, weight_packed, weight_scale, weight_zero_point, group, scheme.bits)
         body, opaque = quant_matmul_eager, torch.ops.squeezeserve.quant_matmul_opaque
     y = None
-    if torch.compiler.is_compiling():
-        # (compiled, Inductor launches our norms without PDL: the GEMM after one as its dependent gained
-        # nothing, NOTES.md, twenty-fifth session)
-        pdl = False
-    else:
+    if not torch.compiler.is_compiling():
         now = (*args, quant_matmul.dependent(pdl, x))
         y = body.plans.replayed(*now)  # (its plan replayed in C++: no Python layer)
         if y is None and eager(*args[:4]):
@@ -221,16 +227,16 @@ def quant_linear(
     return y + bias if bias is not None else y
 
 
-# Programmatic dependent launch (PDL) in vLLM's decode graphs (captured without torch.compile:
-# launch.graph_dependent). Our kernels call launch_dependents first on Hopper (launch.launches_dependents),
-# our norms and SwiGLU launch as programmatic dependents of the kernel before them there
-# (rmsnorm.rmsnorm_dependent, swiglu.silu_and_mul_dependent: a decoder layer's norms follow our down_proj
-# and o_proj GEMMs, its SwiGLU our gate_up), and the projections whose input comes from one of those launch
-# as its dependent (quant_matmul.PDL_MAX_M): qkv_proj after input_layernorm's RMSNorm (with the residual add
-# from the second layer on), gate_up_proj after post_attention_layernorm's add-RMSNorm, down_proj after
-# act_fn's SiluAndMul; each maps to the op of ours that must replace vLLM's for that. Not o_proj (after
-# attention, vLLM's kernel). A GEMM then loads its weights while the GEMM two kernels before it drains.
-# SQUEEZESERVE_PDL=off launches the projections as before.
+# Programmatic dependent launch (PDL) in vLLM's decode graphs (launch.graph_dependent; compiled, through the
+# opaque ops of compiled_chain). Our kernels call launch_dependents first on Hopper
+# (launch.launches_dependents), our norms and SwiGLU launch as programmatic dependents of the kernel before
+# them there (rmsnorm.rmsnorm_dependent, swiglu.silu_and_mul_dependent: a decoder layer's norms follow our
+# down_proj and o_proj GEMMs, its SwiGLU our gate_up), and the projections whose input comes from one of
+# those launch as its dependent (quant_matmul.PDL_MAX_M): qkv_proj after input_layernorm's RMSNorm (with the
+# residual add from the second layer on), gate_up_proj after post_attention_layernorm's add-RMSNorm,
+# down_proj after act_fn's SiluAndMul; each maps to the op of ours that must replace vLLM's for that. Not
+# o_proj (after attention, vLLM's kernel). A GEMM then loads its weights while the GEMM two kernels before
+# it drains. SQUEEZESERVE_PDL=off launches the projections as before.
 PDL_AFTER = {"qkv_proj": "rms_norm", "gate_up_proj": "rms_norm", "down_proj": "silu_and_mul"}
 PDL_ENV = "SQUEEZESERVE_PDL"
 
@@ -254,6 +260,16 @@ def _tensor_parallel_size() -> int:
     if not parallel_state.model_parallel_is_initialized():
         return 1
     return parallel_state.get_tensor_model_parallel_world_size()
+
+
+def compiled_chain() -> bool:
+    """Whether vLLM's compiled model (torch.compile) launches the chain of :data:`PDL_AFTER` in its CUDA
+    graphs: :func:`pdl_enabled`, on a GPU whose kernels call launch_dependents. Our norms and SiluAndMul
+    then compile to the opaque ``*_chain`` ops (Inductor would launch a traced kernel plainly), whose Python
+    runs while vLLM captures its graphs. Read once, when the module is built (Dynamo reads the attribute)."""
+    if not (pdl_enabled() and torch.cuda.is_available()):
+        return False
+    return launch.launches_dependents(torch.device("cuda", torch.cuda.current_device()))
 
 
 def follows_our_kernel(prefix: str) -> bool:
@@ -398,14 +414,17 @@ def warm_silu_and_mul(x: torch.Tensor) -> None:
 _NORMS_WARMED: set = set()
 
 
-def warm_dependent_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+def warm_dependent_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, fused_rounding: bool = False
+) -> None:
     """On the first eager GPU call at each width, dtype and device, on Hopper, run the norms launched as
     programmatic dependents (rmsnorm.rmsnorm_dependent and add_rmsnorm_dependent: their own kernels, first
-    launched while vLLM captures its decode graphs) once on zeros at each of rmsnorm.warm_rows. Nothing while
-    torch.compile traces or a CUDA graph captures. (Every eager norm call passes here: the set first.)"""
+    launched while vLLM captures its decode graphs) once on zeros at each of rmsnorm.warm_rows, rounding as
+    ``fused_rounding`` says (the compiled model's: :func:`rms_norm`). Nothing while torch.compile traces or
+    a CUDA graph captures. (Every eager norm call passes here: the set first.)"""
     if torch.compiler.is_compiling():
         return
-    key = (x.shape[-1], x.dtype, x.device)
+    key = (x.shape[-1], x.dtype, x.device, fused_rounding)
     if key in _NORMS_WARMED or not (x.is_cuda or launch.capturing()):
         return
     if x.is_cuda and torch.cuda.is_current_stream_capturing():
@@ -415,8 +434,62 @@ def warm_dependent_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> No
         return
     for rows in rmsnorm.warm_rows(x.shape[-1]):
         zeros = torch.zeros(rows, x.shape[-1], dtype=x.dtype, device=x.device)
-        rmsnorm.rmsnorm_dependent(zeros, weight, eps)
-        rmsnorm.add_rmsnorm_dependent(zeros, zeros.clone(), weight, eps)
+        rmsnorm.rmsnorm_dependent(zeros, weight, eps, fused_rounding)
+        rmsnorm.add_rmsnorm_dependent(zeros, zeros.clone(), weight, eps, fused_rounding)
+
+
+# --- compiled: the chain's norms and SiluAndMul as opaque ops (compiled_chain) ----------------------------
+# Traced through (triton_op), Inductor launches our kernels from its own wrapper, plainly. These run Python
+# on each call: while a CUDA graph captures one (vLLM's decode graphs, and its piecewise graphs of prompts up
+# to its capture size), on Hopper, the kernel launches as a programmatic dependent of the kernel before
+# (unless SQUEEZESERVE_PDL=off: a compile cache of its own, vllm_plugin.compile_cache_root, but checked here
+# too); otherwise as the traced op would (its launch plans). Serving only: no autograd.
+
+
+@torch.library.custom_op("squeezeserve::rms_norm_chain", mutates_args=())
+def rms_norm_chain(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``rmsnorm(x, weight, eps, fused_rounding=True)``, opaque; a programmatic dependent in CUDA graphs."""
+    warm_dependent_norm(x, weight, eps, True)
+    if launch.graph_dependent(x) and pdl_enabled():
+        return rmsnorm.rmsnorm_dependent(x, weight, eps, True)
+    return rmsnorm.rmsnorm_eager(x, weight, eps, True)
+
+
+@rms_norm_chain.register_fake
+def _(x, weight, eps):
+    return torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+
+
+@torch.library.custom_op("squeezeserve::fused_add_rms_norm_chain", mutates_args=())
+def fused_add_rms_norm_chain(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``add_rmsnorm(x, residual, weight, eps, fused_rounding=True)``, opaque; a programmatic dependent in
+    CUDA graphs."""
+    warm_dependent_norm(x, weight, eps, True)
+    if launch.graph_dependent(x) and pdl_enabled():
+        return rmsnorm.add_rmsnorm_dependent(x, residual, weight, eps, True)
+    return rmsnorm.add_rmsnorm_eager(x, residual, weight, eps, True)
+
+
+@fused_add_rms_norm_chain.register_fake
+def _(x, residual, weight, eps):
+    y = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    return y, torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("squeezeserve::silu_and_mul_chain", mutates_args=())
+def silu_and_mul_chain(x: torch.Tensor) -> torch.Tensor:
+    """``silu_and_mul(x)``, opaque; a programmatic dependent in CUDA graphs."""
+    warm_silu_and_mul(x)
+    if launch.graph_dependent(x) and pdl_enabled():
+        return swiglu.silu_and_mul_dependent(x)
+    return functional.silu_and_mul(x)
+
+
+@silu_and_mul_chain.register_fake
+def _(x):
+    return x.new_empty((*x.shape[:-1], x.shape[-1] // 2))
 
 
 # --- on vLLM's CPU backend: the packed CPU forms torch has matmuls for -------------------------------------
@@ -505,10 +578,16 @@ def _register_silu_and_mul() -> None:
     class SqueezeSiluAndMul(SiluAndMul):
         """silu(x[..., :d]) * x[..., d:] through squeezeserve::silu_and_mul."""
 
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.chain = compiled_chain()
+
         def forward_native(self, x: torch.Tensor) -> torch.Tensor:
             _note("silu_and_mul", x)
+            if torch.compiler.is_compiling():
+                return silu_and_mul_chain(x) if self.chain else functional.silu_and_mul(x)
             warm_silu_and_mul(x)
-            if not torch.compiler.is_compiling() and launch.graph_dependent(x) and pdl_enabled():
+            if launch.graph_dependent(x) and pdl_enabled():
                 return swiglu.silu_and_mul_dependent(x)
             return functional.silu_and_mul(x)
 
@@ -527,13 +606,17 @@ def _register_rms_norm() -> None:
         """RMSNorm and the fused residual add through squeezeserve::rmsnorm / add_rmsnorm. Shapes ours do not
         cover (a weightless norm, a variance over part of the row) keep vLLM's implementation."""
 
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.chain = compiled_chain()
+
         def forward_native(
             self, x: torch.Tensor, residual: torch.Tensor | None = None
         ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
             if not self.has_weight or self.variance_size_override is not None:
                 return super().forward_native(x, residual)
             compiled = torch.compiler.is_compiling()
-            return rms_norm(x, residual, self.weight, self.variance_epsilon, compiled)
+            return rms_norm(x, residual, self.weight, self.variance_epsilon, compiled, self.chain)
 
         def forward_cuda(
             self, x: torch.Tensor, residual: torch.Tensor | None = None

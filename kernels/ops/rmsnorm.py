@@ -309,16 +309,18 @@ add_rmsnorm_eager = EagerOp(
 )
 
 
-def _rmsnorm_dependent(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def _rmsnorm_dependent(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, fused_rounding: bool = False
+) -> torch.Tensor:
     _check(x, weight, "rmsnorm")
-    return _forward(x, None, weight, eps, False, dependent=True)[0]
+    return _forward(x, None, weight, eps, fused_rounding, dependent=True)[0]
 
 
 def _add_rmsnorm_dependent(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, fused_rounding: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     _check(x, weight, "add_rmsnorm")
-    return _forward(x, residual, weight, eps, False, dependent=True)
+    return _forward(x, residual, weight, eps, fused_rounding, dependent=True)
 
 
 # Serving only (no autograd), on a Hopper GPU while a CUDA graph captures (launch.graph_dependent; vLLM's

@@ -52,7 +52,9 @@ def compile_cache_root(environ: Mapping[str, str] = os.environ) -> str:
 
     vLLM keys its torch.compile cache on its config, its own environment variables and the model's
     forward, not on which ``CustomOp`` classes a plugin swapped in: without this, a server started with
-    our ops off could load the graph compiled with them on (or the reverse)."""
+    our ops off could load the graph compiled with them on (or the reverse). Likewise with the chain of
+    programmatic dependent launches off (``SQUEEZESERVE_PDL=off``), where the norms and SiluAndMul compile
+    to other ops."""
     root = environ.get("VLLM_CACHE_ROOT") or os.path.join(
         environ.get("XDG_CACHE_HOME")
         or os.path.join(environ.get("HOME") or os.path.expanduser("~"), ".cache"),
@@ -60,6 +62,10 @@ def compile_cache_root(environ: Mapping[str, str] = os.environ) -> str:
     )
     features = enabled_features(environ)
     ops = [op for op in ("silu_and_mul", "rms_norm") if features[op]]
+    if ops and environ.get("SQUEEZESERVE_PDL", "auto") == "off":
+        ops.append(
+            "pdl-off"
+        )  # (compiled with the PDL chain, those ops are other ops: vllm_ops.compiled_chain)
     return os.path.join(root, "squeezeserve-" + ("-".join(ops) or "no-ops"))
 
 

@@ -819,3 +819,65 @@ def test_a_chain_of_programmatic_dependents_gives_the_same_products(m, zeros):
         graph.replay()
         torch.cuda.synchronize()
         close(out, want)
+
+
+@needs_hopper
+@pytest.mark.parametrize("m", [1, 16, 64])
+def test_the_chain_compiled_by_inductor_gives_the_same_products(m, monkeypatch):
+    # As vLLM's compiled model launches a decoder layer's MLP on Hopper (vllm_ops.compiled_chain): the
+    # add-RMSNorm and SiluAndMul as the opaque chain ops, the projections as the opaque GEMM ops with pdl,
+    # all through Inductor; captured in a CUDA graph (where the chain ops launch as programmatic dependents)
+    # and replayed: what the traced ops launched plainly give (stream-K's atomics: within a bf16 ulp or two).
+    from squeezeserve.kernels import vllm_ops
+
+    ops = torch.ops.squeezeserve
+    o = _packed(4096, 4096, 128, False, torch.bfloat16, "cuda")
+    gate_up, down = (
+        _packed(n, k, 128, False, torch.bfloat16, "cuda") for n, k in ((28672, 4096), (4096, 14336))
+    )
+    gate_up, down = ((ql.to_owned_order(q), s, None) for q, s, _ in (gate_up, down))
+    w = torch.rand(4096, device="cuda", dtype=torch.bfloat16) + 0.5
+
+    def mlp(x, r, chain):
+        attn = ops.quant_matmul_opaque(x, *o, 128, 4, False)
+        if chain:
+            h, r = ops.fused_add_rms_norm_chain(attn, r, w, 1e-6)
+            a = ops.silu_and_mul_chain(ops.quant_matmul_owned(h, *gate_up, 128, True))
+        else:
+            h, r = ops.add_rmsnorm(attn, r, w, 1e-6, True)
+            a = ops.silu_and_mul(ops.quant_matmul_owned(h, *gate_up, 128, False))
+        return ops.quant_matmul_owned(a, *down, 128, chain), r
+
+    plain = torch.compile(lambda x, r: mlp(x, r, False), fullgraph=True)
+    chained = torch.compile(lambda x, r: mlp(x, r, True), fullgraph=True)
+    xs = [torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+    res = [torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+    want = [plain(x, r) for x, r in zip(xs, res, strict=True)]
+
+    def close(got, expected):
+        for g, e in zip(got, expected, strict=True):
+            err = ((g.float() - e.float()).norm() / e.float().norm()).item()
+            assert err < 1e-2, err
+
+    x_in, r_in = xs[0].clone(), res[0].clone()
+    close(chained(x_in, r_in), want[0])  # (compiles; off a graph the chain ops launch plainly)
+    for k, weights in ((4096, gate_up), (14336, down)):  # (the GEMMs' PDL launches compile before capture,
+        qm.quant_matmul_owned_eager(xs[0].new_zeros(m, k), *weights, 128, True)  # as vllm_ops.warm_prefill)
+    dependents = []  # (what the chain ops launch while the graph captures)
+
+    def spy(module, name, mark):
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a: dependents.append(mark) or real(*a))
+
+    spy(rmsnorm, "add_rmsnorm_dependent", 1)
+    spy(swiglu, "silu_and_mul_dependent", 2)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = chained(x_in, r_in)
+    assert sorted(dependents) == [1, 2] and vllm_ops.compiled_chain()
+    for x, r, expected in zip(xs, res, want, strict=True):
+        x_in.copy_(x)
+        r_in.copy_(r)
+        graph.replay()
+        torch.cuda.synchronize()
+        close(out, expected)

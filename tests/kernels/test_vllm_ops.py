@@ -17,7 +17,7 @@ import functools
 import pytest
 import torch
 
-from squeezeserve.kernels import quant_layout, reference, registry, vllm_ops
+from squeezeserve.kernels import functional, quant_layout, reference, registry, vllm_ops
 from squeezeserve.kernels.checkpoint_format import QuantScheme
 from squeezeserve.service.compress.formats import quantization_config
 
@@ -193,27 +193,89 @@ def test_projections_after_our_kernels_launch_as_programmatic_dependents(monkeyp
         vllm_ops.follows_our_kernel(layer + "mlp.gate_up_proj")
 
 
-def test_quant_linear_compiled_takes_no_pdl(device):
-    # Compiled, Inductor launches our norms plainly (no PDL), and a GEMM after one launched as its dependent
-    # gained nothing on the H100: the opaque op it compiles to gets pdl=False. Eager off a graph, as without.
+def test_quant_linear_compiled_keeps_pdl_for_the_opaque_op(device):
+    # Compiled, the norms and SiluAndMul before qkv / gate_up / down compile to the opaque chain ops
+    # (compiled_chain), launched as programmatic dependents in CUDA graphs: the opaque GEMM op gets the
+    # layer's pdl, and takes it only while a graph captures on Hopper (quant_matmul.dependent). Off a graph
+    # the products are those without it.
     scheme = vllm_ops.WeightOnlyScheme(4, 32, True, ())
     stacked, _ = _stacked_checkpoint([torch.randn(24, 64, dtype=torch.float16)], scheme)
     weights = (stacked["weight_packed"].to(device), stacked["weight_scale"].to(device), None)
     x = torch.randn(3, 64, dtype=torch.float16, device=device)
     expected = vllm_ops.quant_linear(x, *weights, scheme)
     assert torch.equal(vllm_ops.quant_linear(x, *weights, scheme, None, False, True), expected)
-    graphs = []
-
-    def backend(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
-    dependent = functools.partial(vllm_ops.quant_linear, bias=None, owned=False, pdl=True)
-    compiled = torch.compile(lambda t: dependent(t, *weights, scheme), backend=backend, fullgraph=True)
-    assert torch.equal(compiled(x), expected)
     opaque = torch.ops.squeezeserve.quant_matmul_opaque
-    (node,) = [n for gm in graphs for n in gm.graph.nodes if n.target in (opaque, opaque.default)]
-    assert node.args[-1] is False and len(node.args) == 7, node.args
+    for pdl in (True, False):
+        graphs = []
+
+        def backend(gm, example_inputs, graphs=graphs):
+            graphs.append(gm)
+            return gm.forward
+
+        layer = functools.partial(vllm_ops.quant_linear, bias=None, owned=False, pdl=pdl)
+        compiled = torch.compile(
+            lambda t, layer=layer: layer(t, *weights, scheme), backend=backend, fullgraph=True
+        )
+        assert torch.equal(compiled(x), expected)
+        (node,) = [n for gm in graphs for n in gm.graph.nodes if n.target in (opaque, opaque.default)]
+        assert node.args[-1] is pdl and len(node.args) == 7, node.args
+
+
+def test_compiled_norms_and_silu_and_mul_in_the_chain_are_opaque_ops(device, monkeypatch):
+    # With the chain (compiled_chain), torch.compile keeps our norms and SiluAndMul as the opaque *_chain
+    # ops, whose Python runs on each call (a programmatic dependent launch while a CUDA graph captures); off
+    # a graph they compute what the traced ops (fused rounding) compute.
+    gen = torch.Generator().manual_seed(0)
+    x, res = (torch.randn(5, 64, generator=gen).to(torch.float16).to(device) for _ in range(2))
+    weight = (1 + 0.1 * torch.randn(64, generator=gen)).to(torch.float16).to(device)
+    gate_up = torch.randn(5, 128, generator=gen).to(torch.float16).to(device)
+    expected = (
+        torch.ops.squeezeserve.rmsnorm(x, weight, 1e-6, True),
+        *torch.ops.squeezeserve.add_rmsnorm(x, res, weight, 1e-6, True),
+        torch.ops.squeezeserve.silu_and_mul(gate_up),
+    )
+    ops = torch.ops.squeezeserve
+    chain_ops = {ops.rms_norm_chain, ops.fused_add_rms_norm_chain, ops.silu_and_mul_chain}
+    traced_ops = {ops.rmsnorm, ops.add_rmsnorm, ops.silu_and_mul}
+
+    def layer(x, res, gate_up, chain):
+        y = vllm_ops.rms_norm(x, None, weight, 1e-6, True, chain)
+        h, r = vllm_ops.rms_norm(x, res, weight, 1e-6, True, chain)
+        a = vllm_ops.silu_and_mul_chain(gate_up) if chain else functional.silu_and_mul(gate_up)
+        return y, h, r, a
+
+    for chain in (True, False):
+        graphs = []
+
+        def backend(gm, example_inputs, graphs=graphs):
+            graphs.append(gm)
+            return gm.forward
+
+        compiled = torch.compile(functools.partial(layer, chain=chain), backend=backend, fullgraph=True)
+        for got, want in zip(compiled(x, res, gate_up), expected, strict=True):
+            assert torch.equal(got, want)
+        targets = {getattr(n.target, "overloadpacket", n.target) for gm in graphs for n in gm.graph.nodes}
+        assert targets & chain_ops == (chain_ops if chain else set()), targets
+        assert targets & traced_ops == (set() if chain else traced_ops), targets
+
+
+def test_compiled_chain_only_where_our_kernels_launch_dependents(monkeypatch):
+    # Read when vLLM builds a norm or SiluAndMul module: SQUEEZESERVE_PDL on (auto, one GPU a model) and a GPU
+    # whose kernels call launch_dependents (Hopper).
+    monkeypatch.delenv(vllm_ops.PDL_ENV, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert not vllm_ops.compiled_chain()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    for hopper in (True, False):
+        monkeypatch.setattr(vllm_ops.launch, "launches_dependents", lambda device, hopper=hopper: hopper)
+        assert vllm_ops.compiled_chain() is hopper
+    monkeypatch.setattr(vllm_ops.launch, "launches_dependents", lambda device: True)
+    monkeypatch.setattr(vllm_ops, "_tensor_parallel_size", lambda: 2)
+    assert not vllm_ops.compiled_chain()
+    monkeypatch.setattr(vllm_ops, "_tensor_parallel_size", lambda: 1)
+    monkeypatch.setenv(vllm_ops.PDL_ENV, "off")
+    assert not vllm_ops.compiled_chain()
 
 
 def test_quant_linear_counts_its_calls():
@@ -386,15 +448,18 @@ def keys(run, rows_list):
 
 for n, dtype in ((4096, torch.bfloat16), (576, torch.float16)):  # the 8B model's width, the bundled model's
     w = torch.empty(n, dtype=dtype)
-    def both(rows):
-        x = torch.empty(rows, n, dtype=dtype)
-        rmsnorm.rmsnorm_dependent(x, w, 1e-6)
-        rmsnorm.add_rmsnorm_dependent(x, x.clone(), w, 1e-6)
-    every = keys(both, range(1, 1100))
-    warmed = keys(lambda rows: vllm_ops.warm_dependent_norm(torch.empty(rows, n, dtype=dtype), w, 1e-6), [3])
-    again = keys(lambda rows: vllm_ops.warm_dependent_norm(torch.empty(rows, n, dtype=dtype), w, 1e-6), [5])
-    print(json.dumps({"case": n, "keys": len(every), "warmed": len(warmed), "again": len(again),
-                      "missing_rows": sorted(every[k] for k in set(every) - set(warmed))}))
+    for fused in (False, True):  # (vLLM's eager model's rounding, its compiled model's)
+        def both(rows):
+            x = torch.empty(rows, n, dtype=dtype)
+            rmsnorm.rmsnorm_dependent(x, w, 1e-6, fused)
+            rmsnorm.add_rmsnorm_dependent(x, x.clone(), w, 1e-6, fused)
+        every = keys(both, range(1, 1100))
+        def warm(rows):
+            vllm_ops.warm_dependent_norm(torch.empty(rows, n, dtype=dtype), w, 1e-6, fused)
+        warmed, again = keys(warm, [3]), keys(warm, [5])
+        missing = sorted(every[k] for k in set(every) - set(warmed))
+        print(json.dumps({"case": f"{n} {fused}", "keys": len(every), "warmed": len(warmed),
+                          "again": len(again), "missing_rows": missing}))
 
 import os
 os.environ[vllm_ops.PDL_ENV] = "off"  # (never launched then: nothing to compile)
@@ -409,8 +474,9 @@ def test_norms_launched_as_dependents_warm_every_kernel_any_row_count_launches(r
     # On Hopper vLLM's decode graphs launch our norms as programmatic dependents (other kernels than the
     # eager calls'): the first eager call at a width runs them at rmsnorm.warm_rows, which reach every launch
     # key that any row count to past 1024 reaches, once per width and dtype.
+    # Each rounding (vLLM's eager model's, its compiled model's through the chain ops) its own kernels.
     results = run_compiled(["-c", _NORM_WARM])
-    assert len(results) == 3 and results.pop("off")["warmed"] == 0  # (SQUEEZESERVE_PDL=off: none)
+    assert len(results) == 5 and results.pop("off")["warmed"] == 0  # (SQUEEZESERVE_PDL=off: none)
     for case, result in results.items():
         assert result["keys"] >= 4 and result["warmed"] == result["keys"], (case, result)
         assert result["missing_rows"] == [] and result["again"] == 0, (case, result)
@@ -489,9 +555,11 @@ def _dtypes(device: str) -> list[torch.dtype]:
 
 
 @pytest.mark.parametrize("residual", [False, True], ids=["rms_norm", "fused_add_rms_norm"])
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize(
+    ("compiled", "chain"), [(False, False), (True, False), (True, True)], ids=["eager", "compiled", "chain"]
+)
 @pytest.mark.parametrize("path", PATHS)
-def test_rms_norm_rounds_like_the_vllm_path_it_replaces(path, compiled, residual, device):
+def test_rms_norm_rounds_like_the_vllm_path_it_replaces(path, compiled, chain, residual, device):
     on, context = _path(path, device)
     for dtype in _dtypes(on):
         gen = torch.Generator().manual_seed(0)
@@ -501,7 +569,7 @@ def test_rms_norm_rounds_like_the_vllm_path_it_replaces(path, compiled, residual
         res = (torch.randn(8, 320, generator=gen) * 64).to(dtype).to(on) if residual else None
         weight = (1 + 0.1 * torch.randn(320, generator=gen)).to(dtype).to(on)
         with context:
-            out = vllm_ops.rms_norm(x, res, weight, 1e-6, compiled)
+            out = vllm_ops.rms_norm(x, res, weight, 1e-6, compiled, chain)
         matching, other = (_fused_reference, _hf_reference) if compiled else (_hf_reference, _fused_reference)
         expected, wrong = matching(x, res, weight, 1e-6), other(x, res, weight, 1e-6)
         y, y_expected, y_wrong = (out[0], expected[0], wrong[0]) if residual else (out, expected, wrong)

@@ -129,6 +129,9 @@ def test_each_set_of_op_replacements_compiles_into_its_own_cache():
     assert on == "/cache/vllm/squeezeserve-silu_and_mul-rms_norm"
     assert off == "/cache/vllm/squeezeserve-silu_and_mul"
     assert none == "/cache/vllm/squeezeserve-no-ops"
+    # With the PDL chain off, the compiled norms and SiluAndMul are the traced ops, not the chain's.
+    assert vllm_plugin.compile_cache_root({**root, "SQUEEZESERVE_PDL": "off"}) == on + "-pdl-off"
+    assert vllm_plugin.compile_cache_root({**root, "SQUEEZESERVE_PDL": "auto"}) == on
     # The quantization switch changes no compiled graph of its own (the method is in vLLM's config key).
     assert vllm_plugin.compile_cache_root({**root, "SQUEEZESERVE_VLLM_QUANT": "0"}) == on
     assert vllm_plugin.compile_cache_root({"XDG_CACHE_HOME": "/x"}).startswith("/x/vllm/squeezeserve-")
