@@ -106,7 +106,7 @@ def rms_norm(
                 return torch.ops.squeezeserve.rms_norm_chain(x, weight, eps)
             return torch.ops.squeezeserve.rmsnorm(x, weight, eps, True)
         warm_dependent_norm(x, weight, eps)
-        if launch.graph_dependent(x) and pdl_enabled():  # (PDL_AFTER)
+        if chained(x):  # (PDL_AFTER)
             return rmsnorm.rmsnorm_dependent(x, weight, eps)
         return functional.rmsnorm(x, weight, eps)
     _note("fused_add_rms_norm", x)
@@ -115,7 +115,7 @@ def rms_norm(
             return torch.ops.squeezeserve.fused_add_rms_norm_chain(x, residual, weight, eps)
         return torch.ops.squeezeserve.add_rmsnorm(x, residual, weight, eps, True)
     warm_dependent_norm(x, weight, eps)
-    if launch.graph_dependent(x) and pdl_enabled():
+    if chained(x):
         return rmsnorm.add_rmsnorm_dependent(x, residual, weight, eps)
     return functional.add_rmsnorm(x, residual, weight, eps)
 
@@ -260,6 +260,17 @@ def _tensor_parallel_size() -> int:
     if not parallel_state.model_parallel_is_initialized():
         return 1
     return parallel_state.get_tensor_model_parallel_world_size()
+
+
+def chained(x: torch.Tensor) -> bool:
+    """Whether a serving call of our norms or SiluAndMul on ``x`` launches as a programmatic dependent of the
+    kernel before it: while a CUDA graph captures it on Hopper (launch.graph_dependent), at decode row counts
+    (up to quant_matmul.PDL_MAX_M: there the GEMMs around it are decode kernels, which call
+    launch_dependents and launch as dependents themselves; past it they are prefill kernels, which do
+    neither, and a dependent launch after such a kernel cost 0.5-1.5 us on the H100, NOTES.md, twenty-fifth
+    session), with SQUEEZESERVE_PDL on (:func:`pdl_enabled`)."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    return rows <= quant_matmul.PDL_MAX_M and launch.graph_dependent(x) and pdl_enabled()
 
 
 def compiled_chain() -> bool:
@@ -407,7 +418,7 @@ def warm_silu_and_mul(x: torch.Tensor) -> None:
     for rows in swiglu.warm_rows(x.shape[-1] // 2):
         zeros = torch.zeros(rows, x.shape[-1], dtype=x.dtype, device=x.device)
         functional.silu_and_mul(zeros)
-        if dependent:
+        if dependent and rows <= quant_matmul.PDL_MAX_M:  # (:func:`chained`)
             swiglu.silu_and_mul_dependent(zeros)
 
 
@@ -419,7 +430,8 @@ def warm_dependent_norm(
 ) -> None:
     """On the first eager GPU call at each width, dtype and device, on Hopper, run the norms launched as
     programmatic dependents (rmsnorm.rmsnorm_dependent and add_rmsnorm_dependent: their own kernels, first
-    launched while vLLM captures its decode graphs) once on zeros at each of rmsnorm.warm_rows, rounding as
+    launched while vLLM captures its decode graphs) once on zeros at each of rmsnorm.warm_rows up to
+    quant_matmul.PDL_MAX_M (the rows they launch at, :func:`chained`), rounding as
     ``fused_rounding`` says (the compiled model's: :func:`rms_norm`). Nothing while torch.compile traces or
     a CUDA graph captures. (Every eager norm call passes here: the set first.)"""
     if torch.compiler.is_compiling():
@@ -432,7 +444,7 @@ def warm_dependent_norm(
     _NORMS_WARMED.add(key)
     if not (launch.launches_dependents(x.device) and pdl_enabled()):
         return
-    for rows in rmsnorm.warm_rows(x.shape[-1]):
+    for rows in (r for r in rmsnorm.warm_rows(x.shape[-1]) if r <= quant_matmul.PDL_MAX_M):  # (chained)
         zeros = torch.zeros(rows, x.shape[-1], dtype=x.dtype, device=x.device)
         rmsnorm.rmsnorm_dependent(zeros, weight, eps, fused_rounding)
         rmsnorm.add_rmsnorm_dependent(zeros, zeros.clone(), weight, eps, fused_rounding)
@@ -450,7 +462,7 @@ def warm_dependent_norm(
 def rms_norm_chain(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``rmsnorm(x, weight, eps, fused_rounding=True)``, opaque; a programmatic dependent in CUDA graphs."""
     warm_dependent_norm(x, weight, eps, True)
-    if launch.graph_dependent(x) and pdl_enabled():
+    if chained(x):
         return rmsnorm.rmsnorm_dependent(x, weight, eps, True)
     return rmsnorm.rmsnorm_eager(x, weight, eps, True)
 
@@ -467,7 +479,7 @@ def fused_add_rms_norm_chain(
     """``add_rmsnorm(x, residual, weight, eps, fused_rounding=True)``, opaque; a programmatic dependent in
     CUDA graphs."""
     warm_dependent_norm(x, weight, eps, True)
-    if launch.graph_dependent(x) and pdl_enabled():
+    if chained(x):
         return rmsnorm.add_rmsnorm_dependent(x, residual, weight, eps, True)
     return rmsnorm.add_rmsnorm_eager(x, residual, weight, eps, True)
 
@@ -482,7 +494,7 @@ def _(x, residual, weight, eps):
 def silu_and_mul_chain(x: torch.Tensor) -> torch.Tensor:
     """``silu_and_mul(x)``, opaque; a programmatic dependent in CUDA graphs."""
     warm_silu_and_mul(x)
-    if launch.graph_dependent(x) and pdl_enabled():
+    if chained(x):
         return swiglu.silu_and_mul_dependent(x)
     return functional.silu_and_mul(x)
 
@@ -587,7 +599,7 @@ def _register_silu_and_mul() -> None:
             if torch.compiler.is_compiling():
                 return silu_and_mul_chain(x) if self.chain else functional.silu_and_mul(x)
             warm_silu_and_mul(x)
-            if launch.graph_dependent(x) and pdl_enabled():
+            if chained(x):
                 return swiglu.silu_and_mul_dependent(x)
             return functional.silu_and_mul(x)
 
