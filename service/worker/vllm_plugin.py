@@ -62,10 +62,9 @@ def compile_cache_root(environ: Mapping[str, str] = os.environ) -> str:
     )
     features = enabled_features(environ)
     ops = [op for op in ("silu_and_mul", "rms_norm") if features[op]]
+    # With the PDL chain on, the compiled norms and SiluAndMul are other ops (vllm_ops.compiled_chain).
     if ops and environ.get("SQUEEZESERVE_PDL", "auto") == "off":
-        ops.append(
-            "pdl-off"
-        )  # (compiled with the PDL chain, those ops are other ops: vllm_ops.compiled_chain)
+        ops.append("pdl-off")
     return os.path.join(root, "squeezeserve-" + ("-".join(ops) or "no-ops"))
 
 

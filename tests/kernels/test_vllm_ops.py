@@ -221,7 +221,7 @@ def test_quant_linear_compiled_keeps_pdl_for_the_opaque_op(device):
         assert node.args[-1] is pdl and len(node.args) == 7, node.args
 
 
-def test_compiled_norms_and_silu_and_mul_in_the_chain_are_opaque_ops(device, monkeypatch):
+def test_compiled_norms_and_silu_and_mul_in_the_chain_are_opaque_ops(device):
     # With the chain (compiled_chain), torch.compile keeps our norms and SiluAndMul as the opaque *_chain
     # ops, whose Python runs on each call (a programmatic dependent launch while a CUDA graph captures); off
     # a graph they compute what the traced ops (fused rounding) compute.
