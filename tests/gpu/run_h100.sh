@@ -13,6 +13,8 @@
 #   bash tests/gpu/run_h100.sh disconnect  # issue 15.3: streams closed after ~1 s of reading stop vLLM within 1 s
 #   bash tests/gpu/run_h100.sh serve-pruned  # issue 19.4 in one call: vLLM speed of the recipe's shapes (below)
 #   bash tests/gpu/run_h100.sh int4-serve    # issue 16.3: bundled int4 g32 through our method vs vLLM's kernels
+#   bash tests/gpu/run_h100.sh pdl-ab        # issue 16.3: 8B-shaped W4A16, ours with the PDL chain on / off and
+#                                            # Machete, interleaved rounds on one lease (ROUNDS, MODE=mode0)
 #   bash tests/gpu/run_h100.sh int8    # issue 19.5: int8 RTN vs GPTQ on the whole wikitext-2 test file
 #   bash tests/gpu/run_h100.sh recipes # issue 19: mlp-width ratios x kd/lm recovery, prune -> kd -> int4, vLLM speed
 #                                      # (resumable: run it again until it says 'recipes complete')
@@ -30,7 +32,7 @@
 # cache from memory another one is still allocating), each pinned to its own CPUs; measurements run one
 # server at a time while the others sit idle. One failing configuration leaves the others measured.
 set -uo pipefail
-STAGE=${1:?usage: run_h100.sh prep|ab|ckpt|synth|synth-compiled|ttft|ttft-compiled|disconnect|serve-pruned|int4-serve|int8|recipes|tp|tp8b|scale}
+STAGE=${1:?usage: run_h100.sh prep|ab|ckpt|synth|synth-compiled|ttft|ttft-compiled|disconnect|serve-pruned|int4-serve|pdl-ab|int8|recipes|tp|tp8b|scale}
 OUT=${OUT:-/tmp/vllm-out}
 LOGS=/tmp/vllm-logs/$STAGE
 mkdir -p "$OUT" "$LOGS"
@@ -468,6 +470,43 @@ int4-serve)
   bench_alone int4-serve "$OUT/int4_serve.csv" "${up[@]}"
   # INT4_WIDE=1: again with each server on 12 CPUs while measured (bench_alone's WIDE_CPUS)
   [ -n "${INT4_WIDE:-}" ] && WIDE_CPUS=0-11 BENCH_SEED=1 bench_alone int4-serve-wide "$OUT/int4_serve.csv" "${up[@]}"
+  ;;
+pdl-ab)
+  # Issue 16.3: our PDL chain on against off (SQUEEZESERVE_PDL=auto / off), beside Machete, on one lease and
+  # interleaved: ROUNDS rounds (default 4), each measuring every server alone at c = 1, 16 and 64 with the
+  # round's own prompts, the servers' order rotated a round, the measured one on CPUs 0-11 while measured (no
+  # server gains from a CPU set of its own). Two single runs at c=64 had the chain 1.3% and 4.2% slower, within
+  # their leases' spread (NOTES.md, twenty-sixth session). MODE=mode0: synth's configuration (no
+  # torch.compile, full graphs of decode steps); else vLLM's default (compiled, CUDA graphs to 512 tokens).
+  convert_baseline  # (the tokenizer of the bundled model)
+  python3 tests/gpu/synthetic_llama.py --tokenizer $MODELS/hf --out $MODELS/llama8b-w4a16 --w4a16
+  COMMON=(--dtype bfloat16 --load-format dummy --max-model-len 1024 --max-num-seqs 64 --gpu-memory-utilization 0.25
+          --kv-cache-memory-bytes 4294967296)
+  if [ "${MODE:-compiled}" = mode0 ]; then
+    COMMON+=(--compilation-config '{"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}')
+  else
+    COMMON+=(--compilation-config '{"max_cudagraph_capture_size": 512}')
+    export CACHES=/tmp/vllm-caches
+  fi
+  start_server w4a16-vllm 0-3 8202 $MODELS/llama8b-w4a16 "${COMMON[@]}"
+  start_server chain 4-7 8203 $MODELS/llama8b-w4a16 "${COMMON[@]}" --quantization squeezeserve
+  SQUEEZESERVE_PDL=off start_server chain-off 8-11 8204 $MODELS/llama8b-w4a16 "${COMMON[@]}" \
+    --quantization squeezeserve
+  read -r -a up <<< "$(wait_servers "$(cap "${START_TIMEOUT:-400}")" w4a16-vllm chain chain-off)"
+  note "serving: ${up[*]}"
+  [ ${#up[@]} -gt 0 ] || exit 1
+  for round in $(seq "${ROUNDS:-4}"); do
+    shift_by=$(( (round - 1) % ${#up[@]} ))
+    for label in "${up[@]:shift_by}" "${up[@]:0:shift_by}"; do
+      pin "$label" 0-11
+      timeout "$(cap 100)" taskset -c 12-15 python3 tests/benchmarks/bench_serving.py \
+        --base-url "http://127.0.0.1:${PORT[$label]}" --model "$label" --run "${RUN:-pdl-ab}-r$round" \
+        --label "$label" --vocab 49152 --concurrency 1 16 64 --prompt-tokens 256 --output-tokens 64 \
+        --seed "$round" --metrics-root "http://127.0.0.1:${PORT[$label]}" --csv "$OUT/vllm_pdl_ab.csv" 2>&1 \
+        | tee -a "$SUMMARY"
+      pin "$label" "${CPUS[$label]}"
+    done
+  done
   ;;
 int8)
   # Issue 19.5 on the whole wikitext-2 test file: sample:int8-gptq (GPTQ per channel) and the same recipe
