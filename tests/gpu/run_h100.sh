@@ -184,6 +184,18 @@ stage_data() {  # wikitext-2 from the carried .vllm-bundle/data into $DATA (once
     || { note "carry .vllm-bundle/data with this call"; exit 1; }
 }
 
+synth_args() {  # mode0|compiled: COMMON, the 8B-shaped servers' vLLM arguments (synth, synth-compiled, pdl-ab)
+  # 4 GiB of KV each covers 64 sequences x 320 tokens (128 KiB a token).
+  COMMON=(--dtype bfloat16 --load-format dummy --max-model-len 1024 --max-num-seqs 64 --gpu-memory-utilization 0.3
+          --kv-cache-memory-bytes 4294967296)
+  if [ "$1" = mode0 ]; then
+    COMMON+=(--compilation-config '{"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}')
+  else
+    COMMON+=(--compilation-config '{"max_cudagraph_capture_size": 512}')
+    export CACHES=/tmp/vllm-caches  # (each server compiles into a cache of its own)
+  fi
+}
+
 gateway_serves() {  # label: wait (<= 20 s) until the gateway lists it
   for _ in $(seq 20); do
     curl -sf "$GW/v1/models" | grep -q "\"$1\"" && return 0; sleep 1
@@ -316,15 +328,7 @@ synth|synth-compiled)
   # 1024; --max-num-seqs 64 here, for the KV budget, would have cut it to 128 and left a 256-token prompt's
   # pieces without a graph: run 31). Servers healthy after ~2.5 min compiling side by side with cold caches,
   # each server into its own.
-  # 4 GiB of KV each covers 64 sequences x 320 tokens (128 KiB a token).
-  COMMON=(--dtype bfloat16 --load-format dummy --max-model-len 1024 --max-num-seqs 64 --gpu-memory-utilization 0.3
-          --kv-cache-memory-bytes 4294967296)
-  if [ "$STAGE" = synth ]; then
-    COMMON+=(--compilation-config '{"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}')
-  else
-    COMMON+=(--compilation-config '{"max_cudagraph_capture_size": 512}')
-    export CACHES=/tmp/vllm-caches
-  fi
+  if [ "$STAGE" = synth ]; then synth_args mode0; else synth_args compiled; fi
   start_server bf16 0-3 8201 $MODELS/llama8b-bf16 "${COMMON[@]}"
   start_server w4a16-vllm 4-7 8202 $MODELS/llama8b-w4a16 "${COMMON[@]}"
   start_server w4a16-squeezeserve 8-11 8203 $MODELS/llama8b-w4a16 "${COMMON[@]}" --quantization squeezeserve
@@ -480,14 +484,7 @@ pdl-ab)
   # torch.compile, full graphs of decode steps); else vLLM's default (compiled, CUDA graphs to 512 tokens).
   convert_baseline  # (the tokenizer of the bundled model)
   python3 tests/gpu/synthetic_llama.py --tokenizer $MODELS/hf --out $MODELS/llama8b-w4a16 --w4a16
-  COMMON=(--dtype bfloat16 --load-format dummy --max-model-len 1024 --max-num-seqs 64 --gpu-memory-utilization 0.25
-          --kv-cache-memory-bytes 4294967296)
-  if [ "${MODE:-compiled}" = mode0 ]; then
-    COMMON+=(--compilation-config '{"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}')
-  else
-    COMMON+=(--compilation-config '{"max_cudagraph_capture_size": 512}')
-    export CACHES=/tmp/vllm-caches
-  fi
+  synth_args "${MODE:-compiled}"
   start_server w4a16-vllm 0-3 8202 $MODELS/llama8b-w4a16 "${COMMON[@]}"
   start_server chain 4-7 8203 $MODELS/llama8b-w4a16 "${COMMON[@]}" --quantization squeezeserve
   SQUEEZESERVE_PDL=off start_server chain-off 8-11 8204 $MODELS/llama8b-w4a16 "${COMMON[@]}" \
