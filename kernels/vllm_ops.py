@@ -346,24 +346,27 @@ def own_weights(layer: torch.nn.Module) -> None:
 
 
 # Row counts whose kernels a layer compiles at load rather than in the middle of serving: a compile in a
-# running server stalls every sequence in flight (vLLM's JIT monitor logged one in synth run 23, and the
-# Gluon GEMM in runs 45-46). Each kernel of quant_matmul compiles on its first call with a given launch key
+# running server stalls every sequence in flight (vLLM's JIT monitor logged one in synth run 23, and the Gluon
+# GEMM in runs 45-46). Each kernel of quant_matmul compiles on its first call with a given launch key
 # (launch.specialization_key: its tiling's constexprs, and whether each int argument, such as the row count,
 # is 1 or a multiple of 16). These row counts reach every key that the row counts to 2064 reach at the 8B
-# model's shapes and the bundled model's, g128 and g32 with zero points, on packed words and, for the layers
-# the method repacks (owned_shape), on owned words (9 rows: their Gluon decode's 16-row tile, which packed
-# g32 words with zero points leave to the Triton kernels below 17 rows), on an H100's 132 SMs (replayed under
-# launch.capture once, and to 640 rows in tests/kernels/test_vllm_ops.py; the bounds that count SMs move on
-# other GPUs): both sides of each bound of the rules (the Gluon decode's tiles, the row split, the Gluon
-# prefill's 128- and 256-row tiles and stream-K, the Triton GEMM's K splits, dequantize + cuBLAS past 2048,
-# whose kernels take no row count; 1281 / 1296 rows: qkv's first tilings with whole waves before stream-K,
-# gluon_tiles' GLUON_DP_LAST_WAVE), a multiple of 16 and not. Decode sizes are among them: vLLM captures its
-# graph sizes, but the row split runs a prompt batch's tail (up to 64 rows) eagerly, and --enforce-eager
-# captures nothing. (The fixed rows before the nineteenth session, 127 / 128 / 255 / 256 / 511 / 512 / 2048,
-# missed the Gluon prefill's keys first reached at 513 rows of 4096^2 and 577 of 4096 x 14336, and every
-# decode key: NOTES.md.)
+# model's shapes and the bundled model's, g128 and g32 with zero points, and to 4112 at the 8B model's g128
+# weights with K = 4096 (the Gluon GEMM to GLUON_PREFILL_MAX_M_SLICED rows: 3329 / 3344 rows, qkv's tiling
+# with whole waves before stream-K; 4097 the dequantize kernel past it), on packed words and, for the layers
+# the method repacks (owned_shape), on owned words (9 rows: their Gluon decode's 16-row tile, which packed g32
+# words with zero points leave to the Triton kernels below 17 rows), on an H100's 132 SMs (replayed under
+# launch.capture once, and to 640 rows, 4112 at those K = 4096 weights, in tests/kernels/test_vllm_ops.py; the
+# bounds that count SMs move on other GPUs): both sides of each bound of the rules (the Gluon decode's tiles,
+# the row split, the Gluon prefill's 128- and 256-row tiles and stream-K, the Triton GEMM's K splits,
+# dequantize + cuBLAS past 2048 or 4096, whose kernels take no row count; 1281 / 1296 rows: qkv's first
+# tilings with whole waves before stream-K, gluon_tiles' GLUON_DP_LAST_WAVE), a multiple of 16 and not. Decode
+# sizes are among them: vLLM captures its graph sizes, but the row split runs a prompt batch's tail (up to 64
+# rows) eagerly, and --enforce-eager captures nothing. (The fixed rows before the nineteenth session, 127 /
+# 128 / 255 / 256 / 511 / 512 / 2048, missed the Gluon prefill's keys first reached at 513 rows of 4096^2 and
+# 577 of 4096 x 14336, and every decode key: NOTES.md.)
 PREFILL_WARM_ROWS = (1, 2, 3, 9, 16, 17, 32, 33, 48, 65, 80, 127, 128, 129, 144, 255, 256, 257, 272, 321, 336,
-                     511, 512, 513, 528, 577, 592, 1281, 1296, 2048, 2049)  # fmt: skip
+                     511, 512, 513, 528, 577, 592, 1281, 1296, 2048, 2049, 3329, 3344, 4096,
+                     4097)  # fmt: skip
 
 
 def warm_prefill(

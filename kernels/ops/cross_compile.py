@@ -216,7 +216,7 @@ def cases() -> dict:
         "quant_matmul 256x6144x4096 int4 g128 zp (Gluon prefill)": lambda: qm(
             256, 6144, 4096, 128, zeros=True),
         "quant_matmul 512x4096x14336 int4 g32": lambda: qm(512, 4096, 14336, 32),
-        "quant_matmul 4096x4096x1024 int4 g128 (dequantize, in slices)": lambda: qm(4096, 4096, 1024, 128),
+        "quant_matmul 4097x4096x1024 int4 g128 (dequantize, in slices)": lambda: qm(4097, 4096, 1024, 128),
         # the Gluon kernel at the tilings its rules choose (gluon_decode_tiles, gluon_tiles)
         "quant_matmul 16x14336x14336 int4 g128 (Gluon decode)": lambda: qm(16, 14336, 14336, 128),
         "quant_matmul 16x14336x14336 int4 g128 zp (Gluon decode)": lambda: qm(

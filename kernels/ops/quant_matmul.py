@@ -98,7 +98,26 @@ PREFILL = "auto"
 # against 40.4, 256 x 4096 x 14336 74.9 against 88.0): the Triton GEMM is slow with zero points (NOTES.md,
 # "thirteenth session"; results/gluon_prefill_probe_h100_2026-11-25_256rows.log). "gluon" forces it
 # wherever it takes the inputs.
-GLUON_PREFILL_MAX_M, GLUON_PREFILL_MAX_M_SMALL_GROUP = 2048, 1024
+# Where dequantize + cuBLAS would run in slices (K under DEQUANT_SLICE_MAX_K), groups of 64 or more take the
+# Gluon GEMM further, to GLUON_PREFILL_MAX_M_SLICED rows: vLLM runs prompt steps past its CUDA graphs
+# eagerly, and the slices' host time (a dequantize launch and a cuBLAS call each, 50-90 us a slice) is the
+# GPU's time there. The 8B layer's four GEMMs as vLLM's method calls them, H100, g128
+# (tests/gpu/prefill_host_probe.py, results/prefill_host_probe_h100_2026-11-27.log), host / GPU us, the rule
+# before (Gluon to 2048 rows, then slices) against the Gluon GEMM: 2064 rows 1189 / 1404 against 49 / 1572,
+# 3072 rows 1699 / 1948 against 68 / 1796, 4096 rows 1272 / 2428 against 55 / 2403; past it the slices' GPU
+# time leads and their host time hides behind it (6144 rows 1551 / 3532 against 44 / 3703, 8192 1388 / 4633
+# against 64 / 5055). In a served step the other ops' host time adds to the slices': vLLM's profiler in a
+# server had our 2049-4096-row steps span twice their kernels' time (76 ms, Machete's the same), where
+# Machete's spanned 1.04x (results/serve_prof_run62_h100_2026-11-27.txt; the profiler's per-op cost
+# included). Deep reductions keep the whole weight (one dequantize launch and one cuBLAS call, 80-155 us of
+# host) and GLUON_PREFILL_MAX_M: 4096 x 14336 at 2064 rows took 351 us against the Gluon GEMM's 445.
+# SQUEEZESERVE_GLUON_PREFILL_MAX_M sets GLUON_PREFILL_MAX_M_SLICED (A/B runs of a server).
+GLUON_PREFILL_MAX_M, GLUON_PREFILL_MAX_M_SMALL_GROUP, GLUON_PREFILL_MAX_M_SLICED = 2048, 1024, 4096
+_GLUON_MAX_M_ENV = os.environ.get("SQUEEZESERVE_GLUON_PREFILL_MAX_M", "")
+if _GLUON_MAX_M_ENV:
+    if not _GLUON_MAX_M_ENV.isdigit():
+        raise ValueError(f"SQUEEZESERVE_GLUON_PREFILL_MAX_M must be a row count, got {_GLUON_MAX_M_ENV!r}")
+    GLUON_PREFILL_MAX_M_SLICED = int(_GLUON_MAX_M_ENV)
 # Decode (up to SKINNY_MAX_M rows) on Hopper: "auto" runs the Gluon kernel as a stream-K GEMM (every SM
 # streams an equal share of the weight through TMA; quant_matmul_gluon.py) for int4 in groups of 128, of a
 # multiple of 256 (a 256-deep K tile holds two groups or part of one), or of GLUON_DECODE_SMALL_GROUP
@@ -545,10 +564,19 @@ def gluon_decode_tiles(m: int, sms: int) -> dict:
             "occupancy": 2} | deep  # fmt: skip
 
 
+def gluon_prefill_max_m(k_in: int, group_size: int, owned: bool = False) -> int:
+    """The most rows the Gluon GEMM takes in ``PREFILL="auto"`` (PREFILL's comment): further where
+    dequantize + cuBLAS would slice the weight (GLUON_PREFILL_MAX_M_SLICED), less for small groups of packed
+    words."""
+    if group_size < 64:
+        return GLUON_PREFILL_MAX_M if owned else GLUON_PREFILL_MAX_M_SMALL_GROUP
+    return GLUON_PREFILL_MAX_M_SLICED if k_in < DEQUANT_SLICE_MAX_K else GLUON_PREFILL_MAX_M
+
+
 def gluon_in_auto(m: int, n_out: int, k_in: int, group_size: int, zeros: bool = False) -> bool:
     """Whether ``PREFILL="auto"`` runs ``m`` rows of this weight on the Gluon GEMM (PREFILL's comment)."""
     if n_out >= TRITON_PREFILL_MIN_N:
-        return m <= (GLUON_PREFILL_MAX_M if group_size >= 64 else GLUON_PREFILL_MAX_M_SMALL_GROUP)
+        return m <= gluon_prefill_max_m(k_in, group_size)
     if n_out < TRITON_PREFILL_MIN_N_ANY:
         return False
     if n_out > TRITON_PREFILL_MIN_N_ANY and m <= TRITON_PREFILL_MAX_M:
@@ -556,7 +584,7 @@ def gluon_in_auto(m: int, n_out: int, k_in: int, group_size: int, zeros: bool = 
     if group_size < 64:
         return False
     return (
-        256 < m <= GLUON_PREFILL_MAX_M
+        256 < m <= gluon_prefill_max_m(k_in, group_size)
         or (m <= 128 and k_in >= TRITON_PREFILL_MIN_K)
         or (zeros and 128 < m <= TRITON_PREFILL_MAX_M)
     )
@@ -835,7 +863,7 @@ def _quant_matmul_owned(
     points as to_owned_zeros lays them out, which the Gluon kernel, the FMA kernel and the dequantize kernel
     read (the vLLM method repacks to them, at load, the layers vllm_ops.owned_shape takes, on Hopper): one
     row of small groups on the FMA kernel (OWNED_FMA_MAX_GROUP, but g32 with zero points), the Gluon decode
-    up to SKINNY_MAX_M rows, the Gluon GEMM up to GLUON_PREFILL_MAX_M, dequantize + cuBLAS past it or where
+    up to SKINNY_MAX_M rows, the Gluon GEMM up to gluon_prefill_max_m, dequantize + cuBLAS past it or where
     the Gluon kernel does not run; the reference on CPU. ``pdl`` as quant_matmul's."""
     check_inputs(x, qweight, scales, zeros, group_size, 4, owned=True)
     block = quant_layout.OWNED_BLOCK
@@ -856,7 +884,7 @@ def _quant_matmul_owned(
     elif m <= SKINNY_MAX_M and _gluon_runs(x2, qweight, scales, zeros, group_size, 4, GLUON_DECODE_BLOCK_K):
         cfg = gluon_decode_tiles(m, sm_count(x2.device))
         y = _gluon(x2, qweight, scales, zeros, group_size, cfg | {"owned": True}, pdl=pdl)
-    elif SKINNY_MAX_M < m <= GLUON_PREFILL_MAX_M and _gluon_runs(
+    elif SKINNY_MAX_M < m <= gluon_prefill_max_m(k_in, group_size, owned=True) and _gluon_runs(
         x2, qweight, scales, zeros, group_size, 4, 64
     ):
         cfg = gluon_tiles(m, n_out, k_in, sm_count(x2.device))

@@ -13,6 +13,8 @@
 #   bash tests/gpu/run_h100.sh disconnect  # issue 15.3: streams closed after ~1 s of reading stop vLLM within 1 s
 #   bash tests/gpu/run_h100.sh serve-pruned  # issue 19.4 in one call: vLLM speed of the recipe's shapes (below)
 #   bash tests/gpu/run_h100.sh int4-serve    # issue 16.3: bundled int4 g32 through our method vs vLLM's kernels
+#   bash tests/gpu/run_h100.sh ttft-burst    # issue 16.3: TTFT under load, 64 prompts at once, profiled (BURST)
+#   bash tests/gpu/run_h100.sh serve-prof    # issue 16.3: ours / Machete served, vLLM's profiler on (engine steps)
 #   bash tests/gpu/run_h100.sh pdl-ab        # issue 16.3: 8B-shaped W4A16, ours with the PDL chain on / off and
 #                                            # Machete, interleaved rounds on one lease (ROUNDS, MODE=mode0)
 #   bash tests/gpu/run_h100.sh int8    # issue 19.5: int8 RTN vs GPTQ on the whole wikitext-2 test file
@@ -32,7 +34,7 @@
 # cache from memory another one is still allocating), each pinned to its own CPUs; measurements run one
 # server at a time while the others sit idle. One failing configuration leaves the others measured.
 set -uo pipefail
-STAGE=${1:?usage: run_h100.sh prep|ab|ckpt|synth|synth-compiled|ttft|ttft-compiled|disconnect|serve-pruned|int4-serve|pdl-ab|int8|recipes|tp|tp8b|scale}
+STAGE=${1:?usage: run_h100.sh prep|ab|ckpt|synth|synth-compiled|ttft|ttft-compiled|ttft-burst|serve-prof|disconnect|serve-pruned|int4-serve|pdl-ab|int8|recipes|tp|tp8b|scale}
 OUT=${OUT:-/tmp/vllm-out}
 LOGS=/tmp/vllm-logs/$STAGE
 mkdir -p "$OUT" "$LOGS"
@@ -381,23 +383,71 @@ ttft)
     wait
   done  # the ttft-*.txt reports and traces travel in the log tarball
   ;;
-ttft-compiled)
+ttft-compiled|ttft-burst)
   # Issue 16.3: the ttft stage's probe in vLLM's compiled configuration (ttft_probe.py --compiled: piecewise
   # CUDA graphs captured up to 256 tokens), synth's three configurations, each with its own compile cache.
+  # ttft-burst, TTFT under load: at c=64 bench_serving's requests reach a server together (all ask for the
+  # same number of tokens, so they start and end together), and the last of 64 256-token prompts waits for two
+  # prompt steps of 8192 rows: 64 prompts a generation (BURST), the steps' kernels profiled.
+  convert_baseline  # (the tokenizer of the bundled model)
   python3 tests/gpu/synthetic_llama.py --tokenizer $MODELS/hf --out $MODELS/llama8b-bf16
   python3 tests/gpu/synthetic_llama.py --tokenizer $MODELS/hf --out $MODELS/llama8b-w4a16 --w4a16
   PEERS=bf16,w4a16-vllm,w4a16-squeezeserve
   rm -rf /tmp/ttft_probe.sync
+  EXTRA=()
+  [ "$STAGE" = ttft-burst ] && EXTRA=(--burst "${BURST:-64}" --rounds 3 --repeats 3 --profile 2)
   cprobe() {  # label cpus model [probe args]
     local label=$1 cpus=$2 model=$3; shift 3
-    VLLM_CACHE_ROOT=/tmp/vllm-cache-$label timeout "$(cap 520)" taskset -c "$cpus" python3 tests/gpu/ttft_probe.py \
-      --model "$model" --label "$label" --peers $PEERS --out "$LOGS" --compiled "$@" > "$LOGS/probe-$label.log" 2>&1
+    VLLM_CACHE_ROOT=/tmp/vllm-cache-$STAGE-$label timeout "$(cap 520)" taskset -c "$cpus" python3 \
+      tests/gpu/ttft_probe.py --model "$model" --label "$label" --peers $PEERS --out "$LOGS" --compiled \
+      "${EXTRA[@]}" "$@" > "$LOGS/probe-$label.log" 2>&1
     note "$label: probe exit $?"; grep -E "in-process engine|^ttft/" "$LOGS/probe-$label.log" | tee -a "$SUMMARY"
+    cp "$LOGS/ttft-$label.txt" "$OUT/" 2>/dev/null
   }
   cprobe bf16 0-4 $MODELS/llama8b-bf16 &
   cprobe w4a16-vllm 5-9 $MODELS/llama8b-w4a16 &
   cprobe w4a16-squeezeserve 10-14 $MODELS/llama8b-w4a16 --quantization squeezeserve &
   wait
+  ;;
+serve-prof)
+  # Issue 16.3, TTFT under load in serving: ours (the chain) and Machete as synth-compiled serves them, each
+  # server with vLLM's torch profiler (--profiler-config). Each measured alone on CPUs 0-11: an unprofiled
+  # pass at c = 16 and 64 (first-call costs), then a profiled one (PROF_C, PROF_REQUESTS requests a level),
+  # its engine steps read back by tests/gpu/serve_trace.py (steps by rows; the prompt steps' kernels).
+  convert_baseline  # (the tokenizer of the bundled model)
+  python3 tests/gpu/synthetic_llama.py --tokenizer $MODELS/hf --out $MODELS/llama8b-w4a16 --w4a16
+  synth_args compiled
+  prof() { printf '{"profiler": "torch", "torch_profiler_dir": "/tmp/prof/%s", "torch_profiler_with_stack": false, "ignore_frontend": true}' "$1"; }
+  rm -rf /tmp/prof; mkdir -p /tmp/prof/w4a16-vllm /tmp/prof/chain
+  start_server w4a16-vllm 0-3 8202 $MODELS/llama8b-w4a16 "${COMMON[@]}" --profiler-config "$(prof w4a16-vllm)"
+  start_server chain 4-7 8203 $MODELS/llama8b-w4a16 "${COMMON[@]}" --quantization squeezeserve \
+    --profiler-config "$(prof chain)"
+  read -r -a up <<< "$(wait_servers "$(cap "${START_TIMEOUT:-400}")" w4a16-vllm chain)"
+  note "serving: ${up[*]}"
+  [ ${#up[@]} -gt 0 ] || exit 1
+  for label in "${up[@]}"; do
+    url="http://127.0.0.1:${PORT[$label]}"
+    pin "$label" 0-11
+    for pass in warm prof; do
+      [ $pass = prof ] && { curl -sf -X POST "$url/start_profile" > /dev/null || note "$label: start_profile failed"; }
+      timeout "$(cap 100)" taskset -c 12-15 python3 tests/benchmarks/bench_serving.py --base-url "$url" \
+        --model "$label" --run "${RUN:-serve-prof}-$pass" --label "$label" --vocab 49152 \
+        --concurrency $([ $pass = prof ] && echo "${PROF_C:-16 64}" || echo 16 64) --prompt-tokens 256 \
+        --output-tokens 64 --requests-per-level "$([ $pass = prof ] && echo "${PROF_REQUESTS:-64}" || echo 0)" \
+        --seed "$([ $pass = prof ] && echo 2 || echo 1)" --metrics-root "$url" --csv "$OUT/vllm_serve_prof.csv" 2>&1 \
+        | tee -a "$SUMMARY"
+    done
+    curl -sf -X POST --max-time "$(cap 120)" "$url/stop_profile" > /dev/null || note "$label: stop_profile failed"
+    note "$label: profile stopped"
+    pin "$label" "${CPUS[$label]}"
+  done
+  for label in "${up[@]}"; do
+    for _ in $(seq 60); do compgen -G "/tmp/prof/$label/*.pt.trace.json*" > /dev/null && break; sleep 1; done
+    ls -la /tmp/prof/$label | tee -a "$SUMMARY"
+    cp /tmp/prof/$label/profiler_out_0.txt "$OUT/profiler_out-$label.txt" 2>/dev/null
+    timeout "$(cap 150)" python3 tests/gpu/serve_trace.py /tmp/prof/$label --label "$label" 2>&1 \
+      | tee "$OUT/serve_trace-$label.txt" | tee -a "$SUMMARY"
+  done
   ;;
 disconnect)
   # Issue 15.3: vLLM (our plugin loaded) serves the baseline, our gateway in front; tests/gpu/vllm_disconnect.py
@@ -482,14 +532,17 @@ pdl-ab)
   # server gains from a CPU set of its own). Two single runs at c=64 had the chain 1.3% and 4.2% slower, within
   # their leases' spread (NOTES.md, twenty-sixth session). MODE=mode0: synth's configuration (no
   # torch.compile, full graphs of decode steps); else vLLM's default (compiled, CUDA graphs to 512 tokens).
+  # B_ENV / B_LABEL: the third server's setting and name (default SQUEEZESERVE_PDL=off, chain-off); CONC: the
+  # concurrencies (default 1 16 64), e.g. B_ENV=SQUEEZESERVE_GLUON_PREFILL_MAX_M=4096 B_LABEL=gluon4096.
   convert_baseline  # (the tokenizer of the bundled model)
   python3 tests/gpu/synthetic_llama.py --tokenizer $MODELS/hf --out $MODELS/llama8b-w4a16 --w4a16
   synth_args "${MODE:-compiled}"
   start_server w4a16-vllm 0-3 8202 $MODELS/llama8b-w4a16 "${COMMON[@]}"
   start_server chain 4-7 8203 $MODELS/llama8b-w4a16 "${COMMON[@]}" --quantization squeezeserve
-  SQUEEZESERVE_PDL=off start_server chain-off 8-11 8204 $MODELS/llama8b-w4a16 "${COMMON[@]}" \
-    --quantization squeezeserve
-  read -r -a up <<< "$(wait_servers "$(cap "${START_TIMEOUT:-400}")" w4a16-vllm chain chain-off)"
+  B_ENV=${B_ENV:-SQUEEZESERVE_PDL=off} B_LABEL=${B_LABEL:-chain-off}
+  start_b() { local "${B_ENV%%=*}"; export "${B_ENV?}"; start_server "$@"; }  # (B_ENV for this server only)
+  start_b "$B_LABEL" 8-11 8204 $MODELS/llama8b-w4a16 "${COMMON[@]}" --quantization squeezeserve
+  read -r -a up <<< "$(wait_servers "$(cap "${START_TIMEOUT:-400}")" w4a16-vllm chain "$B_LABEL")"
   note "serving: ${up[*]}"
   [ ${#up[@]} -gt 0 ] || exit 1
   for round in $(seq "${ROUNDS:-4}"); do
@@ -498,7 +551,7 @@ pdl-ab)
       pin "$label" 0-11
       timeout "$(cap 100)" taskset -c 12-15 python3 tests/benchmarks/bench_serving.py \
         --base-url "http://127.0.0.1:${PORT[$label]}" --model "$label" --run "${RUN:-pdl-ab}-r$round" \
-        --label "$label" --vocab 49152 --concurrency 1 16 64 --prompt-tokens 256 --output-tokens 64 \
+        --label "$label" --vocab 49152 --concurrency ${CONC:-1 16 64} --prompt-tokens 256 --output-tokens 64 \
         --seed "$round" --metrics-root "http://127.0.0.1:${PORT[$label]}" --csv "$OUT/vllm_pdl_ab.csv" 2>&1 \
         | tee -a "$SUMMARY"
       pin "$label" "${CPUS[$label]}"

@@ -21,6 +21,13 @@ turns (one at a time, the others idle):
 ``--compiled`` builds the engine in vLLM's compiled configuration instead (``COMPILED``), where a 256-token
 prompt replays CUDA graphs between its attention calls; no anatomy turn then.
 
+``--burst N``: each generation is N distinct prompts at once, the way ``bench_serving.py``'s requests reach a
+server at concurrency N (its requests all ask for the same number of tokens, so they start, and later end,
+together): the engine runs them in prompt steps of ``--max-batched-tokens`` rows (8192, ``vllm serve``'s
+default on an 80 GB GPU; 64 prompts of 256 tokens are two such steps). The wall time of one is what the
+last of N requests waits for its first token; the profile's kernels are those of steps at prefill sizes,
+outside the CUDA graphs (the compiled configuration captures up to 256 tokens).
+
 ``--old-host-path`` serves our method as the code did before 2026-11-25's launch plans: every call through
 torch's dispatcher (``quant_matmul_opaque``) and the launches prepared each call (set
 ``SQUEEZESERVE_LAUNCH_PLANS=0`` beside it).
@@ -58,7 +65,7 @@ def busy_union(intervals: list[tuple[float, float]]) -> float:
     return total + (cur_e - cur_s if cur_e is not None else 0.0)
 
 
-def read_trace(path: Path, gap_us: float) -> list[str]:
+def read_trace(path: Path, gap_us: float, top: int = 14) -> list[str]:
     """Summary lines for each ``ttft/<i>`` range of a chrome trace torch.profiler exported."""
     with open(path) as f:
         events = json.load(f)["traceEvents"]
@@ -102,7 +109,7 @@ def read_trace(path: Path, gap_us: float) -> list[str]:
             f"{(t1 - mine[-1]['ts'] - mine[-1]['dur']) / 1e3:.2f} ms before the call returns"
         )
         lines.append("  kernels by GPU time (ms total, calls, name):")
-        for name, durs in sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:14]:
+        for name, durs in sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]:
             lines.append(f"    {sum(durs) / 1e3:8.3f} {len(durs):5d}  {name[:110]}")
         gaps, end = [], mine[0]["ts"] + mine[0]["dur"]
         for k in mine[1:]:
@@ -232,6 +239,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--profile", type=int, default=3)
     parser.add_argument("--gap-us", type=float, default=50.0)
+    parser.add_argument("--burst", type=int, default=1, help="prompts a generation, submitted together")
+    parser.add_argument("--max-batched-tokens", type=int, default=8192, help="with --burst: a step's rows")
     args = parser.parse_args()
 
     import torch
@@ -252,12 +261,16 @@ def main() -> None:
         gpu_memory_utilization=0.3,
         kv_cache_memory_bytes=4 << 30,
         compilation_config=COMPILED if args.compiled else {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"},
+        **({"max_num_batched_tokens": args.max_batched_tokens} if args.burst > 1 else {}),
     )
     rng = random.Random(args.label)
     params = SamplingParams(max_tokens=1, ignore_eos=True, detokenize=False)
 
     def one(tag: str | None = None) -> float:
-        prompt = {"prompt_token_ids": [rng.randrange(100, args.vocab) for _ in range(args.prompt_tokens)]}
+        prompt = [
+            {"prompt_token_ids": [rng.randrange(100, args.vocab) for _ in range(args.prompt_tokens)]}
+            for _ in range(args.burst)
+        ]
         t = time.perf_counter()
         if tag:
             with torch.profiler.record_function(tag):
@@ -277,8 +290,9 @@ def main() -> None:
             times += [one() for _ in range(args.repeats)]
     times.sort()
     q = statistics.quantiles(times, n=4)
+    what = f"{args.prompt_tokens}-token prompts" + (f", {args.burst} at once" if args.burst > 1 else "")
     head = (
-        f"{args.label}: {len(times)} one-token generations of {args.prompt_tokens}-token prompts "
+        f"{args.label}: {len(times)} one-token generations of {what} "
         f"({args.rounds} turns), in-process engine: median {q[1]:.2f} ms (quartiles {q[0]:.2f}-{q[2]:.2f}, "
         f"min {times[0]:.2f})"
     )
@@ -296,7 +310,7 @@ def main() -> None:
     lines = [head, f"profiled calls (ms, with the profiler on): {', '.join(f'{t:.2f}' for t in profiled)}"]
     if not args.compiled:
         lines += [f"{layers} linear layers timed"] + anatomy(walls)
-    lines += read_trace(trace, args.gap_us)
+    lines += read_trace(trace, args.gap_us, top=24 if args.burst > 1 else 14)
     table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
     lines += ["", "host ops by self CPU time (all profiled calls):", table]
     (args.out / f"ttft-{args.label}{args.tag}.txt").write_text("\n".join(lines) + "\n")

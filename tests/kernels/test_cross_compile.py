@@ -31,7 +31,7 @@ EXPECTED = {
     "quant_matmul 256x4096x4096 int4 g128": ["_prefill_kernel"],
     "quant_matmul 256x6144x4096 int4 g128 zp (Gluon prefill)": ["_wgmma_kernel"],
     "quant_matmul 512x4096x14336 int4 g32": ["_prefill_kernel"],
-    "quant_matmul 4096x4096x1024 int4 g128 (dequantize, in slices)": ["_dequantize_kernel"],
+    "quant_matmul 4097x4096x1024 int4 g128 (dequantize, in slices)": ["_dequantize_kernel"],
     "quant_matmul 16x14336x14336 int4 g128 (Gluon decode)": ["_wgmma_kernel"],
     "quant_matmul 16x14336x14336 int4 g128 zp (Gluon decode)": ["_wgmma_kernel"],
     "quant_matmul 32x4096x14336 int4 g256 (Gluon decode)": ["_wgmma_kernel"],

@@ -3,6 +3,8 @@ that it computes dequantize + matmul. Gluon has no interpreter: the products run
 (tests/gpu/gluon_prefill_probe.py runs the same checks and the timings on the H100)."""
 
 import logging
+import os
+import subprocess
 import sys
 
 import pytest
@@ -92,7 +94,12 @@ def test_gluon_in_auto_measured_choices():
     # (gluon_prefill_probe.py on the H100: NOTES.md, "eleventh session")
     rule = qm.gluon_in_auto
     assert rule(128, 14336, 14336, 128) and rule(2048, 28672, 4096, 128)
-    assert not rule(4096, 14336, 14336, 128)  # dequantize + cuBLAS from 4096 rows
+    assert not rule(2049, 14336, 14336, 128)  # a deep K: the whole weight's dequantize + cuBLAS past 2048
+    # where dequantize + cuBLAS would slice the weight (K = 4096), the Gluon GEMM to 4096 rows: the slices'
+    # host time (prefill_host_probe.py, NOTES.md, twenty-seventh session)
+    assert rule(4096, 28672, 4096, 128) and rule(3072, 6144, 4096, 128) and rule(4096, 4096, 4096, 128)
+    assert not rule(4097, 28672, 4096, 128) and not rule(4097, 4096, 4096, 128)
+    assert not rule(2049, 4096, 14336, 128) and not rule(1025, 28672, 4096, 32)
     assert rule(1024, 14336, 14336, 32) and not rule(2048, 14336, 14336, 32)
     assert not rule(256, 4096, 4096, 128) and rule(512, 4096, 4096, 128)
     assert rule(128, 4096, 14336, 128) and not rule(128, 4096, 4096, 128)  # short rows: only a deep K pays
@@ -103,6 +110,24 @@ def test_gluon_in_auto_measured_choices():
     assert rule(256, 6144, 4096, 128) and rule(128, 6144, 4096, 32, True) and not rule(512, 6144, 4096, 32)
     assert rule(256, 4096, 4096, 128, True) and rule(256, 4096, 14336, 128, True)
     assert not rule(128, 4096, 4096, 128, True) and not rule(256, 4096, 4096, 32, True)
+
+
+def test_the_sliced_weights_row_limit_takes_an_ab_setting_and_refuses_a_bad_one():
+    # SQUEEZESERVE_GLUON_PREFILL_MAX_M (A/B runs of a server: run_h100.sh pdl-ab's B_ENV) sets the rows the
+    # Gluon GEMM takes where dequantize + cuBLAS would slice; anything but a row count stops the import.
+    code = "from squeezeserve.kernels.ops import quant_matmul as qm; print(qm.gluon_prefill_max_m(4096, 128))"
+    env = {k: v for k, v in os.environ.items() if k != "SQUEEZESERVE_GLUON_PREFILL_MAX_M"}
+
+    def run(value: str) -> subprocess.CompletedProcess:
+        env["SQUEEZESERVE_GLUON_PREFILL_MAX_M"] = value
+        command = [sys.executable, "-c", code]
+        return subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+
+    set_to = run("2048")
+    assert set_to.returncode == 0 and set_to.stdout.split() == ["2048"], set_to.stderr[-2000:]
+    bad = run("4k")
+    assert bad.returncode != 0
+    assert "SQUEEZESERVE_GLUON_PREFILL_MAX_M must be a row count, got '4k'" in bad.stderr
 
 
 def _through_quant_matmul(takes, m, n, k, group, zeros, dtype):
@@ -143,6 +168,26 @@ def test_gluon_prefill_is_dequantize_then_matmul(m, n, k, group, zeros, dtype, m
         err = ((out.float() - ref).norm() / ref.norm()).item()
         assert err < 2e-3, (split, mode, err)
     assert all(not t.any() for t in qm.workspace_buffers())  # the last split of each tile cleaned up
+
+
+@needs_hopper
+@pytest.mark.parametrize(
+    ("m", "n", "k", "zeros"),
+    [
+        (3344, 6144, 4096, False),  # qkv: whole waves, then stream-K (its warm-up row)
+        (4096, 4096, 4096, True),  # o_proj at the limit, zero points
+        (2560, 28672, 4096, False),  # gate_up, owned words as the vLLM method repacks them
+    ],
+)
+def test_rows_past_2048_where_k_would_slice_take_the_gluon_gemm(m, n, k, zeros):
+    # PREFILL="auto": where dequantize + cuBLAS would slice the weight, g128 takes the Gluon GEMM to 4096
+    # rows (gluon_prefill_max_m), on packed words and on owned ones, and gives dequantize + matmul's product.
+    group, dtype = 128, torch.bfloat16
+    assert qm.gluon_prefill_max_m(k, group) == qm.gluon_prefill_max_m(k, group, owned=True) == 4096
+    x, qw, sc, zp, ref = _through_quant_matmul(qm._gluon_prefill, m, n, k, group, zeros, dtype)
+    owned_zp = ql.to_owned_zeros(zp, n) if zeros else None
+    y = qm.quant_matmul_owned(x, ql.to_owned_order(qw), sc, owned_zp, group).float()
+    assert ((y - ref).norm() / ref.norm()).item() < 2e-3
 
 
 def test_split_tiles_need_a_way_to_meet():
@@ -623,7 +668,7 @@ from squeezeserve.kernels.ops import quant_matmul as qm
 
 n, k = 14336, 4096
 qw, sc = torch.zeros(n, k // 8, dtype=torch.int32), torch.zeros(n, k // 128, dtype=torch.bfloat16)
-for m in (1, 16, 64, 65, 512, 2048, 2049):
+for m in (1, 16, 64, 65, 512, 2048, 2049, 4096, 4097):
     with launch.capture(sms=132, wgmma=True) as launches:
         qm._quant_matmul_owned(torch.empty(m, k, dtype=torch.bfloat16), qw, sc, None, 128)
     got = [(kernel.__name__, bool(kw.get("OWNED"))) for kernel, _, _, kw in launches]
@@ -659,10 +704,13 @@ def test_one_owned_row_takes_the_gluon_decode_at_g32_with_zero_points(run_compil
 
 def test_owned_words_take_the_gluon_kernel_or_a_dequantize_that_reads_them(run_compiled):
     # On Hopper (replayed under launch.capture): the Gluon kernel, told the words are owned, up to the Gluon
-    # GEMM's rows; past them the dequantize kernel, told the same (then cuBLAS).
+    # GEMM's rows (4096 here: K = 4096 would slice); past them the dequantize kernel, told the same (then
+    # cuBLAS).
     results = run_compiled(["-c", _OWNED_PATHS])
+    most = qm.gluon_prefill_max_m(4096, 128, owned=True)
+    assert most == 4096
     for m, r in results.items():
-        kernel = "_wgmma_kernel" if int(m) <= qm.GLUON_PREFILL_MAX_M else "_dequantize_kernel"
+        kernel = "_wgmma_kernel" if int(m) <= most else "_dequantize_kernel"
         assert r["launches"] and all(one == [kernel, True] for one in r["launches"]), (m, r)
 
 
