@@ -2,7 +2,8 @@
 past the Gluon GEMM's rows, as vLLM's method calls them eagerly (``quant_matmul_eager``; owned words where
 ``vllm_ops.owned_shape`` repacks them), on the path PREFILL's rule picks (the Gluon GEMM to
 ``gluon_prefill_max_m`` rows, then dequantize + cuBLAS, in slices of DEQUANT_SLICE_ROWS weight rows where K
-is short) and on the Gluon GEMM at every row count (its limits raised).
+is short) and on the Gluon GEMM at every row count (its limits raised); ``--slice-rows`` adds the rule with
+other slice sizes (fewer slices, less host time).
 
 vLLM runs prompt steps past its largest CUDA graph eagerly: where a layer's host time (Python, launches)
 exceeds its GPU time, the GPU waits on the host. ``run_h100.sh serve-prof`` (vLLM's profiler in a server)
@@ -75,16 +76,21 @@ def main() -> None:
     parser.add_argument("--group", type=int, default=128)
     parser.add_argument("--calls", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument(
+        "--slice-rows", default="", help="also the rule with these DEQUANT_SLICE_ROWS (comma list)"
+    )
     args = parser.parse_args()
     limits = f"GLUON_PREFILL_MAX_M {qm.GLUON_PREFILL_MAX_M}, _SLICED {qm.GLUON_PREFILL_MAX_M_SLICED}"
     print(f"{torch.cuda.get_device_name()}; {limits}; g{args.group}", flush=True)
     weights = layer_weights(args.group)
-    rule = (qm.GLUON_PREFILL_MAX_M, qm.GLUON_PREFILL_MAX_M_SLICED)
-    paths = {"rule": rule, "gluon": (1 << 20, 1 << 20)}
+    rule = (qm.GLUON_PREFILL_MAX_M, qm.GLUON_PREFILL_MAX_M_SLICED, qm.DEQUANT_SLICE_ROWS)
+    paths = {"rule": rule, "gluon": (1 << 20, 1 << 20, qm.DEQUANT_SLICE_ROWS)}
+    for rows in (int(v) for v in args.slice_rows.split(",") if v):
+        paths[f"rule, {rows}-row slices"] = rule[:2] + (rows,)
     for m in (int(v) for v in args.ms.split(",")):
         per_path = {}
         for path, max_m in paths.items():
-            qm.GLUON_PREFILL_MAX_M, qm.GLUON_PREFILL_MAX_M_SLICED = max_m
+            qm.GLUON_PREFILL_MAX_M, qm.GLUON_PREFILL_MAX_M_SLICED, qm.DEQUANT_SLICE_ROWS = max_m
             qm.quant_matmul_eager.plans.clear()  # (plans are per signature, not per path)
             qm.quant_matmul_owned_eager.plans.clear()
             layer = {}
@@ -97,11 +103,11 @@ def main() -> None:
                 best = [min(r[0] for r in runs), min(r[1] for r in runs)]
                 layer[name] = best
                 print(
-                    f"{m:5d} rows {name:12s} {path:5s}: host {best[0]:8.1f} us, GPU {best[1]:8.1f} us",
+                    f"{m:5d} rows {name:12s} {path}: host {best[0]:8.1f} us, GPU {best[1]:8.1f} us",
                     flush=True,
                 )
             per_path[path] = [sum(v[i] for v in layer.values()) for i in range(2)]
-        qm.GLUON_PREFILL_MAX_M, qm.GLUON_PREFILL_MAX_M_SLICED = rule
+        qm.GLUON_PREFILL_MAX_M, qm.GLUON_PREFILL_MAX_M_SLICED, qm.DEQUANT_SLICE_ROWS = rule
         print(
             f"{m:5d} rows, the layer's four GEMMs: "
             + "; ".join(f"{p} host {h:.0f} us, GPU {g:.0f} us" for p, (h, g) in per_path.items()),
