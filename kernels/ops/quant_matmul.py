@@ -100,7 +100,7 @@ PREFILL = "auto"
 # wherever it takes the inputs.
 # Where dequantize + cuBLAS would run in slices (K under DEQUANT_SLICE_MAX_K), groups of 64 or more take the
 # Gluon GEMM further, to GLUON_PREFILL_MAX_M_SLICED rows: vLLM runs prompt steps past its CUDA graphs
-# eagerly, and the slices' host time (a dequantize launch and a cuBLAS call each, 50-90 us a slice) is the
+# eagerly, and the slices' host time (a dequantize launch and a cuBLAS call each, 50-130 us a slice) is the
 # GPU's time there. The 8B layer's four GEMMs as vLLM's method calls them, H100, g128
 # (tests/gpu/prefill_host_probe.py, results/prefill_host_probe_h100_2026-11-27.log), host / GPU us, the rule
 # before (Gluon to 2048 rows, then slices) against the Gluon GEMM: 2064 rows 1189 / 1404 against 49 / 1572,

@@ -429,13 +429,15 @@ serve-prof)
     url="http://127.0.0.1:${PORT[$label]}"
     pin "$label" 0-11
     for pass in warm prof; do
-      [ $pass = prof ] && { curl -sf -X POST "$url/start_profile" > /dev/null || note "$label: start_profile failed"; }
+      conc="16 64" requests=0 seed=1
+      if [ $pass = prof ]; then
+        conc=${PROF_C:-16 64} requests=${PROF_REQUESTS:-64} seed=2
+        curl -sf -X POST "$url/start_profile" > /dev/null || note "$label: start_profile failed"
+      fi
       timeout "$(cap 100)" taskset -c 12-15 python3 tests/benchmarks/bench_serving.py --base-url "$url" \
-        --model "$label" --run "${RUN:-serve-prof}-$pass" --label "$label" --vocab 49152 \
-        --concurrency $([ $pass = prof ] && echo "${PROF_C:-16 64}" || echo 16 64) --prompt-tokens 256 \
-        --output-tokens 64 --requests-per-level "$([ $pass = prof ] && echo "${PROF_REQUESTS:-64}" || echo 0)" \
-        --seed "$([ $pass = prof ] && echo 2 || echo 1)" --metrics-root "$url" --csv "$OUT/vllm_serve_prof.csv" 2>&1 \
-        | tee -a "$SUMMARY"
+        --model "$label" --run "${RUN:-serve-prof}-$pass" --label "$label" --vocab 49152 --concurrency $conc \
+        --prompt-tokens 256 --output-tokens 64 --requests-per-level "$requests" --seed "$seed" \
+        --metrics-root "$url" --csv "$OUT/vllm_serve_prof.csv" 2>&1 | tee -a "$SUMMARY"
     done
     curl -sf -X POST --max-time "$(cap 120)" "$url/stop_profile" > /dev/null || note "$label: stop_profile failed"
     note "$label: profile stopped"
