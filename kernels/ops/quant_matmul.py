@@ -70,9 +70,10 @@ SKINNY_MAX_M = 64
 # results/int4_serve_h100_2026-11-26_narrow_8192.txt, NOTES.md, seventeenth session).
 #
 # Dequantize + cuBLAS expands DEQUANT_SLICE_ROWS rows of W at a time into one reused buffer from
-# DEQUANT_SLICE_MIN_M rows of x: the slice (16 MB at K = 4096) stays in the L2 for its product instead of
-# the whole dense weight going out to DRAM and back (dequantize_matmul). H100, bf16, cold weights
-# (tests/gpu/gluon_prefill_probe.py --slices, results/slices_h100_2026-11-26.log), whole -> in slices:
+# DEQUANT_SLICE_MIN_M rows of x: the slice (32 MB at K = 4096) stays in the L2 for its product instead of
+# the whole dense weight going out to DRAM and back (dequantize_matmul). H100, bf16, cold weights, slices
+# of 2048 rows (tests/gpu/gluon_prefill_probe.py --slices, results/slices_h100_2026-11-26.log), whole -> in
+# slices:
 # 4096 rows of 6144 x 4096 320.0 -> 305.0 us, of 28672 x 4096 1468.6 -> 1425.2 (cuBLAS bf16 1387.0), g32
 # 1499.4 -> 1433.9; 8192 rows of 6144 x 4096 650.6 -> 605.9; 2048 rows of 28672 x 4096 g32 840.7 -> 770.5.
 # At 512 rows the slices' products are too small to fill the SMs (28672 x 4096: 280.4 -> 354.3 us); at 1024
@@ -80,8 +81,14 @@ SKINNY_MAX_M = 64
 # 4096 x 14336 was within 1% either way there, and 3.6-5% slower at 3072 rows on another lease
 # (results/slices_three_h100_2026-11-26.log, whole / in slices: g128 558.3 / 578.4, g32 564.2 / 592.6 us;
 # at K = 4096 that run had 4096 rows of 6144 x 4096 323.2 / 308.0 and of 28672 x 4096 1499.6 / 1431.8, 3072
-# rows within 2% either way). The buffer is also all the transient memory the path takes (16 MB where
-# 28672 x 4096 dense is 235 MB).
+# rows within 2% either way). Each slice costs a dequantize launch and a cuBLAS call of host, which vLLM's
+# eager prompt steps wait on (GLUON_PREFILL_MAX_M_SLICED's comment): the 8B layer's four GEMMs as vLLM's
+# method calls them, g128, host / GPU us in 2048-row slices against 4096-row ones
+# (tests/gpu/prefill_host_probe.py --slice-rows, results/prefill_host_probe_h100_2026-11-27_slices.log):
+# 6144 rows 1455 / 3535 against 979 / 3500, 8192 rows 1868 / 4629 against 959 / 4600 (7168-row ones 669 /
+# 3595 and 745 / 4616: gate_up's GPU time 3% more at 6144 rows). The buffer is also all the transient memory
+# the path takes (32 MB where 28672 x 4096 dense is 235 MB). SQUEEZESERVE_DEQUANT_SLICE_ROWS sets the
+# slices' rows (A/B runs; 0: the whole weight).
 PREFILL = "auto"
 # On Hopper, "auto" runs the Gluon GEMM (quant_matmul_gluon.py: dequantization overlapped with the tensor
 # cores' products, a loading warp of its own) where it takes the inputs and was measured faster than the paths
@@ -112,12 +119,22 @@ PREFILL = "auto"
 # included). Deep reductions keep the whole weight (one dequantize launch and one cuBLAS call, 80-155 us of
 # host) and GLUON_PREFILL_MAX_M: 4096 x 14336 at 2064 rows took 351 us against the Gluon GEMM's 445.
 # SQUEEZESERVE_GLUON_PREFILL_MAX_M sets GLUON_PREFILL_MAX_M_SLICED (A/B runs of a server).
-GLUON_PREFILL_MAX_M, GLUON_PREFILL_MAX_M_SMALL_GROUP, GLUON_PREFILL_MAX_M_SLICED = 2048, 1024, 4096
-_GLUON_MAX_M_ENV = os.environ.get("SQUEEZESERVE_GLUON_PREFILL_MAX_M", "")
-if _GLUON_MAX_M_ENV:
-    if not _GLUON_MAX_M_ENV.isdigit():
-        raise ValueError(f"SQUEEZESERVE_GLUON_PREFILL_MAX_M must be a row count, got {_GLUON_MAX_M_ENV!r}")
-    GLUON_PREFILL_MAX_M_SLICED = int(_GLUON_MAX_M_ENV)
+GLUON_PREFILL_MAX_M, GLUON_PREFILL_MAX_M_SMALL_GROUP = 2048, 1024
+
+
+def _rows_setting(name: str, default: int, multiple: int = 1) -> int:
+    """A row count for an A/B run of a server from the environment variable ``name``, else ``default``;
+    anything but a whole number of rows (a multiple of ``multiple``) stops the import."""
+    value = os.environ.get(name, "")
+    if not value:
+        return default
+    if not value.isdigit() or int(value) % multiple:
+        unit = f" (a multiple of {multiple})" if multiple > 1 else ""
+        raise ValueError(f"{name} must be a row count{unit}, got {value!r}")
+    return int(value)
+
+
+GLUON_PREFILL_MAX_M_SLICED = _rows_setting("SQUEEZESERVE_GLUON_PREFILL_MAX_M", 4096)
 # Decode (up to SKINNY_MAX_M rows) on Hopper: "auto" runs the Gluon kernel as a stream-K GEMM (every SM
 # streams an equal share of the weight through TMA; quant_matmul_gluon.py) for int4 in groups of 128, of a
 # multiple of 256 (a 256-deep K tile holds two groups or part of one), or of GLUON_DECODE_SMALL_GROUP
@@ -143,7 +160,9 @@ GLUON_DECODE_MIN_WEIGHT_WIDER, GLUON_DECODE_WIDER_MIN_M = 1 << 24, 33
 TRITON_PREFILL_MAX_M, TRITON_PREFILL_WIDE_MAX_M = 256, 512
 TRITON_PREFILL_MIN_N, TRITON_PREFILL_MIN_N_ANY, TRITON_PREFILL_MIN_K = 8192, 4096, 8192
 TRITON_PREFILL_NARROW_MAX_M = 8192
-DEQUANT_SLICE_ROWS, DEQUANT_SLICE_MIN_M, DEQUANT_SLICE_MAX_K = 2048, 1024, 8192
+DEQUANT_SLICE_MIN_M, DEQUANT_SLICE_MAX_K = 1024, 8192
+# (whole int4 and int8 words of packed zero points a slice: a multiple of 8 rows; 0, the whole weight)
+DEQUANT_SLICE_ROWS = _rows_setting("SQUEEZESERVE_DEQUANT_SLICE_ROWS", 4096, multiple=8)
 # Rows up to which the FMA kernel beats the tensor-core one where groups align to its GEMV_BLOCK_K tiles and
 # hold at most GEMV_ROWS_MAX_GROUP values (g32_probe.py --sweep-gemv-rows, H100: g32 1.0-1.4x faster at 2
 # rows, slower at 4); other groups one row. Since the tensor-core kernel reads int32 words, 2 rows of g128 run

@@ -3,7 +3,8 @@ past the Gluon GEMM's rows, as vLLM's method calls them eagerly (``quant_matmul_
 ``vllm_ops.owned_shape`` repacks them), on the path PREFILL's rule picks (the Gluon GEMM to
 ``gluon_prefill_max_m`` rows, then dequantize + cuBLAS, in slices of DEQUANT_SLICE_ROWS weight rows where K
 is short) and on the Gluon GEMM at every row count (its limits raised); ``--slice-rows`` adds the rule with
-other slice sizes (fewer slices, less host time).
+other slice sizes (fewer slices, less host time); ``--parts`` times a slice's pieces alone on gate_up (the
+dequantize launch, the slice's views, its cuBLAS call through ``torch.matmul`` and ``torch.mm``).
 
 vLLM runs prompt steps past its largest CUDA graph eagerly: where a layer's host time (Python, launches)
 exceeds its GPU time, the GPU waits on the host. ``run_h100.sh serve-prof`` (vLLM's profiler in a server)
@@ -14,7 +15,7 @@ Host: microseconds a call to enqueue ``--calls`` calls behind a GPU sleep (the l
 so nothing waits on the GPU). GPU: CUDA events around the same calls, the first event recorded after the
 sleep (every call already enqueued). The minimum of ``--rounds`` rounds each.
 
-    python3 tests/gpu/prefill_host_probe.py [--ms 2064,3072,4096,6144,8192] [--group 128]
+    python3 tests/gpu/prefill_host_probe.py [--ms 2064,3072,4096,6144,8192] [--group 128] [--parts]
 """
 
 from __future__ import annotations
@@ -70,6 +71,36 @@ def timed(fn, calls: int) -> tuple[float, float]:
     return host, start.elapsed_time(end) * 1e3 / calls
 
 
+def slice_parts(m: int, weight: tuple, group: int, calls: int, rounds: int) -> None:
+    """Host and GPU us of one DEQUANT_SLICE_ROWS slice's pieces on gate_up at ``m`` rows."""
+    qweight, scales, owned = weight
+    (n, k), rows = SHAPES["gate_up_proj"], qm.DEQUANT_SLICE_ROWS
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    y = x.new_empty((m, n))
+    buffer = x.new_empty((rows, k))
+    part = slice(rows, 2 * rows)  # (the second slice: views with an offset, as the loop's)
+
+    def views():
+        return qweight[part], scales[part], buffer[:rows], y[:, part]
+
+    def expand():
+        return qm.dequantize(qweight[part], scales[part], None, k, group, 4, x.dtype, buffer, owned)
+
+    w = expand()
+    parts = {
+        "views": views,
+        "dequantize": expand,
+        "torch.matmul(out=)": lambda: torch.matmul(x, w.t(), out=y[:, part]),
+        "torch.mm(out=)": lambda: torch.mm(x, w.t(), out=y[:, part]),
+        "torch.mm (new)": lambda: torch.mm(x, w.t()),
+    }
+    for name, fn in parts.items():
+        fn()
+        runs = [timed(fn, calls) for _ in range(rounds)]
+        host, gpu = min(r[0] for r in runs), min(r[1] for r in runs)
+        print(f"{m:5d} rows gate_up slice of {rows}: {name:20s} host {host:7.1f} us, GPU {gpu:8.1f} us")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ms", default="2064,3072,4096,6144,8192")
@@ -79,6 +110,7 @@ def main() -> None:
     parser.add_argument(
         "--slice-rows", default="", help="also the rule with these DEQUANT_SLICE_ROWS (comma list)"
     )
+    parser.add_argument("--parts", action="store_true", help="then a slice's pieces alone, on gate_up")
     args = parser.parse_args()
     limits = f"GLUON_PREFILL_MAX_M {qm.GLUON_PREFILL_MAX_M}, _SLICED {qm.GLUON_PREFILL_MAX_M_SLICED}"
     print(f"{torch.cuda.get_device_name()}; {limits}; g{args.group}", flush=True)
@@ -113,6 +145,9 @@ def main() -> None:
             + "; ".join(f"{p} host {h:.0f} us, GPU {g:.0f} us" for p, (h, g) in per_path.items()),
             flush=True,
         )
+    if args.parts:
+        for m in (int(v) for v in args.ms.split(",")):
+            slice_parts(m, weights["gate_up_proj"], args.group, args.calls, args.rounds)
 
 
 if __name__ == "__main__":

@@ -112,22 +112,29 @@ def test_gluon_in_auto_measured_choices():
     assert not rule(128, 4096, 4096, 128, True) and not rule(256, 4096, 4096, 32, True)
 
 
-def test_the_sliced_weights_row_limit_takes_an_ab_setting_and_refuses_a_bad_one():
-    # SQUEEZESERVE_GLUON_PREFILL_MAX_M (A/B runs of a server: run_h100.sh pdl-ab's B_ENV) sets the rows the
-    # Gluon GEMM takes where dequantize + cuBLAS would slice; anything but a row count stops the import.
-    code = "from squeezeserve.kernels.ops import quant_matmul as qm; print(qm.gluon_prefill_max_m(4096, 128))"
-    env = {k: v for k, v in os.environ.items() if k != "SQUEEZESERVE_GLUON_PREFILL_MAX_M"}
+@pytest.mark.parametrize(
+    "name, shown, good, bad, message",
+    [
+        ("SQUEEZESERVE_GLUON_PREFILL_MAX_M", "qm.gluon_prefill_max_m(4096, 128)", "2048", "4k", ""),
+        ("SQUEEZESERVE_DEQUANT_SLICE_ROWS", "qm.DEQUANT_SLICE_ROWS", "2048", "100", " (a multiple of 8)"),
+    ],
+)
+def test_prompt_row_settings_take_an_ab_value_and_refuse_a_bad_one(name, shown, good, bad, message):
+    # A/B runs of a server (run_h100.sh pdl-ab's B_ENV): SQUEEZESERVE_GLUON_PREFILL_MAX_M sets the rows the
+    # Gluon GEMM takes where dequantize + cuBLAS would slice, SQUEEZESERVE_DEQUANT_SLICE_ROWS the slices'
+    # weight rows (whole words of packed zero points); anything else stops the import with the reason.
+    code = f"from squeezeserve.kernels.ops import quant_matmul as qm; print({shown})"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SQUEEZESERVE_")}
 
     def run(value: str) -> subprocess.CompletedProcess:
-        env["SQUEEZESERVE_GLUON_PREFILL_MAX_M"] = value
         command = [sys.executable, "-c", code]
-        return subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+        return subprocess.run(command, env=env | {name: value}, capture_output=True, text=True, timeout=300)
 
-    set_to = run("2048")
-    assert set_to.returncode == 0 and set_to.stdout.split() == ["2048"], set_to.stderr[-2000:]
-    bad = run("4k")
-    assert bad.returncode != 0
-    assert "SQUEEZESERVE_GLUON_PREFILL_MAX_M must be a row count, got '4k'" in bad.stderr
+    set_to = run(good)
+    assert set_to.returncode == 0 and set_to.stdout.split() == [good], set_to.stderr[-2000:]
+    refused = run(bad)
+    assert refused.returncode != 0
+    assert f"{name} must be a row count{message}, got '{bad}'" in refused.stderr
 
 
 def _through_quant_matmul(takes, m, n, k, group, zeros, dtype):
@@ -188,6 +195,25 @@ def test_rows_past_2048_where_k_would_slice_take_the_gluon_gemm(m, n, k, zeros):
     owned_zp = ql.to_owned_zeros(zp, n) if zeros else None
     y = qm.quant_matmul_owned(x, ql.to_owned_order(qw), sc, owned_zp, group).float()
     assert ((y - ref).norm() / ref.norm()).item() < 2e-3
+
+
+@needs_hopper
+@pytest.mark.parametrize(("m", "n", "zeros"), [(4097, 6144, True), (6144, 28672, False)])
+def test_rows_past_4096_take_dequantize_and_cublas_in_slices_of_the_weight(m, n, zeros):
+    # Past gluon_prefill_max_m where K = 4096: dequantize + cuBLAS, DEQUANT_SLICE_ROWS weight rows at a time
+    # (qkv's 6144: a whole slice and part of one, its packed zero points from mid-tensor; gate_up's 28672),
+    # on packed words and on owned ones, gives dequantize + matmul's product.
+    group, k, dtype = 128, 4096, torch.bfloat16
+    qw, sc, zp = _packed(n, k, group, zeros, dtype, "cuda")
+    x = torch.randn(m, k, device="cuda", dtype=dtype)
+    assert m > qm.gluon_prefill_max_m(k, group) and qm._slice_rows(x, qw, sc, zp) == qm.DEQUANT_SLICE_ROWS < n
+    ref = (x @ ql.dequantize(qw, sc, zp, (n, k), group, 4).to(dtype).t()).float()
+    owned_zp = ql.to_owned_zeros(zp, n) if zeros else None
+    for y in (
+        K.quant_matmul(x, qw, sc, zp, group, 4),
+        qm.quant_matmul_owned(x, ql.to_owned_order(qw), sc, owned_zp, group),
+    ):
+        assert ((y.float() - ref).norm() / ref.norm()).item() < 2e-3
 
 
 def test_split_tiles_need_a_way_to_meet():
