@@ -86,7 +86,10 @@ SKINNY_MAX_M = 64
 # method calls them, g128, host / GPU us in 2048-row slices against 4096-row ones
 # (tests/gpu/prefill_host_probe.py --slice-rows, results/prefill_host_probe_h100_2026-11-27_slices.log):
 # 6144 rows 1455 / 3535 against 979 / 3500, 8192 rows 1868 / 4629 against 959 / 4600 (7168-row ones 669 /
-# 3595 and 745 / 4616: gate_up's GPU time 3% more at 6144 rows). The buffer is also all the transient memory
+# 3595 and 745 / 4616: gate_up's GPU time 3% more at 6144 rows); another lease, 4097 / 6144 / 8192 rows 2086 /
+# 2412, 1587 / 3469, 1498 / 4527 against 1341 / 2419, 1011 / 3411, 1427 / 4491, g32 at 1088 / 2064 / 4097 rows
+# 649 / 1014, 1358 / 1390, 1698 / 2430 against 521 / 992, 780 / 1332, 789 / 2426
+# (results/prefill_host_probe_h100_2026-11-27_slices4096.log). The buffer is also all the transient memory
 # the path takes (32 MB where 28672 x 4096 dense is 235 MB). SQUEEZESERVE_DEQUANT_SLICE_ROWS sets the
 # slices' rows (A/B runs; 0: the whole weight).
 PREFILL = "auto"

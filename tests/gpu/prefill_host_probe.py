@@ -4,7 +4,8 @@ past the Gluon GEMM's rows, as vLLM's method calls them eagerly (``quant_matmul_
 ``gluon_prefill_max_m`` rows, then dequantize + cuBLAS, in slices of DEQUANT_SLICE_ROWS weight rows where K
 is short) and on the Gluon GEMM at every row count (its limits raised); ``--slice-rows`` adds the rule with
 other slice sizes (fewer slices, less host time); ``--parts`` times a slice's pieces alone on gate_up (the
-dequantize launch, the slice's views, its cuBLAS call through ``torch.matmul`` and ``torch.mm``).
+dequantize launch, the slice's views, its cuBLAS call through ``torch.matmul`` and ``torch.mm``);
+``--dequantize-host`` only where a dequantize launch's host time goes (calls a round, cProfile).
 
 vLLM runs prompt steps past its largest CUDA graph eagerly: where a layer's host time (Python, launches)
 exceeds its GPU time, the GPU waits on the host. ``run_h100.sh serve-prof`` (vLLM's profiler in a server)
@@ -16,6 +17,7 @@ so nothing waits on the GPU). GPU: CUDA events around the same calls, the first 
 sleep (every call already enqueued). The minimum of ``--rounds`` rounds each.
 
     python3 tests/gpu/prefill_host_probe.py [--ms 2064,3072,4096,6144,8192] [--group 128] [--parts]
+        [--slice-rows 2048,...] [--dequantize-host]
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import torch
 
 from squeezeserve.kernels import quant_layout, vllm_ops
 from squeezeserve.kernels.ops import quant_matmul as qm
+from squeezeserve.kernels.registry import direct_launches
 
 SHAPES = {
     "qkv_proj": (6144, 4096),
@@ -83,8 +86,9 @@ def slice_parts(m: int, weight: tuple, group: int, calls: int, rounds: int) -> N
     def views():
         return qweight[part], scales[part], buffer[:rows], y[:, part]
 
-    def expand():
-        return qm.dequantize(qweight[part], scales[part], None, k, group, 4, x.dtype, buffer, owned)
+    def expand():  # (launched as inside the op: outside one, a launch goes through torch's wrap_triton)
+        with direct_launches:
+            return qm.dequantize(qweight[part], scales[part], None, k, group, 4, x.dtype, buffer, owned)
 
     w = expand()
     parts = {
@@ -101,6 +105,43 @@ def slice_parts(m: int, weight: tuple, group: int, calls: int, rounds: int) -> N
         print(f"{m:5d} rows gate_up slice of {rows}: {name:20s} host {host:7.1f} us, GPU {gpu:8.1f} us")
 
 
+def dequantize_host(weight: tuple, group: int, rounds: int) -> None:
+    """Where a lone dequantize launch's host time goes: its host time behind a GPU sleep at 1-64 calls a
+    round, then 200 calls under cProfile (the top functions by own time)."""
+    import cProfile
+    import pstats
+
+    qweight, scales, owned = weight
+    (_, k), rows = SHAPES["gate_up_proj"], qm.DEQUANT_SLICE_ROWS
+    buffer = torch.empty(rows, k, device="cuda", dtype=torch.bfloat16)
+    part = slice(rows, 2 * rows)
+
+    def expand():  # (as slice_parts')
+        with direct_launches:
+            qm.dequantize(qweight[part], scales[part], None, k, group, 4, torch.bfloat16, buffer, owned)
+
+    expand()
+    for calls in (1, 8, 64):
+        runs = [timed(expand, calls) for _ in range(rounds)]
+        host = min(r[0] for r in runs)
+        print(f"dequantize {rows} x {k}, {calls:2d} calls a round: host {host:7.1f} us a call")
+    x = torch.randn(6144, k, device="cuda", dtype=torch.bfloat16)
+    for label, fn, calls in (
+        ("dequantize", expand, 200),
+        ("gate_up at 6144 rows", lambda: gemm(x, weight, group), 20),
+    ):
+        fn()
+        torch.cuda.synchronize()
+        profile = cProfile.Profile()
+        profile.enable()
+        for _ in range(calls):
+            fn()
+        profile.disable()
+        torch.cuda.synchronize()
+        print(f"{label}, {calls} calls under cProfile:")
+        pstats.Stats(profile).sort_stats("tottime").print_stats(14)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ms", default="2064,3072,4096,6144,8192")
@@ -111,10 +152,13 @@ def main() -> None:
         "--slice-rows", default="", help="also the rule with these DEQUANT_SLICE_ROWS (comma list)"
     )
     parser.add_argument("--parts", action="store_true", help="then a slice's pieces alone, on gate_up")
+    parser.add_argument("--dequantize-host", action="store_true", help="only where a dequantize's host goes")
     args = parser.parse_args()
     limits = f"GLUON_PREFILL_MAX_M {qm.GLUON_PREFILL_MAX_M}, _SLICED {qm.GLUON_PREFILL_MAX_M_SLICED}"
     print(f"{torch.cuda.get_device_name()}; {limits}; g{args.group}", flush=True)
     weights = layer_weights(args.group)
+    if args.dequantize_host:
+        return dequantize_host(weights["gate_up_proj"], args.group, args.rounds)
     rule = (qm.GLUON_PREFILL_MAX_M, qm.GLUON_PREFILL_MAX_M_SLICED, qm.DEQUANT_SLICE_ROWS)
     paths = {"rule": rule, "gluon": (1 << 20, 1 << 20, qm.DEQUANT_SLICE_ROWS)}
     for rows in (int(v) for v in args.slice_rows.split(",") if v):
