@@ -180,6 +180,12 @@ convert_baseline() {  # the bundled GGUF -> fp16 checkpoint in $MODELS/hf (once 
     > "$LOGS/convert.log" 2>&1 || { tail -20 "$LOGS/convert.log"; exit 1; }
 }
 
+compress_int4_rtn() {  # the bundled model's int4 g32 checkpoint by RTN into $MODELS/int4-rtn (int4-serve's)
+  timeout "$(cap 120)" $SQ compress --model $MODELS/hf --method int4 --algorithm rtn --out $MODELS/int4-rtn \
+    --overwrite > "$LOGS/compress-int4-rtn.log" 2>&1
+  note "int4-rtn (g32): exit $?; $(tail -n 1 "$LOGS/compress-int4-rtn.log")"
+}
+
 stage_data() {  # wikitext-2 from the carried .vllm-bundle/data into $DATA (once per machine)
   [ -f $DATA/test.txt ] && [ -f $DATA/calibration.txt ] && return 0
   mkdir -p "$DATA" && cp .vllm-bundle/data/calibration.txt .vllm-bundle/data/test.txt "$DATA/" \
@@ -413,25 +419,38 @@ serve-prof)
   # Issue 16.3, TTFT under load in serving: ours (the chain) and Machete as synth-compiled serves them, each
   # server with vLLM's torch profiler (--profiler-config). Each measured alone on CPUs 0-11: an unprofiled
   # pass at c = 16 and 64 (first-call costs), then a profiled one (PROF_C, PROF_REQUESTS requests a level),
-  # its engine steps read back by tests/gpu/serve_trace.py (steps by rows; the prompt steps' kernels).
+  # its engine steps read back by tests/gpu/serve_trace.py (steps by rows; the prompt and decode steps'
+  # kernels). PROF_MODEL=bundled: the bundled model's int4 g32 checkpoint (int4-serve's), ours against Marlin
+  # (Machete disabled), passes at c = 1 and 64, the profiled one at c=1 (the c=1 question: GPU time a step).
   convert_baseline  # (the tokenizer of the bundled model)
-  python3 tests/gpu/synthetic_llama.py --tokenizer $MODELS/hf --out $MODELS/llama8b-w4a16 --w4a16
-  synth_args compiled
   prof() { printf '{"profiler": "torch", "torch_profiler_dir": "/tmp/prof/%s", "torch_profiler_with_stack": false, "ignore_frontend": true}' "$1"; }
-  rm -rf /tmp/prof; mkdir -p /tmp/prof/w4a16-vllm /tmp/prof/chain
-  start_server w4a16-vllm 0-3 8202 $MODELS/llama8b-w4a16 "${COMMON[@]}" --profiler-config "$(prof w4a16-vllm)"
-  start_server chain 4-7 8203 $MODELS/llama8b-w4a16 "${COMMON[@]}" --quantization squeezeserve \
-    --profiler-config "$(prof chain)"
-  read -r -a up <<< "$(wait_servers "$(cap "${START_TIMEOUT:-400}")" w4a16-vllm chain)"
+  rm -rf /tmp/prof
+  if [ "${PROF_MODEL:-8b}" = bundled ]; then
+    compress_int4_rtn
+    COMMON=(--dtype float16 --max-model-len 1024 --max-num-seqs 64 --gpu-memory-utilization 0.1
+            --kv-cache-memory-bytes 2147483648)
+    PEER=int4-marlin OURS=int4-squeezeserve MODEL=$MODELS/int4-rtn WARM_C="1 64" PROF_DEFAULT_C=1
+    mkdir -p /tmp/prof/$PEER /tmp/prof/$OURS
+    VLLM_DISABLED_KERNELS=MacheteLinearKernel,CutlassW4A8LinearKernel \
+      start_server $PEER 0-3 8202 "$MODEL" "${COMMON[@]}" --profiler-config "$(prof $PEER)"
+  else
+    python3 tests/gpu/synthetic_llama.py --tokenizer $MODELS/hf --out $MODELS/llama8b-w4a16 --w4a16
+    synth_args compiled
+    PEER=w4a16-vllm OURS=chain MODEL=$MODELS/llama8b-w4a16 WARM_C="16 64" PROF_DEFAULT_C="16 64"
+    mkdir -p /tmp/prof/$PEER /tmp/prof/$OURS
+    start_server $PEER 0-3 8202 "$MODEL" "${COMMON[@]}" --profiler-config "$(prof $PEER)"
+  fi
+  start_server $OURS 4-7 8203 "$MODEL" "${COMMON[@]}" --quantization squeezeserve --profiler-config "$(prof $OURS)"
+  read -r -a up <<< "$(wait_servers "$(cap "${START_TIMEOUT:-400}")" $PEER $OURS)"
   note "serving: ${up[*]}"
   [ ${#up[@]} -gt 0 ] || exit 1
   for label in "${up[@]}"; do
     url="http://127.0.0.1:${PORT[$label]}"
     pin "$label" 0-11
     for pass in warm prof; do
-      conc="16 64" requests=0 seed=1
+      conc=$WARM_C requests=0 seed=1
       if [ $pass = prof ]; then
-        conc=${PROF_C:-16 64} requests=${PROF_REQUESTS:-64} seed=2
+        conc=${PROF_C:-$PROF_DEFAULT_C} requests=${PROF_REQUESTS:-64} seed=2
         curl -sf -X POST "$url/start_profile" > /dev/null || note "$label: start_profile failed"
       fi
       timeout "$(cap 100)" taskset -c 12-15 python3 tests/benchmarks/bench_serving.py --base-url "$url" \
@@ -506,9 +525,7 @@ int4-serve)
   # writes, so the same serving speed) through our method vs through vLLM's own W4A16 kernels (its default
   # choice, and Marlin with Machete disabled), beside the fp16 baseline, each measured alone at c=1 and c=64.
   convert_baseline
-  timeout "$(cap 120)" $SQ compress --model $MODELS/hf --method int4 --algorithm rtn --out $MODELS/int4-rtn \
-    --overwrite > "$LOGS/compress-int4-rtn.log" 2>&1
-  note "int4-rtn (g32): exit $?; $(tail -n 1 "$LOGS/compress-int4-rtn.log")"
+  compress_int4_rtn
   COMMON=(--dtype float16 --max-model-len 1024 --max-num-seqs 64 --gpu-memory-utilization 0.1
           --kv-cache-memory-bytes 2147483648)
   labels=()

@@ -5,8 +5,8 @@ folder a server) and profiles a ``bench_serving.py`` pass between ``/start_profi
 vLLM names each engine step's range ``execute_context_<requests>(<tokens>)_generation_<requests>(<tokens>)``.
 This reads the trace back: each step's kernels (those whose launch, or CUDA graph launch, falls inside the
 step's range), their GPU time and span; then steps grouped by their rows (prompt plus decode tokens), and
-the kernels of the steps that carry prompt tokens by total time. Kernel times are the GPU's own; the host
-times carry the profiler's overhead.
+the kernels of the steps that carry prompt tokens by total time, and those of the decode-only steps, a step's
+share of each. Kernel times are the GPU's own; the host times carry the profiler's overhead.
 
     python3 tests/gpu/serve_trace.py TRACE_DIR --label NAME [--top 24]
 """
@@ -106,6 +106,20 @@ def report(steps: list[dict], label: str, top: int) -> list[str]:
     )
     for name, durs in sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]:
         lines.append(f"    {sum(durs) / 1e3:9.3f} {len(durs):6d}  {name[:110]}")
+    decode = [s for s in steps if not s["prompt"] and s["kernels"]]
+    if decode:  # (the c=1 question: a decode step's GPU time, kernel by kernel, inside its CUDA graph)
+        per_name: dict[str, list[float]] = defaultdict(list)
+        for s in decode:
+            for start, end, name in s["kernels"]:
+                per_name[name].append(end - start)
+        rows = sum(s["rows"] for s in decode) / len(decode)
+        gpu = sum(busy(s["kernels"]) for s in decode) / len(decode)
+        lines.append(
+            f"  decode-only steps: {len(decode)}, {rows:.1f} rows, GPU busy {gpu:.1f} us a step; "
+            "by kernel (us a step, calls a step, name):"
+        )
+        for name, durs in sorted(per_name.items(), key=lambda kv: -sum(kv[1]))[:top]:
+            lines.append(f"    {sum(durs) / len(decode):9.2f} {len(durs) / len(decode):6.1f}  {name[:110]}")
     return lines
 
 

@@ -56,7 +56,7 @@ def test_steps_take_the_kernels_their_thread_launched_within_them():
     assert serve_trace.busy(steps[1]["kernels"]) == 20 and serve_trace.extent(steps[1]["kernels"]) == 30
 
 
-def test_report_groups_steps_by_rows_and_ranks_the_prompt_steps_kernels(tmp_path):
+def test_report_groups_steps_by_rows_and_ranks_the_prompt_and_decode_steps_kernels(tmp_path):
     with gzip.open(tmp_path / "rank0.1.pt.trace.json.gz", "wt") as f:
         json.dump({"traceEvents": _events()}, f)
     lines = serve_trace.report(serve_trace.steps_of(serve_trace.load(tmp_path)), "ours", top=5)
@@ -66,7 +66,10 @@ def test_report_groups_steps_by_rows_and_ranks_the_prompt_steps_kernels(tmp_path
     assert rows["1-64"] == ["1", "0", "0.02", "0.020", "0.040", "0.030"]
     assert rows["2049-4096"] == ["1", "2992", "0.40", "0.400", "0.500", "0.400"]
     assert "steps with prompt tokens: 1, 3000 rows, kernels 0.50 ms" in lines[4]
-    assert [line.split()[-1] for line in lines[5:]] == ["gemm", "norm"]
+    assert [line.split()[-1] for line in lines[5:7]] == ["gemm", "norm"]
+    # the decode-only steps: rows and GPU busy a step, then each kernel's time and calls a step
+    assert "decode-only steps: 1, 8.0 rows, GPU busy 20.0 us a step" in lines[7]
+    assert [line.split() for line in lines[8:]] == [["10.00", "1.0", "graph_a"], ["10.00", "1.0", "graph_b"]]
 
 
 def test_a_folder_without_a_trace_says_so(tmp_path):
