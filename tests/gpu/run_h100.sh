@@ -466,7 +466,7 @@ serve-prof)
     for _ in $(seq 60); do compgen -G "/tmp/prof/$label/*.pt.trace.json*" > /dev/null && break; sleep 1; done
     ls -la /tmp/prof/$label | tee -a "$SUMMARY"
     cp /tmp/prof/$label/profiler_out_0.txt "$OUT/profiler_out-$label.txt" 2>/dev/null
-    timeout "$(cap 150)" python3 tests/gpu/serve_trace.py /tmp/prof/$label --label "$label" 2>&1 \
+    timeout "$(cap 150)" python3 tests/gpu/serve_trace.py /tmp/prof/$label --label "$label" --by-size 8 2>&1 \
       | tee "$OUT/serve_trace-$label.txt" | tee -a "$SUMMARY"
   done
   ;;

@@ -8,7 +8,7 @@ step's range), their GPU time and span; then steps grouped by their rows (prompt
 the kernels of the steps that carry prompt tokens by total time, and those of the decode-only steps, a step's
 share of each. Kernel times are the GPU's own; the host times carry the profiler's overhead.
 
-    python3 tests/gpu/serve_trace.py TRACE_DIR --label NAME [--top 24]
+    python3 tests/gpu/serve_trace.py TRACE_DIR --label NAME [--top 24] [--by-size 8]
 """
 
 from __future__ import annotations
@@ -80,7 +80,19 @@ def extent(intervals: list[tuple[float, float, str]]) -> float:
     return max(k[1] for k in intervals) - min(k[0] for k in intervals)
 
 
-def report(steps: list[dict], label: str, top: int) -> list[str]:
+def kernel_table(steps: list[dict], top: int, per_step: bool = False) -> list[str]:
+    """The steps' kernels by total time: ms, calls and name (``per_step``: us and calls a step)."""
+    by_name: dict[str, list[float]] = defaultdict(list)
+    for s in steps:
+        for start, end, name in s["kernels"]:
+            by_name[name].append(end - start)
+    ranked = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]
+    if per_step:
+        return [f"    {sum(d) / len(steps):9.2f} {len(d) / len(steps):6.1f}  {n[:110]}" for n, d in ranked]
+    return [f"    {sum(d) / 1e3:9.3f} {len(d):6d}  {n[:110]}" for n, d in ranked]
+
+
+def report(steps: list[dict], label: str, top: int, by_size: int = 0) -> list[str]:
     lines = [f"{label}: {len(steps)} engine steps profiled"]
     lines.append("  rows       steps  prompt rows  GPU busy ms (sum)  busy/step ms  host/step ms  span/step")
     for lo, hi in BUCKETS:
@@ -95,31 +107,26 @@ def report(steps: list[dict], label: str, top: int) -> list[str]:
             f"{sum(span) / max(len(span), 1):13.3f}"
         )
     prompt_steps = [s for s in steps if s["prompt"]]
-    by_name: dict[str, list[float]] = defaultdict(list)
-    for s in prompt_steps:
-        for start, end, name in s["kernels"]:
-            by_name[name].append(end - start)
-    total = sum(sum(v) for v in by_name.values())
+    total = sum(k[1] - k[0] for s in prompt_steps for k in s["kernels"])
     lines.append(
         f"  steps with prompt tokens: {len(prompt_steps)}, {sum(s['rows'] for s in prompt_steps)} rows, "
         f"kernels {total / 1e3:.2f} ms; by kernel (ms, calls, name):"
     )
-    for name, durs in sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]:
-        lines.append(f"    {sum(durs) / 1e3:9.3f} {len(durs):6d}  {name[:110]}")
+    lines += kernel_table(prompt_steps, top)
+    for lo, hi in BUCKETS if by_size else ():  # (where a size's prompt steps spend their GPU time)
+        group = [s for s in prompt_steps if lo <= s["rows"] <= hi]
+        if group:
+            lines.append(f"  prompt steps of {lo}-{hi} rows: {len(group)}; by kernel (ms, calls, name):")
+            lines += kernel_table(group, by_size)
     decode = [s for s in steps if not s["prompt"] and s["kernels"]]
     if decode:  # (the c=1 question: a decode step's GPU time, kernel by kernel, inside its CUDA graph)
-        per_name: dict[str, list[float]] = defaultdict(list)
-        for s in decode:
-            for start, end, name in s["kernels"]:
-                per_name[name].append(end - start)
         rows = sum(s["rows"] for s in decode) / len(decode)
         gpu = sum(busy(s["kernels"]) for s in decode) / len(decode)
         lines.append(
             f"  decode-only steps: {len(decode)}, {rows:.1f} rows, GPU busy {gpu:.1f} us a step; "
             "by kernel (us a step, calls a step, name):"
         )
-        for name, durs in sorted(per_name.items(), key=lambda kv: -sum(kv[1]))[:top]:
-            lines.append(f"    {sum(durs) / len(decode):9.2f} {len(durs) / len(decode):6.1f}  {name[:110]}")
+        lines += kernel_table(decode, top, per_step=True)
     return lines
 
 
@@ -128,8 +135,9 @@ def main() -> None:
     parser.add_argument("folder", type=Path)
     parser.add_argument("--label", required=True)
     parser.add_argument("--top", type=int, default=24)
+    parser.add_argument("--by-size", type=int, default=0, help="also each size's prompt steps' top N kernels")
     args = parser.parse_args()
-    print("\n".join(report(steps_of(load(args.folder)), args.label, args.top)), flush=True)
+    print("\n".join(report(steps_of(load(args.folder)), args.label, args.top, args.by_size)), flush=True)
 
 
 if __name__ == "__main__":
