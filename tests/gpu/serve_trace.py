@@ -117,7 +117,9 @@ def report(steps: list[dict], label: str, top: int, by_size: int = 0) -> list[st
         group = [s for s in prompt_steps if lo <= s["rows"] <= hi]
         if group:
             counts = ", ".join(str(s["rows"]) for s in sorted(group, key=lambda s: s["rows"])[:32])
-            lines.append(f"  prompt steps of {lo}-{hi} rows: {len(group)} ({counts}); by kernel (ms, calls, name):")
+            lines.append(
+                f"  prompt steps of {lo}-{hi} rows: {len(group)} ({counts}); by kernel (ms, calls, name):"
+            )
             lines += kernel_table(group, by_size)
     decode = [s for s in steps if not s["prompt"] and s["kernels"]]
     if decode:  # (the c=1 question: a decode step's GPU time, kernel by kernel, inside its CUDA graph)
