@@ -74,21 +74,32 @@ def timed(fn, calls: int) -> tuple[float, float]:
     return host, start.elapsed_time(end) * 1e3 / calls
 
 
+def second_slice(weight: tuple, group: int):
+    """gate_up's second DEQUANT_SLICE_ROWS slice (views with an offset, as dequantize_matmul's loop takes
+    them): (the slice, its buffer, a call that dequantizes it into the buffer as the op launches it: outside
+    an op, a launch goes through torch's wrap_triton)."""
+    qweight, scales, owned = weight
+    k, rows = SHAPES["gate_up_proj"][1], qm.DEQUANT_SLICE_ROWS
+    part = slice(rows, 2 * rows)
+    buffer = torch.empty(rows, k, device="cuda", dtype=torch.bfloat16)
+
+    def expand():
+        with direct_launches:
+            return qm.dequantize(qweight[part], scales[part], None, k, group, 4, buffer.dtype, buffer, owned)
+
+    return part, buffer, expand
+
+
 def slice_parts(m: int, weight: tuple, group: int, calls: int, rounds: int) -> None:
     """Host and GPU us of one DEQUANT_SLICE_ROWS slice's pieces on gate_up at ``m`` rows."""
-    qweight, scales, owned = weight
+    qweight, scales, _ = weight
     (n, k), rows = SHAPES["gate_up_proj"], qm.DEQUANT_SLICE_ROWS
+    part, buffer, expand = second_slice(weight, group)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     y = x.new_empty((m, n))
-    buffer = x.new_empty((rows, k))
-    part = slice(rows, 2 * rows)  # (the second slice: views with an offset, as the loop's)
 
     def views():
         return qweight[part], scales[part], buffer[:rows], y[:, part]
-
-    def expand():  # (launched as inside the op: outside one, a launch goes through torch's wrap_triton)
-        with direct_launches:
-            return qm.dequantize(qweight[part], scales[part], None, k, group, 4, x.dtype, buffer, owned)
 
     w = expand()
     parts = {
@@ -111,15 +122,8 @@ def dequantize_host(weight: tuple, group: int, rounds: int) -> None:
     import cProfile
     import pstats
 
-    qweight, scales, owned = weight
-    (_, k), rows = SHAPES["gate_up_proj"], qm.DEQUANT_SLICE_ROWS
-    buffer = torch.empty(rows, k, device="cuda", dtype=torch.bfloat16)
-    part = slice(rows, 2 * rows)
-
-    def expand():  # (as slice_parts')
-        with direct_launches:
-            qm.dequantize(qweight[part], scales[part], None, k, group, 4, torch.bfloat16, buffer, owned)
-
+    k, rows = SHAPES["gate_up_proj"][1], qm.DEQUANT_SLICE_ROWS
+    _, _, expand = second_slice(weight, group)
     expand()
     for calls in (1, 8, 64):
         runs = [timed(expand, calls) for _ in range(rounds)]
