@@ -358,15 +358,16 @@ def own_weights(layer: torch.nn.Module) -> None:
 # launch.capture once, and to 640 rows, 4112 at those K = 4096 weights, in tests/kernels/test_vllm_ops.py; the
 # bounds that count SMs move on other GPUs): both sides of each bound of the rules (the Gluon decode's tiles,
 # the row split, the Gluon prefill's 128- and 256-row tiles and stream-K, the Triton GEMM's K splits,
-# dequantize + cuBLAS past 2048 or 4096, whose kernels take no row count; 1281 / 1296 rows: qkv's first
-# tilings with whole waves before stream-K, gluon_tiles' GLUON_DP_LAST_WAVE), a multiple of 16 and not. Decode
-# sizes are among them: vLLM captures its graph sizes, but the row split runs a prompt batch's tail (up to 64
+# dequantize + cuBLAS past 2048 or 4096, whose kernels take no row count; 641 / 656 rows: past the 128-row
+# tiles of GLUON_THIRD_TILE_MAX_M; 1025 / 1040: 4096-wide outputs' first, 1281 / 1296 qkv's, tilings with
+# whole waves before stream-K, gluon_tiles' GLUON_DP_LAST_WAVE), a multiple of 16 and not. Decode sizes are
+# among them: vLLM captures its graph sizes, but the row split runs a prompt batch's tail (up to 64
 # rows) eagerly, and --enforce-eager captures nothing. (The fixed rows before the nineteenth session, 127 /
 # 128 / 255 / 256 / 511 / 512 / 2048, missed the Gluon prefill's keys first reached at 513 rows of 4096^2 and
 # 577 of 4096 x 14336, and every decode key: NOTES.md.)
 PREFILL_WARM_ROWS = (1, 2, 3, 9, 16, 17, 32, 33, 48, 65, 80, 127, 128, 129, 144, 255, 256, 257, 272, 321, 336,
-                     511, 512, 513, 528, 577, 592, 1281, 1296, 2048, 2049, 3329, 3344, 4096,
-                     4097)  # fmt: skip
+                     511, 512, 513, 528, 577, 592, 641, 656, 1025, 1040, 1281, 1296, 2048, 2049, 3329, 3344,
+                     4096, 4097)  # fmt: skip
 
 
 def warm_prefill(

@@ -628,9 +628,28 @@ GLUON_L2_BYTES = 50 * 2**20
 # tiles cost 15-42 us a program to meet (tests/gpu/stream_k_meeting_probe.py: the same launches with stores
 # that never happen; plain stores into a slot a program were no faster than the atomics), so a last wave
 # over 40% full stays (qkv at 1024 rows, 0.45: +2%, +4%, -4% in three runs; 14336 x 4096 at 768 rows, 0.55:
-# 159.8 against 148.2 in one), as do 4096-wide outputs (o_proj at 1536 rows, 0.45: 94-98 against 94-95) and
-# x past the L2 (14336^2 at 4096 rows: 2750 against 2534).
+# 159.8 against 148.2 in one; o_proj at 1536 rows, 0.45: 94-98 against 94-95), as does x past the L2
+# (14336^2 at 4096 rows: 2750 against 2534).
+# Narrower outputs (4096 wide: o_proj, down_proj) run all their full waves a tile a program, then share the
+# rest: a second wave of 1025-1200 rows 21-30% full (prefill_tiling_probe.py --ms 1025,1100,1200, H100, two
+# runs; NOTES.md, twenty-ninth session), us against the tiles a program a wave: down_proj 232.5-235.1 /
+# 230.8-237.3 / 237.2-247.3 against 292.5-293.6 / 294.7-313.8 / 294.3-300.3, o_proj 86.8-86.9 / 83.9-86.5 /
+# 85.7-87.0 against 88.6-89.5 / 90.5-90.8 / 90.0-91.6 (sharing that wave's tiles as well: down 248.2-267.9).
+# GLUON_DP_WHOLE_MIN_N: the narrowest output that takes it (SQUEEZESERVE_GLUON_DP_WHOLE_MIN_N=6144: as
+# before, for A/B runs of a server).
 GLUON_DP_LAST_WAVE, GLUON_DP_MIN_N = 0.4, 6144
+GLUON_DP_WHOLE_MIN_N = _rows_setting("SQUEEZESERVE_GLUON_DP_WHOLE_MIN_N", 0)
+# gluon_tiles: at GLUON_THIRD_TILE_MIN_M..GLUON_THIRD_TILE_MAX_M rows a third 256-row tile is at most half
+# full; where the 256-row tiles are more than one wave, 128-row tiles pad less: a tile a program where the
+# weight stays in the L2 and the last wave is well filled, else whole waves then the rest stream-K (as the
+# 6144-wide 256-row tiles). H100, us, 513 / 560 / 600 rows (NOTES.md, twenty-ninth session), against the
+# rule before: qkv 63.3 / 63.2 / 64.7 against 99.3 / 86.9 / 84.6 (Machete 59.4 at 600, the session before),
+# gate_up 269.0 / 265.4 / 273.7 against 378.7 / 341.6 / 291.8 (Machete 240.2); at 650-700 rows (a third
+# tile over half full) 256 rows stayed ahead (qkv 73.3-74.4 against 78.0-94.4). 4096-wide outputs keep 256
+# rows there: one partial wave (o_proj at 600 rows 44.9 against 48.2 on 128-row tiles stream-K).
+# (SQUEEZESERVE_GLUON_THIRD_TILE_MAX_M=0: none, as before, for A/B runs of a server.)
+GLUON_THIRD_TILE_MIN_M = 513
+GLUON_THIRD_TILE_MAX_M = _rows_setting("SQUEEZESERVE_GLUON_THIRD_TILE_MAX_M", 640)
 
 
 def gluon_tiles(m: int, n_out: int, k_in: int, sms: int) -> dict:
@@ -642,8 +661,9 @@ def gluon_tiles(m: int, n_out: int, k_in: int, sms: int) -> dict:
     371 us against 335 a tile a program); fewer share all (tile, K unit) pairs among one program an SM
     (stream-K: 128 rows of 4096 x 14336 40.9 us against the Triton GEMM's 44.5). At 257-384 rows, where a
     256-row tile would be at most half full, 128-row tiles stream-K where the weight streams from DRAM
-    (GLUON_NARROW_MAX_M; NOTES.md, "twenty-first session"). Wide outputs whose last wave of 256-row tiles is
-    mostly idle run all their full waves but one a tile a program, the rest stream-K (GLUON_DP_LAST_WAVE)."""
+    (GLUON_NARROW_MAX_M; NOTES.md, "twenty-first session"); at 513-640 rows past one wave, 128-row tiles too
+    (GLUON_THIRD_TILE_MAX_M). Outputs whose last wave of 256-row tiles is mostly idle run their full waves
+    (but one, where 6144 wide or more) a tile a program, the rest stream-K (GLUON_DP_LAST_WAVE)."""
     block_m = 128
     if m > 128 and (cdiv(n_out, 128) * cdiv(m, 256) >= sms // 2 or cdiv(k_in, 64) >= 128):
         block_m = 256
@@ -656,17 +676,29 @@ def gluon_tiles(m: int, n_out: int, k_in: int, sms: int) -> dict:
         # the tiles of one weight in the L2 meet it twice, 256 rows stay (320 rows of 14336 x 4096: 76.0
         # against 96.6; 448 rows lose everywhere: NOTES.md, twenty-first session).
         return {"block_m": 128, "stages": 6, "programs": sms}
+    if (
+        block_m == 256
+        and GLUON_THIRD_TILE_MIN_M <= m <= GLUON_THIRD_TILE_MAX_M
+        and cdiv(n_out, 128) * cdiv(m, 256) > sms
+    ):  # a third 256-row tile at most half full, past one wave: 128-row tiles (GLUON_THIRD_TILE_*)
+        tiles = cdiv(n_out, 128) * cdiv(m, 128)
+        cfg = {"block_m": 128, "stages": 6}
+        if 0 < tiles % sms <= GLUON_DP_LAST_WAVE * sms or n_out * k_in // 2 > GLUON_L2_BYTES:
+            return cfg | {"programs": sms, "dp_waves": -1}
+        return cfg
     cfg = {"block_m": block_m, "stages": 6 if block_m == 128 else 4}
     if stream_k:
         return cfg | {"programs": sms}
-    last = cdiv(n_out, 128) * cdiv(m, block_m) % sms  # tiles in the last, partial wave
+    tiles = cdiv(n_out, 128) * cdiv(m, block_m)
+    last = tiles % sms  # tiles in the last, partial wave
     if (
         block_m == 256
-        and n_out >= GLUON_DP_MIN_N
+        and n_out >= GLUON_DP_WHOLE_MIN_N
         and 0 < last <= GLUON_DP_LAST_WAVE * sms
         and m * k_in * 2 <= GLUON_L2_BYTES
-    ):  # the last wave mostly idle: whole tiles a wave but one, then the rest shared stream-K (GLUON_DP_*)
-        return cfg | {"programs": sms, "dp_waves": -1}
+    ):  # the last wave mostly idle: whole tiles a wave (but one, where GLUON_DP_MIN_N wide), then the rest
+        # shared stream-K (GLUON_DP_*)
+        return cfg | {"programs": sms, "dp_waves": -1 if n_out >= GLUON_DP_MIN_N else tiles // sms}
     return cfg
 
 

@@ -10,6 +10,7 @@ layer's weights once; timing one copy over and over would serve a 4096 x 4096 in
     python tests/benchmarks/bench_quant_matmul.py --marlin --owned  # and int4 on thread-owned words
     python tests/benchmarks/bench_quant_matmul.py --marlin --owned --zeros  # only the zero-point rows
     python tests/benchmarks/bench_quant_matmul.py --marlin --owned --only 32  # only int4 g32
+    python tests/benchmarks/bench_quant_matmul.py --marlin --only 32 --shapes 576:3072,1536:576  # bundled
     ncu -k regex:_gemv --launch-skip 2 -c 1 python tests/benchmarks/bench_quant_matmul.py --profile
 """
 
@@ -45,6 +46,21 @@ def _cycle(fns):
     """One callable that runs the next of ``fns`` on every call (captured in order into a CUDA graph)."""
     it = itertools.cycle(fns)
     return lambda: next(it)()
+
+
+def peer_weight(cache: dict, key, pack, label: str):
+    """A peer's re-quantized weight for ``key``: ``cache[key]``, made by ``pack()`` on first use (one weight a
+    shape, whatever the row count; the cache holds the latest shape only), or None where the peer refuses the
+    shape (``pack`` raised: Machete's prepack needs K in multiples of 128): said once on stderr, and the peer
+    then skips that shape's rows instead of ending the run."""
+    if key not in cache:
+        cache.clear()
+        try:
+            cache[key] = pack()
+        except Exception as exc:
+            print(f"# {label} {key}: skipped, {type(exc).__name__}: {str(exc)[:200]}", file=sys.stderr)
+            cache[key] = None
+    return cache[key]
 
 
 def _packed(n, k, bits, group, zeros=False):
@@ -266,21 +282,27 @@ def marlin_timer():
         return None
     packed = {}
 
+    def pack(dense, group, zeros):
+        wtype, q_w, s, zp, g_idx, sort_idx = marlin_pack(dense, group, zeros)
+        copies = [(q_w, s, zp)] + [
+            (q_w.clone(), s.clone(), zp.clone()) for _ in range(_copies(q_w.numel() * 4) - 1)
+        ]
+        return copies, g_idx, sort_idx, wtype
+
     def timer(rec, m, n, k, group, x, dense, shape, nbytes, zeros=False):
-        if (n, k, group, zeros) not in packed:  # one re-quantized weight per shape, whatever the row count
-            wtype, q_w, s, zp, g_idx, sort_idx = marlin_pack(dense, group, zeros)
-            copies = [(q_w, s, zp)] + [
-                (q_w.clone(), s.clone(), zp.clone()) for _ in range(_copies(q_w.numel() * 4) - 1)
-            ]
-            packed.clear()
-            packed[(n, k, group, zeros)] = (copies, g_idx, sort_idx, wtype)
-        copies, g_idx, sort_idx, wtype = packed[(n, k, group, zeros)]
+        tag = f"g{group}" + ("-zp" if zeros else "")
+        weight = peer_weight(
+            packed, (n, k, group, zeros), lambda: pack(dense, group, zeros), f"vllm-marlin-int4-{tag}"
+        )
+        if weight is None:
+            return None
+        copies, g_idx, sort_idx, wtype = weight
         ws = mu.marlin_make_workspace_new(x.device)
         fn = _cycle([
             lambda c=c: mu.apply_gptq_marlin_linear(x, *c, g_idx, sort_idx, ws, wtype, n, k, True)
             for c in copies
         ])  # fmt: skip
-        tag = f"g{group}" + ("-zp" if zeros else "")
+        # (a row count Marlin refuses at call time, "Invalid thread config", is recorded as such by rec.time)
         return rec.time(f"vllm-marlin-int4-{tag}", "fwd", shape, DTYPE, fn, nbytes=nbytes, graph=True)
 
     return timer
@@ -312,18 +334,20 @@ def machete_timer():
     wtype = scalar_types.uint4b8
     packed = {}
 
+    def pack(dense, group):
+        _, b, w_s = machete_pack(dense, group)
+        return [(b, w_s)] + [(b.clone(), w_s.clone()) for _ in range(_copies(b.numel() * 4) - 1)]
+
     def timer(rec, m, n, k, group, x, dense, shape, nbytes, zeros=False):
         if zeros:  # (the symmetric kernel only: Marlin is item 1's peer for zero points)
             return None
-        if (n, k, group) not in packed:  # one prepacked weight per shape, whatever the row count
-            _, b, w_s = machete_pack(dense, group)
-            copies = [(b, w_s)] + [(b.clone(), w_s.clone()) for _ in range(_copies(b.numel() * 4) - 1)]
-            packed.clear()
-            packed[(n, k, group)] = copies
+        copies = peer_weight(packed, (n, k, group), lambda: pack(dense, group), f"vllm-machete-int4-g{group}")
+        if copies is None:
+            return None
         fn = _cycle([
             lambda c=c, x=x: ops.machete_mm(a=x, b_q=c[0], b_type=wtype, b_group_scales=c[1],
                                             b_group_size=group)
-            for c in packed[(n, k, group)]
+            for c in copies
         ])  # fmt: skip
         return rec.time(f"vllm-machete-int4-g{group}", "fwd", shape, DTYPE, fn, nbytes=nbytes, graph=True)
 
@@ -339,7 +363,9 @@ if __name__ == "__main__":
     parser.add_argument("--only", help="only int4 of these groups, e.g. 32: with and without zero points")
     parser.add_argument("--dump", type=Path, help="write the decode kernels' Triton IR and PTX here")
     parser.add_argument("--profile", action="store_true", help="a few plain calls for ncu, nothing timed")
-    parser.add_argument("--shapes", help="sweep only these K:N pairs, e.g. 4096:14336,14336:4096")
+    parser.add_argument(
+        "--shapes", help="only these K:N pairs (--sweep, --prefill-sweep, --only), e.g. 576:1536"
+    )
     parser.add_argument("--prefill-sweep", action="store_true", help="tile sweep of the prefill GEMM")
     parser.add_argument("--groups", default="128", help="groups of --prefill-sweep, e.g. 128,32")
     parser.add_argument("--ms", help="row counts of --prefill-sweep, e.g. 128,2048")
@@ -369,9 +395,10 @@ if __name__ == "__main__":
              if t is not None] if args.marlin else []  # fmt: skip
     wide = [(4096, 14336), (14336, 4096)]
     if args.only:
+        kn = [tuple(map(int, p.split(":"))) for p in args.shapes.split(",")] if args.shapes else wide
         for group in map(int, args.only.split(",")):
             for zeros in (False, True):
-                run(recorder, bits=4, group=group, ms_=(1, 2, 4, 8, 16, 32, 64, 512), kn=wide, peers=peers,
+                run(recorder, bits=4, group=group, ms_=(1, 2, 4, 8, 16, 32, 64, 512), kn=kn, peers=peers,
                     owned=args.owned, zeros=zeros)  # fmt: skip
         recorder.write()
         sys.exit(0)

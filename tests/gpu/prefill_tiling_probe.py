@@ -10,7 +10,9 @@ past the L2), each call in a CUDA graph; the 8B model's gate_up and down_proj ru
 (``quant_matmul_owned``), as the vLLM method serves them on Hopper, the others on packed words. Each result is
 checked against bf16 cuBLAS on the dequantized weight before it is timed. ``--machete`` adds vLLM's Machete
 (vLLM staged) on the same weights; ``--gluon-max-m`` lets the Gluon GEMM take rows past GLUON_PREFILL_MAX_M
-(the rule's column then is its tiling, where dequantize + cuBLAS would run).
+(the rule's column then is its tiling, where dequantize + cuBLAS would run). A candidate ``rule:NAME=V+...``
+is the rule with quant_matmul's constants set so for the call (e.g. ``rule:GLUON_THIRD_TILE_MAX_M=0``: the
+rule without its 128-row tiles at 513-640 rows).
 """
 
 from __future__ import annotations
@@ -74,18 +76,26 @@ def main() -> None:
             t_bf16 = do_bench_cudagraph(cycle([lambda d=d, x=x: x @ d.t() for d in denses]), rep=40)
             row = []
             for spec in ["rule"] + args.tiles.split(","):
-                cfg = None if spec == "rule" else tiling(spec)
+                ruled = spec == "rule" or spec.startswith("rule:")
+                cfg = None if ruled else tiling(spec)
                 qm.gluon_tiles = rule if cfg is None else (lambda *a, cfg=cfg: dict(cfg))
+                saved = {}
                 try:
+                    for setting in spec.partition(":")[2].split("+") if spec.startswith("rule:") else []:
+                        key, _, value = setting.partition("=")
+                        saved[key] = getattr(qm, key)
+                        setattr(qm, key, type(saved[key])(value))
                     y = op(x, qw, sc, None, args.group).float()
                     err = ((y - ref).norm() / ref.norm()).item()
                     assert err < 2e-3, f"{name} {m} {spec}: rel err {err}"
                     calls = [functools.partial(op, x, *p, None, args.group) for p in packs]
                     t_q = do_bench_cudagraph(cycle(calls), rep=40)
-                    label = f"{rule(m, n, k, 132)}" if cfg is None else spec
+                    label = f"{spec} {rule(m, n, k, 132)}" if ruled else spec
                     row.append(f"{label} {t_q * 1e3:.1f} ({t_bf16 / t_q:.2f}x)")
                 finally:
                     qm.gluon_tiles = rule
+                    for key, value in saved.items():
+                        setattr(qm, key, value)
             if peer:
                 t_peer = do_bench_cudagraph(cycle([lambda f=f, x=x: f(x) for f in peer]), rep=40)
                 row.append(f"machete {t_peer * 1e3:.1f} ({t_bf16 / t_peer:.2f}x)")

@@ -552,14 +552,17 @@ pdl-ab)
   # their leases' spread (NOTES.md, twenty-sixth session). MODE=mode0: synth's configuration (no
   # torch.compile, full graphs of decode steps); else vLLM's default (compiled, CUDA graphs to 512 tokens).
   # B_ENV / B_LABEL: the third server's setting and name (default SQUEEZESERVE_PDL=off, chain-off); CONC: the
-  # concurrencies (default 1 16 64), e.g. B_ENV=SQUEEZESERVE_GLUON_PREFILL_MAX_M=4096 B_LABEL=gluon4096.
+  # concurrencies (default 1 16 64), e.g. B_ENV=SQUEEZESERVE_GLUON_PREFILL_MAX_M=4096 B_LABEL=gluon4096 (several
+  # settings separated by spaces).
   convert_baseline  # (the tokenizer of the bundled model)
   python3 tests/gpu/synthetic_llama.py --tokenizer $MODELS/hf --out $MODELS/llama8b-w4a16 --w4a16
   synth_args "${MODE:-compiled}"
   start_server w4a16-vllm 0-3 8202 $MODELS/llama8b-w4a16 "${COMMON[@]}"
   start_server chain 4-7 8203 $MODELS/llama8b-w4a16 "${COMMON[@]}" --quantization squeezeserve
   B_ENV=${B_ENV:-SQUEEZESERVE_PDL=off} B_LABEL=${B_LABEL:-chain-off}
-  start_b() { local "${B_ENV%%=*}"; export "${B_ENV?}"; start_server "$@"; }  # (B_ENV for this server only)
+  start_b() {  # (B_ENV, one or more NAME=VALUE separated by spaces, for this server only)
+    local setting; for setting in $B_ENV; do local "${setting%%=*}"; export "${setting?}"; done; start_server "$@"
+  }
   start_b "$B_LABEL" 8-11 8204 $MODELS/llama8b-w4a16 "${COMMON[@]}" --quantization squeezeserve
   read -r -a up <<< "$(wait_servers "$(cap "${START_TIMEOUT:-400}")" w4a16-vllm chain "$B_LABEL")"
   note "serving: ${up[*]}"

@@ -86,8 +86,35 @@ def test_gluon_tiles_measured_choices():
     assert qm.gluon_tiles(768, 14336, 4096, 132) == {"block_m": 256, "stages": 4}  # 336 tiles: 72
     assert qm.gluon_tiles(1024, 6144, 4096, 132) == {"block_m": 256, "stages": 4}  # 192 tiles: 60
     assert qm.gluon_tiles(2048, 14336, 4096, 132) == {"block_m": 256, "stages": 4}  # 896 tiles: 104
-    assert qm.gluon_tiles(1536, 4096, 4096, 132) == {"block_m": 256, "stages": 4}  # 4096 wide
+    assert qm.gluon_tiles(1536, 4096, 4096, 132) == {"block_m": 256, "stages": 4}  # 4096 wide: 60 of 132
     assert qm.gluon_tiles(4096, 14336, 14336, 132) == {"block_m": 256, "stages": 4}  # x 117 MB: past the L2
+    # Outputs under 6144 wide run all their full waves a tile a program, then the rest stream-K (NOTES.md,
+    # twenty-ninth session: down_proj at 1025-1200 rows 20% faster, o_proj 2-7%)
+    whole = {"block_m": 256, "stages": 4, "programs": 132}
+    assert qm.gluon_tiles(1025, 4096, 4096, 132) == whole | {"dp_waves": 1}  # 160 tiles: 28 in the last wave
+    assert qm.gluon_tiles(1100, 4096, 14336, 132) == whole | {"dp_waves": 1}  # x 31.5 MB: in the L2
+    assert qm.gluon_tiles(2100, 4096, 4096, 132) == whole | {"dp_waves": 2}  # 288 tiles: 24
+    assert qm.gluon_tiles(1300, 4096, 4096, 132) == {"block_m": 256, "stages": 4}  # 192 tiles: 60
+    assert qm.gluon_tiles(2048, 4096, 14336, 132) == {"block_m": 256, "stages": 4}  # 256 tiles: 124
+    assert qm.gluon_tiles(1100, 4096, 28672, 132) == {"block_m": 256, "stages": 4}  # x 63 MB: past the L2
+
+
+def test_gluon_tiles_take_128_row_tiles_where_a_third_256_row_tile_is_at_most_half_full():
+    # 513-640 rows past one wave of 256-row tiles: 128-row tiles, a tile a program where the weight stays in
+    # the L2 and the last wave is over 40% full (qkv), else whole waves but one, then the rest stream-K
+    # (gate_up's words: 58.7 MB). NOTES.md, twenty-ninth session: qkv 63-65 us against 85-99, gate_up 266-274
+    # against 292-379.
+    assert qm.gluon_tiles(513, 6144, 4096, 132) == {"block_m": 128, "stages": 6}  # 240 tiles: 108 last
+    assert qm.gluon_tiles(640, 6144, 4096, 132) == {"block_m": 128, "stages": 6}
+    sk = {"block_m": 128, "stages": 6, "programs": 132, "dp_waves": -1}
+    assert qm.gluon_tiles(600, 28672, 4096, 132) == sk  # past the L2
+    assert qm.gluon_tiles(600, 14336, 4096, 132) == sk  # 560 tiles: 32 in the last wave
+    hybrid = {"block_m": 256, "stages": 4, "programs": 132, "dp_waves": -1}
+    assert qm.gluon_tiles(641, 6144, 4096, 132) == hybrid  # a third tile over half full: as before
+    # one partial wave of 256-row tiles (4096 wide: 96 tiles) keeps them
+    assert qm.gluon_tiles(600, 4096, 4096, 132) == {"block_m": 256, "stages": 4}
+    assert qm.gluon_tiles(600, 4096, 14336, 132) == {"block_m": 256, "stages": 4}
+    assert qm.gluon_tiles(512, 6144, 4096, 132) == {"block_m": 256, "stages": 4}  # two whole 256-row tiles
 
 
 def test_gluon_in_auto_measured_choices():
@@ -113,16 +140,24 @@ def test_gluon_in_auto_measured_choices():
 
 
 @pytest.mark.parametrize(
-    "name, shown, good, bad, message",
+    "name, shown, good, seen, bad, message",
     [
-        ("SQUEEZESERVE_GLUON_PREFILL_MAX_M", "qm.gluon_prefill_max_m(4096, 128)", "2048", "4k", ""),
-        ("SQUEEZESERVE_DEQUANT_SLICE_ROWS", "qm.DEQUANT_SLICE_ROWS", "2048", "100", " (a multiple of 8)"),
+        ("SQUEEZESERVE_GLUON_PREFILL_MAX_M", "qm.gluon_prefill_max_m(4096, 128)", "2048", "2048", "4k", ""),
+        ("SQUEEZESERVE_DEQUANT_SLICE_ROWS", "qm.DEQUANT_SLICE_ROWS", "2048", "2048", "100",
+         " (a multiple of 8)"),
+        # (the rule before: 256-row tiles at 600 rows of qkv, and no whole waves first on o_proj at 1025)
+        ("SQUEEZESERVE_GLUON_THIRD_TILE_MAX_M", "qm.gluon_tiles(600, 6144, 4096, 132)['block_m']", "0", "256",
+         "off", ""),
+        ("SQUEEZESERVE_GLUON_DP_WHOLE_MIN_N", "qm.gluon_tiles(1025, 4096, 4096, 132).get('dp_waves')", "6144",
+         "None", "-1", ""),
     ],
-)
-def test_prompt_row_settings_take_an_ab_value_and_refuse_a_bad_one(name, shown, good, bad, message):
+)  # fmt: skip
+def test_prompt_row_settings_take_an_ab_value_and_refuse_a_bad_one(name, shown, good, seen, bad, message):
     # A/B runs of a server (run_h100.sh pdl-ab's B_ENV): SQUEEZESERVE_GLUON_PREFILL_MAX_M sets the rows the
     # Gluon GEMM takes where dequantize + cuBLAS would slice, SQUEEZESERVE_DEQUANT_SLICE_ROWS the slices'
-    # weight rows (whole words of packed zero points); anything else stops the import with the reason.
+    # weight rows (whole words of packed zero points), SQUEEZESERVE_GLUON_THIRD_TILE_MAX_M and
+    # SQUEEZESERVE_GLUON_DP_WHOLE_MIN_N gluon_tiles' rule before the twenty-ninth session; anything else stops
+    # the import with the reason.
     code = f"from squeezeserve.kernels.ops import quant_matmul as qm; print({shown})"
     env = {k: v for k, v in os.environ.items() if not k.startswith("SQUEEZESERVE_")}
 
@@ -131,7 +166,7 @@ def test_prompt_row_settings_take_an_ab_value_and_refuse_a_bad_one(name, shown, 
         return subprocess.run(command, env=env | {name: value}, capture_output=True, text=True, timeout=300)
 
     set_to = run(good)
-    assert set_to.returncode == 0 and set_to.stdout.split() == [good], set_to.stderr[-2000:]
+    assert set_to.returncode == 0 and set_to.stdout.split() == [seen], set_to.stderr[-2000:]
     refused = run(bad)
     assert refused.returncode != 0
     assert f"{name} must be a row count{message}, got '{bad}'" in refused.stderr
@@ -175,6 +210,29 @@ def test_gluon_prefill_is_dequantize_then_matmul(m, n, k, group, zeros, dtype, m
         err = ((out.float() - ref).norm() / ref.norm()).item()
         assert err < 2e-3, (split, mode, err)
     assert all(not t.any() for t in qm.workspace_buffers())  # the last split of each tile cleaned up
+
+
+@needs_hopper
+@pytest.mark.parametrize(
+    ("m", "n", "k", "zeros", "tiling"),
+    [
+        (600, 6144, 4096, False, {"block_m": 128, "stages": 6}),  # qkv: 128-row tiles, a tile a program
+        (560, 28672, 4096, True, {"block_m": 128, "programs": 132, "dp_waves": -1}),  # gate_up
+        (1100, 4096, 14336, True, {"block_m": 256, "programs": 132, "dp_waves": 1}),  # down_proj
+        (2100, 4096, 4096, False, {"block_m": 256, "programs": 132, "dp_waves": 2}),  # o_proj
+    ],
+)
+def test_the_rules_mid_row_tilings_give_dequantize_then_matmul(m, n, k, zeros, tiling):
+    # The tilings gluon_tiles takes at mid-size prompts (128-row tiles at 513-640 rows, whole waves before
+    # stream-K on 4096-wide outputs), on packed words and on owned ones (as the vLLM method repacks the
+    # 8B model's gate_up and down_proj), with zero points too; the workspace's tiles cleaned up after.
+    group, dtype = 128, torch.bfloat16
+    assert tiling.items() <= qm.gluon_tiles(m, n, k, 132).items()
+    x, qw, sc, zp, ref = _through_quant_matmul(qm._gluon_prefill, m, n, k, group, zeros, dtype)
+    owned_zp = ql.to_owned_zeros(zp, n) if zeros else None
+    y = qm.quant_matmul_owned(x, ql.to_owned_order(qw), sc, owned_zp, group).float()
+    assert ((y - ref).norm() / ref.norm()).item() < 2e-3
+    assert all(not t.any() for t in qm.workspace_buffers())
 
 
 @needs_hopper
