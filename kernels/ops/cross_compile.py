@@ -252,6 +252,12 @@ def cases() -> dict:
         "quant_matmul_owned 512x28672x4096 int4 g128 (Gluon whole waves, then stream-K, 256-row tiles)": (
             lambda: owned(512, 28672, 4096, 128)
         ),
+        "quant_matmul_owned 600x28672x4096 int4 g128 (Gluon whole waves, then stream-K, 128-row tiles)": (
+            lambda: owned(600, 28672, 4096, 128)
+        ),
+        "quant_matmul_owned 1100x4096x14336 int4 g128 zp (Gluon a wave, then stream-K, 256-row tiles)": (
+            lambda: owned(1100, 4096, 14336, 128, True)
+        ),
         "quant_matmul_owned dequantize 4096x14336 int4 g128": lambda: owned_dequantize(4096, 14336, 128),
         "codebook_matmul 1x4096x4096 4-bit g128": lambda: cb(1, 4096, 4096, 128, 4),
         "codebook_matmul 16x4096x4096 4-bit g128": lambda: cb(16, 4096, 4096, 128, 4),

@@ -26,6 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import Recorder, peaks  # noqa: E402
+from peers import peer_weight  # noqa: E402
 from triton.testing import do_bench_cudagraph  # noqa: E402
 
 import squeezeserve.kernels as K  # noqa: E402
@@ -46,21 +47,6 @@ def _cycle(fns):
     """One callable that runs the next of ``fns`` on every call (captured in order into a CUDA graph)."""
     it = itertools.cycle(fns)
     return lambda: next(it)()
-
-
-def peer_weight(cache: dict, key, pack, label: str):
-    """A peer's re-quantized weight for ``key``: ``cache[key]``, made by ``pack()`` on first use (one weight a
-    shape, whatever the row count; the cache holds the latest shape only), or None where the peer refuses the
-    shape (``pack`` raised: Machete's prepack needs K in multiples of 128): said once on stderr, and the peer
-    then skips that shape's rows instead of ending the run."""
-    if key not in cache:
-        cache.clear()
-        try:
-            cache[key] = pack()
-        except Exception as exc:
-            print(f"# {label} {key}: skipped, {type(exc).__name__}: {str(exc)[:200]}", file=sys.stderr)
-            cache[key] = None
-    return cache[key]
 
 
 def _packed(n, k, bits, group, zeros=False):

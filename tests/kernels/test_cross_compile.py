@@ -55,6 +55,12 @@ EXPECTED = {
     "quant_matmul_owned 512x28672x4096 int4 g128 (Gluon whole waves, then stream-K, 256-row tiles)": [
         "_wgmma_kernel"
     ],
+    "quant_matmul_owned 600x28672x4096 int4 g128 (Gluon whole waves, then stream-K, 128-row tiles)": [
+        "_wgmma_kernel"
+    ],
+    "quant_matmul_owned 1100x4096x14336 int4 g128 zp (Gluon a wave, then stream-K, 256-row tiles)": [
+        "_wgmma_kernel"
+    ],
     "quant_matmul_owned dequantize 4096x14336 int4 g128": ["_dequantize_kernel"],
     "codebook_matmul 1x4096x4096 4-bit g128": ["_codebook_fma_kernel"],
     "codebook_matmul 16x4096x4096 4-bit g128": ["_codebook_matmul_kernel"],
