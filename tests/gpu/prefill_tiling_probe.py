@@ -10,7 +10,8 @@ past the L2), each call in a CUDA graph; the 8B model's gate_up and down_proj ru
 (``quant_matmul_owned``), as the vLLM method serves them on Hopper, the others on packed words. Each result is
 checked against bf16 cuBLAS on the dequantized weight before it is timed. ``--machete`` adds vLLM's Machete
 (vLLM staged) on the same weights; ``--gluon-max-m`` lets the Gluon GEMM take rows past GLUON_PREFILL_MAX_M
-(the rule's column then is its tiling, where dequantize + cuBLAS would run). A candidate ``rule:NAME=V+...``
+(the rule's column then is its tiling, where dequantize + cuBLAS would run); where qkv, o, gate_up and down
+are all probed, a last line a row count sums the 8B layer's four. A candidate ``rule:NAME=V+...``
 is the rule with quant_matmul's constants set so for the call (e.g. ``rule:GLUON_THIRD_TILE_MAX_M=0``: the
 rule without its 128-row tiles at 513-640 rows).
 """
@@ -35,6 +36,7 @@ from gluon_prefill_probe import COLD_BYTES, cycle, machete, tiling  # noqa: E402
 SHAPES = {"gate_up": (28672, 4096), "down": (4096, 14336), "qkv": (6144, 4096), "o": (4096, 4096),
           "14336x4096": (14336, 4096), "14336x14336": (14336, 14336)}  # fmt: skip
 OWNED = ("gate_up", "down")
+LAYER = ("qkv", "o", "gate_up", "down")  # the 8B model's four GEMMs a layer: summed where all are probed
 
 
 def main() -> None:
@@ -53,6 +55,7 @@ def main() -> None:
         qm.PREFILL = "gluon"
     rule = qm.gluon_tiles
     print(f"# {torch.cuda.get_device_name()}; g{args.group}; us (x bf16 cuBLAS), the rule's tiling first")
+    totals: dict[int, dict[str, float]] = {}  # rows -> column (rule, a candidate, machete) -> us over LAYER
     for name in args.shapes.split(","):
         n, k = SHAPES[name]
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / 64
@@ -92,6 +95,9 @@ def main() -> None:
                     t_q = do_bench_cudagraph(cycle(calls), rep=40)
                     label = f"{spec} {rule(m, n, k, 132)}" if ruled else spec
                     row.append(f"{label} {t_q * 1e3:.1f} ({t_bf16 / t_q:.2f}x)")
+                    if name in LAYER:
+                        column = totals.setdefault(m, {})
+                        column[spec] = column.get(spec, 0.0) + t_q * 1e3
                 finally:
                     qm.gluon_tiles = rule
                     for key, value in saved.items():
@@ -99,10 +105,18 @@ def main() -> None:
             if peer:
                 t_peer = do_bench_cudagraph(cycle([lambda f=f, x=x: f(x) for f in peer]), rep=40)
                 row.append(f"machete {t_peer * 1e3:.1f} ({t_bf16 / t_peer:.2f}x)")
+                if name in LAYER:
+                    column = totals.setdefault(m, {})
+                    column["machete"] = column.get("machete", 0.0) + t_peer * 1e3
             print(
                 f"{name} m={m}{' owned' if owned else ''}: bf16 {t_bf16 * 1e3:.1f} | " + " | ".join(row),
                 flush=True,
             )
+
+    if set(LAYER) <= set(args.shapes.split(",")):
+        for m, column in totals.items():  # (a layer's four GEMMs; "x": the rule's time over the column's)
+            cells = " | ".join(f"{spec} {us:.1f} ({column['rule'] / us:.2f}x)" for spec, us in column.items())
+            print(f"layer m={m} ({' + '.join(LAYER)}): {cells}", flush=True)
 
 
 if __name__ == "__main__":
