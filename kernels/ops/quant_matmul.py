@@ -631,7 +631,7 @@ GLUON_L2_BYTES = 50 * 2**20
 # 159.8 against 148.2 in one; o_proj at 1536 rows, 0.45: 94-98 against 94-95), as does x past the L2
 # (14336^2 at 4096 rows: 2750 against 2534).
 # Narrower outputs (4096 wide: o_proj, down_proj) run all their full waves a tile a program, then share the
-# rest: a second wave of 1025-1200 rows 21-30% full (prefill_tiling_probe.py --ms 1025,1100,1200, H100, two
+# rest: a second wave of 1025-1200 rows 21% full (prefill_tiling_probe.py --ms 1025,1100,1200, H100, two
 # runs; NOTES.md, twenty-ninth session), us against the tiles a program a wave: down_proj 232.5-235.1 /
 # 230.8-237.3 / 237.2-247.3 against 292.5-293.6 / 294.7-313.8 / 294.3-300.3, o_proj 86.8-86.9 / 83.9-86.5 /
 # 85.7-87.0 against 88.6-89.5 / 90.5-90.8 / 90.0-91.6 (sharing that wave's tiles as well: down 248.2-267.9).

@@ -357,6 +357,7 @@ if __name__ == "__main__":
     parser.add_argument("--ms", help="row counts of --prefill-sweep, e.g. 128,2048")
     parser.add_argument("--split-grid", action="store_true", help="--prefill-sweep over PREFILL_SPLIT_GRID")
     args = parser.parse_args()
+    shapes = [tuple(map(int, p.split(":"))) for p in args.shapes.split(",")] if args.shapes else None
     peaks()
     if args.dump:
         try:
@@ -367,10 +368,10 @@ if __name__ == "__main__":
         profile()
         sys.exit(0)
     if args.sweep:
-        kn = [tuple(map(int, p.split(":"))) for p in args.shapes.split(",")] if args.shapes else KN[:3]
+        kn = shapes or KN[:3]
         sweep(kn)
     if args.prefill_sweep:
-        kn = [tuple(map(int, p.split(":"))) for p in args.shapes.split(",")] if args.shapes else KN
+        kn = shapes or KN
         ms = tuple(map(int, args.ms.split(","))) if args.ms else PREFILL_MS
         grid = PREFILL_SPLIT_GRID if args.split_grid else PREFILL_GRID
         prefill_sweep(kn, groups=tuple(map(int, args.groups.split(","))), ms=ms, grid=grid)
@@ -381,7 +382,7 @@ if __name__ == "__main__":
              if t is not None] if args.marlin else []  # fmt: skip
     wide = [(4096, 14336), (14336, 4096)]
     if args.only:
-        kn = [tuple(map(int, p.split(":"))) for p in args.shapes.split(",")] if args.shapes else wide
+        kn = shapes or wide
         for group in map(int, args.only.split(",")):
             for zeros in (False, True):
                 run(recorder, bits=4, group=group, ms_=(1, 2, 4, 8, 16, 32, 64, 512), kn=kn, peers=peers,
