@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import csv
 import dataclasses
 import datetime
@@ -126,6 +127,18 @@ def level_row(level: latency.Level) -> dict[str, object]:
     return row
 
 
+def error_summary(level: latency.Level, most: int = 3) -> str | None:
+    """The level's failed requests by message, most frequent first (``most`` kinds), or None if none failed:
+    a count in the CSV alone does not say whether the server or the prompt failed."""
+    counts = collections.Counter(r.error or "no message" for r in level.records if not r.ok)
+    if not counts:
+        return None
+    kinds = [f"{n} x {message}" for message, n in counts.most_common(most)]
+    if len(counts) > most:
+        kinds.append(f"{len(counts) - most} other kinds")
+    return "; ".join(kinds)
+
+
 def append_rows(path: Path, rows: list[dict[str, object]]) -> None:
     new = not path.exists() or path.stat().st_size == 0
     with path.open("a", newline="") as f:
@@ -201,6 +214,9 @@ def main() -> None:
         )
         if server is not None:
             print(f"{args.run} {args.label} c={level.concurrency} server: {server}", flush=True)
+        failed = error_summary(level)
+        if failed is not None:
+            print(f"{args.run} {args.label} c={level.concurrency} failed: {failed}", flush=True)
     append_rows(args.csv, rows)
 
 

@@ -94,3 +94,18 @@ def test_no_server_line_without_vllm_metrics(server) -> None:
     assert bench_serving.server_line(same, same) is None  # no request in between
     assert bench_serving.server_line(None, same) is None
     assert bench_serving.scrape("http://127.0.0.1:9") is None  # nothing listening
+
+
+def test_failed_requests_are_told_by_message_most_frequent_first() -> None:
+    record = bench_serving.latency.RequestRecord
+    ok = record(ok=True, ttft=0.1, e2e=0.5, output_tokens=8)
+    level = bench_serving.latency.Level(concurrency=4, records=[ok, ok], wall_s=1.0)
+    assert bench_serving.error_summary(level) is None
+    empty = record(ok=False, error="the stream carried no output")
+    failed = [empty, empty, record(ok=False, error="HTTP 400")]
+    level = bench_serving.latency.Level(concurrency=4, records=[ok, *failed, record(ok=False)], wall_s=1.0)
+    assert bench_serving.error_summary(level) == (
+        "2 x the stream carried no output; 1 x HTTP 400; 1 x no message"
+    )
+    assert bench_serving.error_summary(level, most=1) == "2 x the stream carried no output; 2 other kinds"
+    assert bench_serving.level_row(level)["errors"] == 4

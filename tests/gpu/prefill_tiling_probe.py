@@ -1,5 +1,6 @@
-"""Issue 16 item 2: the Gluon GEMM's tilings at 128-512 rows through quant_matmul's own path (its workspace,
-where parts of stream-K tiles meet), against the tiling ``quant_matmul.gluon_tiles`` chooses today.
+"""Issue 16 items 1-2: the Gluon GEMM's tilings through quant_matmul's own path (its workspace, where parts of
+stream-K tiles meet), against the tiling ``quant_matmul.gluon_tiles`` (``gluon_decode_tiles`` up to 64 rows,
+where the Gluon kernel runs as a decode) chooses today.
 
     python tests/gpu/prefill_tiling_probe.py [--ms 128,256,512] [--tiles 128:6:p132,256:4:p132] \\
         [--machete] [--gluon-max-m 8192]
@@ -53,7 +54,7 @@ def main() -> None:
     if args.gluon_max_m:
         qm.GLUON_PREFILL_MAX_M = max(qm.GLUON_PREFILL_MAX_M, args.gluon_max_m)
         qm.PREFILL = "gluon"
-    rule = qm.gluon_tiles
+    rule, decode_rule = qm.gluon_tiles, qm.gluon_decode_tiles
     print(f"# {torch.cuda.get_device_name()}; g{args.group}; us (x bf16 cuBLAS), the rule's tiling first")
     totals: dict[int, dict[str, float]] = {}  # rows -> column (rule, a candidate, machete) -> us over LAYER
     for name in args.shapes.split(","):
@@ -81,7 +82,9 @@ def main() -> None:
             for spec in ["rule"] + args.tiles.split(","):
                 ruled = spec == "rule" or spec.startswith("rule:")
                 cfg = None if ruled else tiling(spec)
+                # (up to 64 rows the Gluon kernel's decode takes the candidate: gluon_decode_tiles)
                 qm.gluon_tiles = rule if cfg is None else (lambda *a, cfg=cfg: dict(cfg))
+                qm.gluon_decode_tiles = decode_rule if cfg is None else (lambda *a, cfg=cfg: dict(cfg))
                 saved = {}
                 try:
                     for setting in spec.partition(":")[2].split("+") if spec.startswith("rule:") else []:
@@ -90,16 +93,17 @@ def main() -> None:
                         setattr(qm, key, type(saved[key])(value))
                     y = op(x, qw, sc, None, args.group).float()
                     err = ((y - ref).norm() / ref.norm()).item()
-                    assert err < 2e-3, f"{name} {m} {spec}: rel err {err}"
+                    assert err < 4e-3, f"{name} {m} {spec}: rel err {err}"  # (both sides rounded to bf16)
                     calls = [functools.partial(op, x, *p, None, args.group) for p in packs]
                     t_q = do_bench_cudagraph(cycle(calls), rep=40)
-                    label = f"{spec} {rule(m, n, k, 132)}" if ruled else spec
+                    chosen = decode_rule(m, 132) if m <= qm.SKINNY_MAX_M else rule(m, n, k, 132)
+                    label = f"{spec} {chosen}" if ruled else spec
                     row.append(f"{label} {t_q * 1e3:.1f} ({t_bf16 / t_q:.2f}x)")
                     if name in LAYER:
                         column = totals.setdefault(m, {})
                         column[spec] = column.get(spec, 0.0) + t_q * 1e3
                 finally:
-                    qm.gluon_tiles = rule
+                    qm.gluon_tiles, qm.gluon_decode_tiles = rule, decode_rule
                     for key, value in saved.items():
                         setattr(qm, key, value)
             if peer:

@@ -13,6 +13,7 @@
 #   bash tests/gpu/run_h100.sh disconnect  # issue 15.3: streams closed after ~1 s of reading stop vLLM within 1 s
 #   bash tests/gpu/run_h100.sh serve-pruned  # issue 19.4 in one call: vLLM speed of the recipe's shapes (below)
 #   bash tests/gpu/run_h100.sh int4-serve    # issue 16.3: bundled int4 g32 through our method vs vLLM's kernels
+#                                            # (ROUNDS=N: N interleaved rounds, each server alone on 12 CPUs)
 #   bash tests/gpu/run_h100.sh ttft-burst    # issue 16.3: TTFT under load, 64 prompts at once, profiled (BURST)
 #   bash tests/gpu/run_h100.sh serve-prof    # issue 16.3: ours / Machete served, vLLM's profiler on (engine steps)
 #   bash tests/gpu/run_h100.sh pdl-ab        # issue 16.3: 8B-shaped W4A16, ours with the PDL chain on / off and
@@ -540,9 +541,21 @@ int4-serve)
   for label in int4-vllm int4-marlin; do  # the W4A16 kernel vLLM picked (ours: --quantization squeezeserve)
     note "$label: $(grep -m1 -oE 'Using [A-Za-z0-9]+LinearKernel' "$LOGS/worker-$label.log" || echo 'no kernel line')"
   done
-  bench_alone int4-serve "$OUT/int4_serve.csv" "${up[@]}"
-  # INT4_WIDE=1: again with each server on 12 CPUs while measured (bench_alone's WIDE_CPUS)
-  [ -n "${INT4_WIDE:-}" ] && WIDE_CPUS=0-11 BENCH_SEED=1 bench_alone int4-serve-wide "$OUT/int4_serve.csv" "${up[@]}"
+  if [ -n "${ROUNDS:-}" ]; then
+    # ROUNDS=N: N interleaved rounds, as pdl-ab's: every server measured alone on CPUs 0-11 a round, with the
+    # round's own prompts (seed), the order rotated a round, so that neither a lease's drift nor a slot
+    # favours a server (its c=1 steps are host-bound: one pass a server on a noisy lease settles nothing).
+    # SEED_BASE: the first round's seed less one (another run on the same lease: other prompts)
+    for round in $(seq "$ROUNDS"); do
+      shift_by=$(( (round - 1) % ${#up[@]} ))
+      WIDE_CPUS=0-11 BENCH_SEED=$((round + ${SEED_BASE:-0})) bench_alone "${RUN:-int4-serve}-r$round" \
+        "$OUT/int4_serve.csv" "${up[@]:shift_by}" "${up[@]:0:shift_by}"
+    done
+  else
+    bench_alone int4-serve "$OUT/int4_serve.csv" "${up[@]}"
+    # INT4_WIDE=1: again with each server on 12 CPUs while measured (bench_alone's WIDE_CPUS)
+    [ -n "${INT4_WIDE:-}" ] && WIDE_CPUS=0-11 BENCH_SEED=1 bench_alone int4-serve-wide "$OUT/int4_serve.csv" "${up[@]}"
+  fi
   ;;
 pdl-ab)
   # Issue 16.3: our PDL chain on against off (SQUEEZESERVE_PDL=auto / off), beside Machete, on one lease and
@@ -552,8 +565,9 @@ pdl-ab)
   # their leases' spread (NOTES.md, twenty-sixth session). MODE=mode0: synth's configuration (no
   # torch.compile, full graphs of decode steps); else vLLM's default (compiled, CUDA graphs to 512 tokens).
   # B_ENV / B_LABEL: the third server's setting and name (default SQUEEZESERVE_PDL=off, chain-off); CONC: the
-  # concurrencies (default 1 16 64), e.g. B_ENV=SQUEEZESERVE_GLUON_PREFILL_MAX_M=4096 B_LABEL=gluon4096 (several
-  # settings separated by spaces).
+  # concurrencies (default 1 16 64); REQS: requests a level (default 4 x concurrency; over 256 requests c=64's
+  # TTFT p50 moved 232-383 ms between rounds of one server: REQS=1024 for it). E.g.
+  # B_ENV=SQUEEZESERVE_GLUON_PREFILL_MAX_M=4096 B_LABEL=gluon4096 (several settings separated by spaces).
   convert_baseline  # (the tokenizer of the bundled model)
   python3 tests/gpu/synthetic_llama.py --tokenizer $MODELS/hf --out $MODELS/llama8b-w4a16 --w4a16
   synth_args "${MODE:-compiled}"
@@ -574,8 +588,8 @@ pdl-ab)
       timeout "$(cap 100)" taskset -c 12-15 python3 tests/benchmarks/bench_serving.py \
         --base-url "http://127.0.0.1:${PORT[$label]}" --model "$label" --run "${RUN:-pdl-ab}-r$round" \
         --label "$label" --vocab 49152 --concurrency ${CONC:-1 16 64} --prompt-tokens 256 --output-tokens 64 \
-        --seed "$round" --metrics-root "http://127.0.0.1:${PORT[$label]}" --csv "$OUT/vllm_pdl_ab.csv" 2>&1 \
-        | tee -a "$SUMMARY"
+        --requests-per-level "${REQS:-0}" --seed "$round" --metrics-root "http://127.0.0.1:${PORT[$label]}" \
+        --csv "$OUT/vllm_pdl_ab.csv" 2>&1 | tee -a "$SUMMARY"
       pin "$label" "${CPUS[$label]}"
     done
   done
