@@ -96,7 +96,12 @@ def main() -> None:
                     assert err < 4e-3, f"{name} {m} {spec}: rel err {err}"  # (both sides rounded to bf16)
                     calls = [functools.partial(op, x, *p, None, args.group) for p in packs]
                     t_q = do_bench_cudagraph(cycle(calls), rep=40)
-                    chosen = decode_rule(m, 132) if m <= qm.SKINNY_MAX_M else rule(m, n, k, 132)
+                    if m <= qm.SKINNY_MAX_M:
+                        gluon = qm.gluon_decode_in_auto(m, n, k, args.group)
+                        chosen = decode_rule(m, 132) if gluon else "(not the Gluon kernel)"
+                    else:
+                        gluon = qm.gluon_in_auto(m, n, k, args.group) or args.gluon_max_m
+                        chosen = rule(m, n, k, 132) if gluon else "(not the Gluon kernel)"
                     label = f"{spec} {chosen}" if ruled else spec
                     row.append(f"{label} {t_q * 1e3:.1f} ({t_bf16 / t_q:.2f}x)")
                     if name in LAYER:
