@@ -3,7 +3,10 @@
 Each request sends a fixed-length prompt (token ids) with ``max_tokens`` = the output length,
 ``ignore_eos`` (honoured by vLLM; the embedded worker may stop early at an end-of-text token, so output
 tokens are always taken from the ``usage`` the server reports) and ``stream_options.include_usage``.
-Per request, with t0 the send time and t_i the arrival of the i-th chunk carrying text:
+Per request, with t0 the send time and t_i the arrival of the i-th chunk carrying a choice (a step's
+tokens; their text may be empty, as for a token that ends inside a multi-byte character or one the server
+does not print: vLLM's own benchmark counts those chunks too, and a request whose 64 tokens all print as
+nothing still produced them):
 
     TTFT = t_1 - t0        E2E = t_last - t0        ITL = t_{i+1} - t_i  (every gap, pooled)
     TPOT = (E2E - TTFT) / (output tokens - 1)        (requests with 2+ output tokens)
@@ -36,7 +39,7 @@ class RequestRecord:
     ttft: float | None = None
     e2e: float | None = None
     gaps: list[float] = field(default_factory=list)
-    chunks: int = 0  # streamed chunks that carried output
+    chunks: int = 0  # streamed chunks that carried a choice (a step's tokens)
     prompt_tokens: int | None = None
     output_tokens: int | None = None  # from usage
 
@@ -115,7 +118,7 @@ async def stream_one(
                     record.error = str(chunk["error"].get("message", chunk["error"]))
                     return record
                 now = time.perf_counter()
-                if any(c.get("text") for c in chunk.get("choices") or []):
+                if chunk.get("choices"):  # (the usage chunk's list is empty)
                     if last is None:
                         record.ttft = now - start
                     else:

@@ -1,9 +1,15 @@
-"""The load generator against the real embedded worker: two concurrency levels, numbers that hang together."""
+"""The load generator against the real embedded worker: two concurrency levels, numbers that hang together;
+and against a stand-in for a server whose token chunks may carry no text (vLLM streams a chunk a step)."""
 
 from __future__ import annotations
 
 import asyncio
+import http.server
+import json
+import threading
+import time
 
+import httpx
 import pytest
 
 from squeezeserve.service.validate.latency import (
@@ -11,6 +17,7 @@ from squeezeserve.service.validate.latency import (
     RequestRecord,
     level_metrics,
     percentile,
+    stream_one,
     sweep,
 )
 
@@ -57,3 +64,80 @@ def test_sweep_against_the_worker_gives_consistent_numbers(baseline_worker):
         assert row["ttft_p50_ms"] <= row["ttft_p90_ms"] <= row["ttft_p99_ms"]
         assert row["output_throughput"] == pytest.approx(row["output_tokens"] / row["wall_s"])
         assert row["goodput"] is None
+
+
+def _sse_server(chunks: list[dict | str], pause_s: float) -> http.server.ThreadingHTTPServer:
+    """A server whose POST /v1/completions streams ``chunks`` as server-sent events, ``pause_s`` apart."""
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            for chunk in chunks:
+                time.sleep(pause_s)
+                data = chunk if isinstance(chunk, str) else json.dumps(chunk)
+                self.wfile.write(f"data: {data}\n\n".encode())
+                self.wfile.flush()
+
+        def log_message(self, *args) -> None:
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    return httpd
+
+
+def _stream(httpd: http.server.ThreadingHTTPServer) -> RequestRecord:
+    async def one() -> RequestRecord:
+        base = f"http://127.0.0.1:{httpd.server_address[1]}/v1"
+        async with httpx.AsyncClient(base_url=base, timeout=10.0) as client:
+            return await stream_one(client, "m", [1000, 1001], 3)
+
+    try:
+        return asyncio.run(one())
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+def _usage(tokens: int) -> dict:  # (the last chunk of a stream with stream_options.include_usage)
+    usage = {"prompt_tokens": 2, "completion_tokens": tokens}
+    return {"object": "text_completion", "choices": [], "usage": usage}
+
+
+def _step(text: str, finish: str | None = None) -> dict:
+    return {"object": "text_completion", "choices": [{"index": 0, "text": text, "finish_reason": finish}]}
+
+
+def test_a_token_whose_text_is_empty_still_ends_the_time_to_first_token():
+    usage = _usage(3)
+    # the first token ends inside a multi-byte character: its step's chunk carries no text yet
+    httpd = _sse_server([_step(""), _step("\u00e9"), _step("!", "length"), usage, "[DONE]"], pause_s=0.05)
+
+    record = _stream(httpd)
+
+    assert record.ok and record.error is None
+    assert record.chunks == 3  # a chunk a step; the usage chunk is none
+    assert len(record.gaps) == 2
+    assert 0.04 < record.ttft < 0.09  # the first step's chunk, not the second's (~0.10 s)
+    assert record.output_tokens == 3 and record.tpot == pytest.approx((record.e2e - record.ttft) / 2)
+
+
+def test_a_stream_of_steps_that_print_nothing_is_not_a_failure():
+    usage = _usage(3)
+    httpd = _sse_server([_step(""), _step(""), _step("", "length"), usage, "[DONE]"], pause_s=0.01)
+
+    record = _stream(httpd)
+
+    assert record.ok and record.chunks == 3 and record.output_tokens == 3
+
+
+def test_a_stream_without_a_step_is_a_failure():
+    usage = _usage(0)
+    httpd = _sse_server([usage, "[DONE]"], pause_s=0.01)
+
+    record = _stream(httpd)
+
+    assert not record.ok and record.error == "the stream carried no output"
