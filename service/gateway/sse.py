@@ -59,11 +59,13 @@ def error_event(body: dict[str, Any]) -> bytes:
 
 
 def has_content(chunk: dict[str, Any]) -> bool:
-    """Whether a completion or chat chunk carries generated content (not just a role or a usage block)."""
+    """Whether a completion or chat chunk carries generated content (not just a role or a usage block). A
+    completion chunk's choice is a step's tokens even where its text is empty (a token that ends inside a
+    multi-byte character, or one the server does not print), as the load generator counts it."""
     for choice in chunk.get("choices") or ():
         if not isinstance(choice, dict):
             continue
-        if choice.get("text"):
+        if isinstance(choice.get("text"), str):
             return True
         delta = choice.get("delta")
         if isinstance(delta, dict) and any(
