@@ -5,7 +5,7 @@ Each request sends a fixed-length prompt (token ids) with ``max_tokens`` = the o
 tokens are always taken from the ``usage`` the server reports) and ``stream_options.include_usage``.
 Per request, with t0 the send time and t_i the arrival of the i-th chunk carrying a choice (a step's
 tokens; their text may be empty, as for a token that ends inside a multi-byte character or one the server
-does not print: vLLM's own benchmark counts those chunks too, and a request whose 64 tokens all print as
+does not print: vLLM's own benchmark counts those chunks too, and a request whose tokens all print as
 nothing still produced them):
 
     TTFT = t_1 - t0        E2E = t_last - t0        ITL = t_{i+1} - t_i  (every gap, pooled)

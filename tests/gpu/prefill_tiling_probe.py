@@ -100,7 +100,7 @@ def main() -> None:
                         gluon = qm.gluon_decode_in_auto(m, n, k, args.group)
                         chosen = decode_rule(m, 132) if gluon else "(not the Gluon kernel)"
                     else:
-                        gluon = qm.gluon_in_auto(m, n, k, args.group) or args.gluon_max_m
+                        gluon = qm.gluon_in_auto(m, n, k, args.group) or m <= args.gluon_max_m
                         chosen = rule(m, n, k, 132) if gluon else "(not the Gluon kernel)"
                     label = f"{spec} {chosen}" if ruled else spec
                     row.append(f"{label} {t_q * 1e3:.1f} ({t_bf16 / t_q:.2f}x)")
