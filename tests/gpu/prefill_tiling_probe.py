@@ -57,6 +57,11 @@ def main() -> None:
     rule, decode_rule = qm.gluon_tiles, qm.gluon_decode_tiles
     print(f"# {torch.cuda.get_device_name()}; g{args.group}; us (x bf16 cuBLAS), the rule's tiling first")
     totals: dict[int, dict[str, float]] = {}  # rows -> column (rule, a candidate, machete) -> us over LAYER
+
+    def add(name: str, m: int, column: str, us: float) -> None:
+        if name in LAYER:
+            totals.setdefault(m, {})[column] = totals.get(m, {}).get(column, 0.0) + us
+
     for name in args.shapes.split(","):
         n, k = SHAPES[name]
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / 64
@@ -104,9 +109,7 @@ def main() -> None:
                         chosen = rule(m, n, k, 132) if gluon else "(not the Gluon kernel)"
                     label = f"{spec} {chosen}" if ruled else spec
                     row.append(f"{label} {t_q * 1e3:.1f} ({t_bf16 / t_q:.2f}x)")
-                    if name in LAYER:
-                        column = totals.setdefault(m, {})
-                        column[spec] = column.get(spec, 0.0) + t_q * 1e3
+                    add(name, m, spec, t_q * 1e3)
                 finally:
                     qm.gluon_tiles, qm.gluon_decode_tiles = rule, decode_rule
                     for key, value in saved.items():
@@ -114,9 +117,7 @@ def main() -> None:
             if peer:
                 t_peer = do_bench_cudagraph(cycle([lambda f=f, x=x: f(x) for f in peer]), rep=40)
                 row.append(f"machete {t_peer * 1e3:.1f} ({t_bf16 / t_peer:.2f}x)")
-                if name in LAYER:
-                    column = totals.setdefault(m, {})
-                    column["machete"] = column.get("machete", 0.0) + t_peer * 1e3
+                add(name, m, "machete", t_peer * 1e3)
             print(
                 f"{name} m={m}{' owned' if owned else ''}: bf16 {t_bf16 * 1e3:.1f} | " + " | ".join(row),
                 flush=True,
