@@ -105,9 +105,10 @@ def summarize(path: Path) -> str:
 
 def stalls(path: Path, top: int = 25) -> str:
     """Where a kernel's warp stall samples fall (a ``--source`` run's CASE.sass.csv): the ``top`` SASS
-    instructions by samples, each with its three largest stall reasons, then the samples by opcode and by
-    reason, as shares of all samples (the idle warps of the loading warp's warpgroup included: they wait at a
-    barrier the whole kernel)."""
+    instructions by samples, each with its three largest stall reasons, then the samples by opcode, by
+    reason and by how many times each instruction ran (a loop's body, the idle warps, the loading warp: each
+    a group), as shares of all samples (the idle warps of the loading warp's warpgroup included: they wait
+    at a barrier the whole kernel)."""
     rows = list(csv.reader(path.open()))
     head_at = next(i for i, r in enumerate(rows) if r and r[0] == "Address")
     head = rows[head_at]
@@ -136,6 +137,20 @@ def stalls(path: Path, top: int = 25) -> str:
     for name, shares in (("by opcode", by_op), ("by reason", by_reason)):
         ranked = sorted(shares.items(), key=lambda kv: -kv[1])[:14]
         lines.append(f"  {name}: " + ", ".join(f"{k} {v / total * 100:.1f}%" for k, v in ranked))
+    # Instructions executed equally often are one stretch of code (a loop's body, the idle warps' wait, the
+    # loading warp's): each such group's samples and their reasons.
+    groups: dict[float, dict[str, float]] = {}
+    for d in data:
+        group = groups.setdefault(num(d["Instructions Executed"]), {"": 0.0, "#": 0.0})
+        group[""] += num(d[samples])
+        group["#"] += 1
+        for c in reasons:
+            group[c[6:]] = group.get(c[6:], 0.0) + num(d[c])
+    lines.append("  by times executed (a group: the instructions run that many times, warps summed):")
+    for times, group in sorted(groups.items(), key=lambda kv: -kv[1][""])[:6]:
+        why = sorted(((v, r) for r, v in group.items() if r not in ("", "#") and v), reverse=True)[:8]
+        lines.append(f"    x{times:.0f} ({group['#']:.0f} instructions) {group[''] / total * 100:.1f}%: "
+                     + ", ".join(f"{r} {v / total * 100:.1f}" for v, r in why))  # fmt: skip
     return "\n".join(lines)
 
 
@@ -153,8 +168,8 @@ def split_tiling(name: str) -> tuple[str, dict | None]:
 def _case(name: str):
     """The product ``name`` names, as a no-argument callable."""
     name, cfg = split_tiling(name)
-    if cfg is not None:
-        qm.gluon_tiles = lambda *_: dict(cfg)
+    if cfg is not None:  # (up to 64 rows the Gluon kernel runs as a decode: gluon_decode_tiles)
+        qm.gluon_tiles = qm.gluon_decode_tiles = lambda *_: dict(cfg)
     kind, *dims = name.split("-")
     fmt = dims.pop() if not dims[-1].isdigit() else "g128"
     m, n, k = (int(d) for d in dims)
