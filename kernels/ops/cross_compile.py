@@ -96,7 +96,9 @@ def summary(lines: list[str]) -> dict:
       serialised (an operand register rewritten while its group may still read it) waits for every group
       after each (tests/benchmarks/NOTES.md, "tenth session");
     - ``instructions``: the count of each opcode; ``loop_instructions``: all of them between the first
-      wgmma and the last wait for all groups (a pipelined kernel's K loop, unrolled as ptxas left it)."""
+      wgmma and the last wait for all groups (a pipelined kernel's K loop, unrolled as ptxas left it);
+      ``loop_barriers``: the CTA barriers (``BAR.SYNC``) there, which hold every warp of a partition to the
+      others' pace (ptx_release)."""
     ops: dict[str, int] = {}
     for line in lines:
         words = [w for w in line.split() if not w.startswith("@")]  # (past a predicate)
@@ -114,6 +116,7 @@ def summary(lines: list[str]) -> dict:
         "wait_all": sum(1 for line in lines if "DEPBAR.LE gsb0, 0x0" in line),
         "instructions": ops,
         "loop_instructions": max(0, loop[1] - loop[0]),
+        "loop_barriers": sum(1 for line in lines[loop[0] + 1 : loop[1]] if "BAR.SYNC" in line),
     }
 
 

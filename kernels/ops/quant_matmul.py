@@ -574,14 +574,25 @@ def gluon_decode_in_auto(m: int, n_out: int, k_in: int, group_size: int = 128, z
     return size >= GLUON_DECODE_MIN_WEIGHT
 
 
+# SQUEEZESERVE_WG_RELEASE=off: the 64-row decode's warpgroups free their stages as Gluon writes it, after a
+# barrier of both (for A/B runs of a server; gluon_decode_tiles).
+WG_RELEASE = os.environ.get("SQUEEZESERVE_WG_RELEASE", "on")
+if WG_RELEASE not in ("on", "off"):
+    raise ValueError(f"SQUEEZESERVE_WG_RELEASE must be on or off, got {WG_RELEASE!r}")
+
+
 def gluon_decode_tiles(m: int, sms: int) -> dict:
     """The stream-K decode's tiling (gluon_prefill_probe.py, H100; NOTES.md, "eleventh session"): the
     smallest wgmma N that holds the rows (8, 16, 32), 64 weight rows a program of one warpgroup, two
     programs an SM; 64 rows: 128 weight rows a program of two warpgroups, one an SM (14336^2: 77.8 us against
-    118.1 on 32-row tiles twice)."""
+    118.1 on 32-row tiles twice), each warpgroup freeing its ring stages itself (``wg_release``: the two no
+    longer meet at a barrier every K tile; H100, prefill_tiling_probe.py, NOTES.md, thirty-first session:
+    14336^2 at 64 / 48 / 33 rows 71.1 / 68.3 / 64.0 us against 76.3 / 74.3 / 71.6, the 8B layer's four GEMMs
+    99.4 / 95.0 / 101.1 against 104.3 / 100.0 / 104.3)."""
     deep = {"block_k": GLUON_DECODE_BLOCK_K, "stages": 4}
     if m > 32:
-        return {"block_m": 64, "block_n": 128, "num_warps": 8, "programs": sms} | deep
+        wide = {"block_m": 64, "block_n": 128, "num_warps": 8, "programs": sms}
+        return wide | {"wg_release": WG_RELEASE == "on"} | deep
     return {"block_m": max(8, next_power_of_2(m)), "block_n": 64, "num_warps": 4, "programs": 2 * sms,
             "occupancy": 2} | deep  # fmt: skip
 

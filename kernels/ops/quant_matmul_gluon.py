@@ -61,6 +61,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from squeezeserve.kernels.ops import ptx_release
 from squeezeserve.kernels.ops.launch import FastLaunch, cdiv
 
 # Gluon's names in Triton 3.6 (vLLM 0.26's) and from 3.9 on: a CTA-wide barrier (``thread_barrier`` ->
@@ -82,6 +83,15 @@ def _grid_dependency_wait():
     """``griddepcontrol.wait``: under programmatic dependent launch (PDL), until the kernel before this one
     in the stream has finished and its writes are visible; a no-op otherwise."""
     gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
+
+_MARK_ASM = gl.constexpr(f"mov.u32 $0, 0; // {ptx_release.MARK}")
+
+
+@gluon.jit
+def _mark_release():
+    """Asks :mod:`ptx_release`'s pass to have each warpgroup free its own stages (RELEASES > 1)."""
+    gl.inline_asm_elementwise(_MARK_ASM, "=r", [], dtype=gl.int32, is_pure=False, pack=1)
 
 
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
@@ -655,6 +665,7 @@ def _compute_partition(
     BLOCK_K: gl.constexpr,
     STAGES: gl.constexpr,
     PDL: gl.constexpr,
+    RELEASES: gl.constexpr,
     num_warps: gl.constexpr,
 ):
     """The products, tile by tile: tile t's run on the tensor cores while tile t + 1's operand is made from
@@ -674,6 +685,8 @@ def _compute_partition(
     start, end, k_units, stretches = _share(M, N, K, units_per_split, dp_tiles, STREAM_K, DP, BLOCK_M,
                                             BLOCK_N, BLOCK_K)  # fmt: skip
     tiles_m = gl.cdiv(M, BLOCK_M)
+    if RELEASES > 1:  # each warpgroup frees its stages itself (ptx_release's pass; the ring counts RELEASES)
+        _mark_release()
     if PDL:  # (y, the workspace and its counts may still be the kernel before's)
         _grid_dependency_wait()
     g = 0  # K tiles consumed so far, as the loader counts them
@@ -742,7 +755,7 @@ def _compute_partition(
 
 @gluon.jit
 def _ring(x_desc, w_desc, s_desc, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-          STAGES: gl.constexpr, SCALES_TMA: gl.constexpr):  # fmt: skip
+          STAGES: gl.constexpr, SCALES_TMA: gl.constexpr, RELEASES: gl.constexpr):  # fmt: skip
     """The ring of STAGES shared-memory stages (x tile, weight words, and with ``SCALES_TMA`` the tile's
     scales) the loading warp fills, with each stage's ``ready`` (TMA's bytes in) and ``empty`` (its
     products done) barriers."""
@@ -756,7 +769,8 @@ def _ring(x_desc, w_desc, s_desc, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, 
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(STAGES):
         mbarrier.init(ready.index(s), count=1)
-        mbarrier.init(empty.index(s), count=1)  # (one arrival: the partition syncs, then one thread arrives)
+        # (one arrival: the partition syncs, then one thread arrives; RELEASES: one a warpgroup, ptx_release)
+        mbarrier.init(empty.index(s), count=RELEASES)
     return x_smem, w_smem, s_smem, ready, empty
 
 
@@ -793,10 +807,11 @@ def _wgmma_kernel(
     BLOCK_K: gl.constexpr,
     STAGES: gl.constexpr,
     PDL: gl.constexpr,  # launched as a programmatic dependent (launch_args' ``pdl``)
+    RELEASES: gl.constexpr,  # arrivals that free a stage: 1, or a warpgroup's each (launch_args' wg_release)
     num_warps: gl.constexpr,
 ):
     x_smem, w_smem, s_smem, ready, empty = _ring(x_desc, w_desc, s_desc, BLOCK_M, BLOCK_N, BLOCK_K, STAGES,
-                                                 SCALES_TMA)  # fmt: skip
+                                                 SCALES_TMA, RELEASES)  # fmt: skip
     # One loading warp of 24 registers (scalars only; the least a warp may have). (The partitions' arguments
     # are written out in the call: a tuple bound to a name first turns the constexprs in it into tensors.)
     gl.warp_specialize(
@@ -805,7 +820,7 @@ def _wgmma_kernel(
                                   count_ptr, M, N, K, scale_row_stride, zero_row_stride, y_row_stride,
                                   units_per_split, dp_tiles, MODE, STREAM_K, DP, LATE_FIRST, OWNED, GROUP,
                                   HAS_ZERO, ZERO_ROWS, SCALES_TMA, MAGIC_F, BLOCK_M, BLOCK_N, BLOCK_K, STAGES,
-                                  PDL, num_warps)),
+                                  PDL, RELEASES, num_warps)),
             (_load_partition, (x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, ready, empty, M, N, K,
                                units_per_split, dp_tiles, STREAM_K, DP, SCALES_TMA, BLOCK_M, BLOCK_N, BLOCK_K,
                                STAGES, PDL)),
@@ -897,6 +912,7 @@ def launch_args(
     owned=False,
     zero_rows=None,
     pdl=False,
+    wg_release=False,
 ) -> tuple[tuple, tuple, dict]:
     """The grid, arguments and keywords of the Gluon kernel's launch for y [M, N] = x2 [M, K] @
     dequantize(W).T: each output tile's K split ``split`` ways, or, with ``programs``, all (tile, K unit)
@@ -909,8 +925,10 @@ def launch_args(
     ``zeros`` (by default; ``zero_rows`` says otherwise, for probes) in to_owned_zeros' layout. ``pdl``:
     launched as a programmatic dependent of the kernel before it in the stream
     (CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION), which pays only where that kernel calls
-    launch_dependents (quant_matmul.PDL_MAX_M). (Apart from :func:`launch`, for compiling what a launch would
-    run without a GPU: ``cross_compile.compile_for``.)"""
+    launch_dependents (quant_matmul.PDL_MAX_M). ``wg_release``: each warpgroup of the compute partition frees
+    its ring stages itself, not the partition's thread 0 after a barrier of all its warps
+    (:mod:`ptx_release`'s pass over the PTX; two warpgroups or more). (Apart from :func:`launch`, for
+    compiling what a launch would run without a GPU: ``cross_compile.compile_for``.)"""
     m, k_in = x2.shape
     n_out = qweight.shape[0]
     k_units = cdiv(cdiv(k_in, block_k), 2)
@@ -960,9 +978,12 @@ def launch_args(
         "BLOCK_K": block_k,
         "STAGES": stages,
         "PDL": bool(pdl),
+        "RELEASES": num_warps // 4 if wg_release else 1,
         "num_warps": num_warps,
         "maxnreg": maxnreg,
     }
+    if kwargs["RELEASES"] > 1:
+        ptx_release.install()
     if kwargs["PDL"]:
         kwargs["launch_pdl"] = (
             True  # (Triton's launcher: CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION)

@@ -10,8 +10,9 @@ time of cold weights in CUDA graphs, as bench_quant_matmul.py times them.
 ``--machete`` adds vLLM's Machete W4A16 GEMM (what vLLM runs for compressed-tensors W4A16 on an H100; vLLM
 staged) on the same weights, re-quantized to its symmetric format, beside each row.
 
-A tiling is BLOCK_M:STAGES:SPLIT[:BLOCK_N[:BLOCK_K[:WARPS]]]; SPLIT ``pN`` shares the work among N programs
-(stream-K, N // 132 an SM) instead of splitting each tile's K; ``pNwW`` first runs W waves of whole tiles a
+A tiling is BLOCK_M:STAGES:SPLIT[:BLOCK_N[:BLOCK_K[:WARPS]]][:r]; SPLIT ``pN`` shares the work among N
+programs (stream-K, N // 132 an SM) instead of splitting each tile's K; a last ``r``: each warpgroup frees its
+own ring stages (``launch_args``' ``wg_release``); ``pNwW`` first runs W waves of whole tiles a
 program (``launch_args``' ``dp_waves``: a negative W, all the full waves but -W), then shares the rest.
 Tilings run through ``prefill()`` (parts of tiles meet in a zeroed fp32 output, then a cast: slower than
 quant_matmul's workspace at many rows).
@@ -102,8 +103,11 @@ def check():
 def tiling(spec: str) -> dict:
     """A tiling (the module doc) as prefill()'s keywords."""
     bm, stages, split, *rest = spec.split(":")
+    release = rest[-1:] == ["r"]  # a last field ``r``: each warpgroup frees its own stages (wg_release)
+    rest = rest[:-1] if release else rest
     bn, bk, warps = [int(v) for v in rest] + [128, 64, 8][len(rest) :]
     out = {"block_m": int(bm), "stages": int(stages), "block_n": bn, "block_k": bk, "num_warps": warps}
+    out |= {"wg_release": True} if release else {}
     if split.startswith("p"):
         programs, _, waves = split[1:].partition("w")
         dp = {"dp_waves": int(waves)} if waves else {}

@@ -194,13 +194,31 @@ def test_summary_reads_sass():
         "HGMMA.64x16x16.F32.BF16 R24, R156, gdesc[UR16], R24, gsb0",
         "WARPGROUP.DEPBAR.LE gsb0, 0x1",
         "@P0 STL [R1], R2",  # in the loop
+        "BAR.SYNC.DEFER_BLOCKING 0x0, 0x100",  # in the loop
         "WARPGROUP.DEPBAR.LE gsb0, 0x0",
         "LDL.LU R2, [R1]",  # in the epilogue
+        "BAR.SYNC.DEFER_BLOCKING 0x0, 0x100",  # in the epilogue
     ]
     s = cross_compile.summary(lines)
     assert (s["groups"], s["wait_one"], s["wait_all"], s["local"], s["loop_local"]) == (1, 1, 1, 2, 1)
+    assert s["loop_barriers"] == 1
     assert s["instructions"]["HGMMA"] == 2
     _check_pipelined(s)
+
+
+TWO_WARPGROUP_DECODES = sorted(
+    c for c in EXPECTED if c.startswith("quant_matmul 64x") and "Gluon decode" in c
+)
+
+
+@pytest.mark.parametrize("case", TWO_WARPGROUP_DECODES)
+def test_two_warpgroup_decode_loops_hold_no_barrier(compiled, case):
+    # The 64-row decode's two warpgroups free their ring stages each for itself (ptx_release's pass): its K
+    # loop has no CTA barrier left, and its products are still pipelined (NOTES.md, thirty-first session).
+    (one,) = compiled[case]["launches"]
+    assert one["constexprs"]["RELEASES"] == 2, one["constexprs"]
+    assert one["summary"]["loop_barriers"] == 0, one["summary"]
+    _check_pipelined(one["summary"])
 
 
 def test_serialised_products_fail_the_check():

@@ -172,6 +172,26 @@ def test_prompt_row_settings_take_an_ab_value_and_refuse_a_bad_one(name, shown, 
     assert f"{name} must be a row count{message}, got '{bad}'" in refused.stderr
 
 
+def test_wg_release_setting_turns_it_off_and_refuses_a_bad_value():
+    # SQUEEZESERVE_WG_RELEASE=off: the 64-row decode frees its stages after a barrier of both warpgroups, as
+    # before the thirty-first session (A/B runs of a server); anything but on / off stops the import.
+    code = "from squeezeserve.kernels.ops import quant_matmul as qm\n"
+    code += "print(qm.gluon_decode_tiles(64, 132)['wg_release'])"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SQUEEZESERVE_")}
+
+    def run(value: str) -> subprocess.CompletedProcess:
+        command = [sys.executable, "-c", code]
+        return subprocess.run(
+            command, env=env | {"SQUEEZESERVE_WG_RELEASE": value}, capture_output=True, text=True, timeout=300
+        )
+
+    for value, seen in (("on", "True"), ("off", "False")):
+        r = run(value)
+        assert r.returncode == 0 and r.stdout.split() == [seen], r.stderr[-2000:]
+    refused = run("0")
+    assert refused.returncode != 0 and "SQUEEZESERVE_WG_RELEASE must be on or off, got '0'" in refused.stderr
+
+
 def _through_quant_matmul(takes, m, n, k, group, zeros, dtype):
     """Random inputs that ``takes`` sends to the Gluon kernel, through quant_matmul twice (the second call
     replays nothing: a launch plan cannot hold this launch), against dequantize + matmul."""
@@ -369,6 +389,8 @@ def test_gluon_decode_measured_choices():
     wide = qm.gluon_decode_tiles(33, 132)
     assert (wide["block_m"], wide["block_n"], wide["num_warps"], wide["programs"]) == (64, 128, 8, 132)
     assert "occupancy" not in wide
+    # its two warpgroups free their stages each for itself; a one-warpgroup program has no other to wait for
+    assert wide["wg_release"] and not qm.gluon_decode_tiles(32, 132).get("wg_release")
 
 
 def test_groups_a_deep_tile_takes():
