@@ -17,8 +17,9 @@ counting one arrival a warpgroup):
 Why that is safe where the arrival follows ``warpgroup_mma_wait``: a warpgroup's wgmma completes for its
 four warps together, and each warp's reads of the stage (its words into the A operand's registers, before
 that wgmma could start; x by the wgmma itself) are done by then; the barrier objects themselves are updated
-atomically by the hardware. The pass refuses (``ValueError``: the kernel does not build, and the Gluon path is
-turned off as for any build error) a marked kernel in which it cannot account for every release.
+atomically by the hardware. The pass refuses a marked kernel in which it cannot account for every release
+(:class:`ReleaseError`, before anything runs: quant_matmul then launches it with Gluon's own release, and
+keeps to that, ``WG_RELEASE`` "off").
 """
 
 from __future__ import annotations
@@ -26,6 +27,11 @@ from __future__ import annotations
 import hashlib
 import re
 from pathlib import Path
+
+
+class ReleaseError(RuntimeError):
+    """The pass cannot rewrite a marked kernel's releases (or Triton has no stages hook for it)."""
+
 
 # (the pass's own source in the mark: the marked kernels' cache keys change with the pass, which Triton 3.6's
 # cache key, blind to the hook, would not otherwise see)
@@ -93,7 +99,7 @@ def release_by_warpgroup(ptx: str) -> str:
         arrive = _ARRIVE.match(lines[j]) if j < len(lines) else None
         if arrive:
             if threads % 128 or threads < 256:
-                raise ValueError(f"ptx_release: a release after a barrier of {threads} threads")
+                raise ReleaseError(f"ptx_release: a release after a barrier of {threads} threads")
             indent, pred, address = arrive.groups()
             leaders = _leaders(lines, threads)
             if pred in leaders:
@@ -103,7 +109,8 @@ def release_by_warpgroup(ptx: str) -> str:
             elif pred in ands and ands[pred][1] in leaders:
                 cond = ands[pred][0]
             else:
-                raise ValueError(f"ptx_release: the release {lines[j].strip()!r} is not partition thread 0's")
+                what = lines[j].strip()
+                raise ReleaseError(f"ptx_release: the release {what!r} is not partition thread 0's")
             block = [
                 "{",
                 ".reg .pred %sq_lead;",
@@ -124,7 +131,7 @@ def release_by_warpgroup(ptx: str) -> str:
     if not released and not left and "@%sq_lead mbarrier.arrive" in ptx:  # (the pass ran already)
         return ptx
     if not released or left:
-        raise ValueError(
+        raise ReleaseError(
             f"ptx_release: {left} of the kernel's {released + left} stage releases left as they were; its "
             "ring's barriers count one arrival a warpgroup, so every release must be rewritten"
         )
@@ -141,8 +148,11 @@ def install() -> None:
     to every kernel's. Called before each launch of a marked kernel (``launch_args``), so that a hook set
     since cannot leave one compiled without the pass (its stages would never be freed)."""
     global _hook
+    import triton
     from triton import knobs
 
+    if not hasattr(getattr(knobs, "runtime", None), "add_stages_inspection_hook"):
+        raise ReleaseError(f"ptx_release: Triton {triton.__version__} has no stages hook")
     before = knobs.runtime.add_stages_inspection_hook
     if before is not None and before is _hook:
         return

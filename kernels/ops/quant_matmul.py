@@ -510,6 +510,22 @@ _BUILD_ERRORS = (CompilationError, *(getattr(triton_errors, n) for n in ("PTXASE
                                      if hasattr(triton_errors, n)))  # fmt: skip
 
 
+def _release_error(e: BaseException) -> BaseException | None:
+    """The ptx_release.ReleaseError behind ``e`` (a compile error may wrap it), or None."""
+    from squeezeserve.kernels.ops.ptx_release import ReleaseError
+
+    while e is not None and not isinstance(e, ReleaseError):
+        e = e.__cause__ or e.__context__
+    return e
+
+
+def _wg_release_off(reason: str) -> None:
+    """From now on the 64-row decode frees its stages as Gluon writes it (WG_RELEASE "off")."""
+    global WG_RELEASE
+    WG_RELEASE = "off"
+    log.warning("quant_matmul: the decode's per-warpgroup stage release is off (%s)", reason)
+
+
 def _gluon_off(reason: str) -> None:
     global GLUON_OFF
     GLUON_OFF = reason
@@ -734,7 +750,13 @@ def _gluon(x2, qweight, scales, zeros, group_size, cfg: dict, out=None, pdl=Fals
     zeros = zeros.contiguous() if zeros is not None else None  # (qweight and scales are, from the caller)
     try:
         quant_matmul_gluon.launch(x2, qweight, scales, zeros, group_size, y, ws, counts, mode=2, **cfg)
-    except _BUILD_ERRORS as e:  # nothing ran
+    except Exception as e:  # (a build error: nothing ran)
+        release = _release_error(e)
+        if release is not None and cfg.get("wg_release"):  # (the pass could not apply: Gluon's own release)
+            _wg_release_off(str(release))
+            return _gluon(x2, qweight, scales, zeros, group_size, cfg | {"wg_release": False}, out, pdl)
+        if not isinstance(e, _BUILD_ERRORS):
+            raise
         cause = e
         while cause.__cause__ is not None:  # (a front-end error wraps what the kernel's source hit)
             cause = cause.__cause__

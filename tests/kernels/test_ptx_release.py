@@ -119,15 +119,15 @@ def test_unmarked_kernels_are_left_alone():
 def test_a_release_it_cannot_account_for_is_refused():
     # an arrival not by the partition's thread 0: the stage would be freed by every thread of it
     odd = PTX_39.replace("and.pred \t%p53, %p82, %p60;", "and.pred \t%p53, %p81, %p60;")
-    with pytest.raises(ValueError, match="is not partition thread 0's"):
+    with pytest.raises(ptx_release.ReleaseError, match="is not partition thread 0's"):
         ptx_release.release_by_warpgroup(odd)
     # a release left as it was (no barrier before it): the ring's count of two would never be reached
     unguarded = PTX_39.replace("\tbar.sync \t0, 256;\n", "")
-    with pytest.raises(ValueError, match="1 of the kernel's 1 stage releases left as they were"):
+    with pytest.raises(ptx_release.ReleaseError, match="1 of the kernel's 1 stage releases left as they"):
         ptx_release.release_by_warpgroup(unguarded)
     # a partition of one warpgroup has nothing to gain and is not rewritten
     one = PTX_39.replace("bar.sync \t0, 256;", "bar.sync \t0, 128;").replace("%r1, 255;", "%r1, 127;")
-    with pytest.raises(ValueError, match="barrier of 128 threads"):
+    with pytest.raises(ptx_release.ReleaseError, match="barrier of 128 threads"):
         ptx_release.release_by_warpgroup(one)
 
 

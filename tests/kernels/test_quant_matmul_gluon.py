@@ -192,6 +192,35 @@ def test_wg_release_setting_turns_it_off_and_refuses_a_bad_value():
     assert refused.returncode != 0 and "SQUEEZESERVE_WG_RELEASE must be on or off, got '0'" in refused.stderr
 
 
+def test_a_decode_the_release_pass_refuses_runs_with_gluons_own_release(monkeypatch):
+    # Where ptx_release cannot rewrite the kernel (a Triton whose PTX it does not know), the compile fails
+    # before anything runs; quant_matmul launches the same tiling with Gluon's own release and keeps to that.
+    # (The launch is a stand-in: the Gluon kernel runs on sm_90 only; the pass's refusals are
+    # test_ptx_release.py's, its launches on the H100 test_quant_matmul_gluon.py's GPU tests.)
+    from squeezeserve.kernels.ops import ptx_release
+
+    asked = []
+
+    def launch(*args, **cfg):
+        asked.append(cfg["wg_release"])
+        if cfg["wg_release"]:  # (as Triton's compile passes it on: wrapped)
+            raise RuntimeError("compile failed") from ptx_release.ReleaseError("ptx_release: not this PTX")
+
+    monkeypatch.setattr(qg, "launch", launch)
+    monkeypatch.setattr(qm, "WG_RELEASE", "on")
+    monkeypatch.setattr(qm, "GLUON_OFF", None)
+    x2 = torch.zeros(64, 256, dtype=torch.bfloat16)
+    qw, sc, _ = _packed(256, 256, 128, False)
+    y = qm._gluon(x2, qw, sc, None, 128, qm.gluon_decode_tiles(64, 132))
+    assert asked == [True, False] and y is not None and y.shape == (64, 256)
+    assert qm.WG_RELEASE == "off" and not qm.gluon_decode_tiles(64, 132)["wg_release"]
+    assert qm.GLUON_OFF is None  # (the Gluon kernel itself stays on)
+    # any other error is not the pass's: it is raised as it was
+    monkeypatch.setattr(qg, "launch", lambda *a, **k: (_ for _ in ()).throw(KeyError("not a build error")))
+    with pytest.raises(KeyError):
+        qm._gluon(x2, qw, sc, None, 128, qm.gluon_decode_tiles(64, 132))
+
+
 def _through_quant_matmul(takes, m, n, k, group, zeros, dtype):
     """Random inputs that ``takes`` sends to the Gluon kernel, through quant_matmul twice (the second call
     replays nothing: a launch plan cannot hold this launch), against dequantize + matmul."""
