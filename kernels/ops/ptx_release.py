@@ -28,6 +28,8 @@ import hashlib
 import re
 from pathlib import Path
 
+import triton
+
 
 class ReleaseError(RuntimeError):
     """The pass cannot rewrite a marked kernel's releases (or Triton has no stages hook for it)."""
@@ -86,6 +88,7 @@ def release_by_warpgroup(ptx: str) -> str:
         return ptx
     lines = ptx.split("\n")
     ands = {m.group(1): (m.group(2), m.group(3)) for m in map(_AND.match, lines) if m}
+    leaders_of: dict[int, set[str]] = {}  # partition threads -> its thread 0's predicates
     drop: set[int] = set()
     released = 0
     for i, line in enumerate(lines):
@@ -101,7 +104,9 @@ def release_by_warpgroup(ptx: str) -> str:
             if threads % 128 or threads < 256:
                 raise ReleaseError(f"ptx_release: a release after a barrier of {threads} threads")
             indent, pred, address = arrive.groups()
-            leaders = _leaders(lines, threads)
+            if threads not in leaders_of:
+                leaders_of[threads] = _leaders(lines, threads)
+            leaders = leaders_of[threads]
             if pred in leaders:
                 cond = None
             elif pred in ands and ands[pred][0] in leaders:
@@ -148,14 +153,12 @@ def install() -> None:
     to every kernel's. Called before each launch of a marked kernel (``launch_args``), so that a hook set
     since cannot leave one compiled without the pass (its stages would never be freed)."""
     global _hook
-    import triton
-    from triton import knobs
-
-    if not hasattr(getattr(knobs, "runtime", None), "add_stages_inspection_hook"):
-        raise ReleaseError(f"ptx_release: Triton {triton.__version__} has no stages hook")
-    before = knobs.runtime.add_stages_inspection_hook
-    if before is not None and before is _hook:
+    runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
+    before = getattr(runtime, "add_stages_inspection_hook", install)  # (install: no such hook)
+    if before is _hook and _hook is not None:  # (in place: the call's whole cost on a decode's host path)
         return
+    if before is install:
+        raise ReleaseError(f"ptx_release: Triton {triton.__version__} has no stages hook")
 
     def hook(*args):
         if not args:  # (the cache key's part)
@@ -167,4 +170,4 @@ def install() -> None:
         make_ptx = stages["ptx"]
         stages["ptx"] = lambda src, metadata: release_by_warpgroup(make_ptx(src, metadata))
 
-    knobs.runtime.add_stages_inspection_hook = _hook = hook
+    runtime.add_stages_inspection_hook = _hook = hook

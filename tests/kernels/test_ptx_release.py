@@ -5,6 +5,8 @@ its outputs on the device by test_quant_matmul_gluon.py."""
 
 from __future__ import annotations
 
+import types
+
 import pytest
 from triton import knobs
 
@@ -158,3 +160,7 @@ def test_install_chains_the_hook_in_place(monkeypatch):
     monkeypatch.setattr(knobs.runtime, "add_stages_inspection_hook", before)
     ptx_release.install()
     assert knobs.runtime.add_stages_inspection_hook not in (before, hook)
+    # a Triton without the hook: the pass cannot run, and says so (quant_matmul then keeps Gluon's release)
+    monkeypatch.setattr(ptx_release, "triton", types.SimpleNamespace(__version__="3.0.0"))
+    with pytest.raises(ptx_release.ReleaseError, match="Triton 3.0.0 has no stages hook"):
+        ptx_release.install()
