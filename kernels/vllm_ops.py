@@ -293,6 +293,7 @@ def follows_our_kernel(prefix: str) -> bool:
 
 # Rows of a weight put in the owned order at a time at load (the order's transient is 8 bytes a value).
 OWNED_CHUNK_ROWS = 1024
+OWNED_MIN_WEIGHT = 1 << 25  # (owned_shape)
 
 
 def owned_words(layer: torch.nn.Module, scheme: WeightOnlyScheme) -> bool:
@@ -315,12 +316,17 @@ def owned_words(layer: torch.nn.Module, scheme: WeightOnlyScheme) -> bool:
 
 
 def owned_shape(n_out: int, k_in: int, group: int, zeros: bool) -> bool:
-    """The weights no slower on owned words at any row count (within 2%): those the Gluon decode serves from
-    GLUON_DECODE_WIDE_MIN_M rows. H100, bench_quant_matmul.py --owned (NOTES.md, twentieth session), owned /
-    packed at 1-8192 rows, g128: 28672 x 4096-like N 14336 K 4096 0.98-1.15x (the Gluon decode on both from
-    2 rows), N 4096 K 14336 1.0-1.1x (where packed words take the FMA and Triton kernels to 16 rows), but
-    4096^2 0.70-0.92x at 1-16 rows (the FMA kernel's 6.4-9.1 us against the Gluon decode's 9.1-9.9)."""
-    return quant_matmul.gluon_decode_in_auto(quant_matmul.GLUON_DECODE_WIDE_MIN_M, n_out, k_in, group, zeros)
+    """The weights no slower on owned words at any row count: weights of at least OWNED_MIN_WEIGHT values in
+    the groups the Gluon decode takes. H100, bench_quant_matmul.py --owned (NOTES.md, twentieth session),
+    owned / packed at 1-8192 rows, g128: 28672 x 4096-like N 14336 K 4096 0.98-1.15x (the Gluon decode on
+    both from 2 rows), N 4096 K 14336 1.0-1.1x (where packed words take the FMA and Triton kernels to 16
+    rows), but 4096^2 0.70-0.92x at 1-16 rows (the FMA kernel's 6.4-9.1 us against the Gluon decode's
+    9.1-9.9). g32 with zero points too since the thirty-second session (it had waited for the packed decode's
+    threshold, 2^26 values): 2-64 rows, us owned / packed, 4096 x 14336 19.3-28.3 / 21.7-34.3, 14336 x 4096
+    18.7-27.1 / 21.3-33.9 (Marlin 21.7-38.4 and 18.2-32.7;
+    tests/benchmarks/results/bench_quant_matmul_h100_2026-11-27_item1_g32.log)."""
+    wide = quant_matmul.gluon_decode_in_auto(quant_matmul.GLUON_DECODE_WIDER_MIN_M, n_out, k_in, group, zeros)
+    return wide and n_out * k_in >= OWNED_MIN_WEIGHT
 
 
 def to_owned(qweight: torch.Tensor) -> torch.Tensor:

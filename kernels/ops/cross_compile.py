@@ -213,7 +213,8 @@ def cases() -> dict:
         "quant_matmul 2x4096x14336 int4 g32 zp": lambda: qm(2, 4096, 14336, 32, zeros=True),
         "quant_matmul 16x14336x4096 int4 g128": lambda: qm(16, 14336, 4096, 128),
         "quant_matmul 16x4096x14336 int4 g32 zp": lambda: qm(16, 4096, 14336, 32, zeros=True),
-        "quant_matmul 64x4096x4096 int4 g32 fp16": lambda: qm(64, 4096, 4096, 32, dtype=torch.float16),
+        "quant_matmul 64x4096x4096 int4 g32 zp fp16": lambda: qm(
+            64, 4096, 4096, 32, zeros=True, dtype=torch.float16),
         "quant_matmul 8x4096x4096 int8 per channel": lambda: qm(8, 4096, 4096, 4096, bits=8),
         "quant_matmul 256x4096x4096 int4 g128": lambda: qm(256, 4096, 4096, 128),
         "quant_matmul 256x6144x4096 int4 g128 zp (Gluon prefill)": lambda: qm(

@@ -147,18 +147,26 @@ GLUON_PREFILL_MAX_M_SLICED = _rows_setting("SQUEEZESERVE_GLUON_PREFILL_MAX_M", 4
 # results/gluon_decode_rules_h100_2026-11-26.log): weights of at least GLUON_DECODE_MIN_WEIGHT values from 2
 # rows (28672 x 4096 at 2-16 rows 31.9-33.9 us against 33.6-35.1; 14336^2 50.3-52.9 against 59.9-62.5), of at
 # least GLUON_DECODE_MIN_WEIGHT_WIDE from GLUON_DECODE_WIDE_MIN_M rows (g32 at 32 rows of 14336 x 4096 23.4
-# against 30.2, of 28672 x 4096 40.4 against 52.1), of more than GLUON_DECODE_MIN_WEIGHT_WIDER from
-# GLUON_DECODE_WIDER_MIN_M rows (64 rows of 6144 x 4096: 17.8 against 26.4). Below those the tensor-core
-# kernel is as fast or faster (4096 x 14336 at 2-16 rows 18.1-18.7 against 19.4-20.3; 4096^2 at 32 rows).
+# against 30.2, of 28672 x 4096 40.4 against 52.1; 6144 x 4096 at 24 rows 13.7 against 17.0, with zero points
+# 13.9 against 18.0), in symmetric small groups of at least GLUON_DECODE_MIN_WEIGHT_WIDE_SMALL_GROUP (4096^2
+# g32 at 24-32 rows 11.3-11.7 against 13.4-13.8; g128 there 10.3-11.5 against the Gluon kernel's 11.1-11.7),
+# of at least GLUON_DECODE_MIN_WEIGHT_WIDER from GLUON_DECODE_WIDER_MIN_M rows (64 rows of 6144 x 4096: 17.8
+# against 26.4; 4096^2 at 48-64 rows 14.4-14.8 against 15.2-16.2 once the 64-row tiling's warpgroups freed
+# their own stages; thirty-second session, results/decode_rule_probe_h100_2026-11-27.log). Below those the
+# tensor-core kernel is as fast or faster (4096 x 14336 at 2-16 rows 18.1-18.7 against 19.4-20.3).
 # Small groups with zero points cost the Gluon kernel more (a row's eight zero-point nibbles a tile): there
 # only from GLUON_DECODE_WIDE_MIN_M rows of GLUON_DECODE_MIN_WEIGHT (g32 with zero points, 28672 x 4096: 2-16
 # rows 44.1-45.6 against 40.7-42.6, 24 rows 50.3 against 63.6; 4096 x 14336 at 24 rows 27.9 against 26.3;
-# results/gluon_decode_rules_h100_2026-11-26_zeros.log), and from GLUON_DECODE_WIDER_MIN_M rows as others.
+# results/gluon_decode_rules_h100_2026-11-26_zeros.log), and from GLUON_DECODE_WIDER_MIN_M rows of
+# GLUON_DECODE_MIN_WEIGHT_WIDE (4096^2 at 40-64 rows 16.9-17.3 against 15.1-15.4). These are packed words';
+# the vLLM method serves the weights of 2^25 values and more on owned words (vllm_ops.owned_shape), which the
+# Gluon kernel decodes from 2 rows (_quant_matmul_owned).
 # Other groups under GLUON_DECODE_MIN_GROUP (g64) were not timed: the other kernels. "gluon" forces it
 # wherever it takes the inputs, "triton" never.
 DECODE = "auto"
 GLUON_DECODE_BLOCK_K, GLUON_DECODE_MIN_GROUP, GLUON_DECODE_SMALL_GROUP = 256, 128, 32
-GLUON_DECODE_MIN_WEIGHT, GLUON_DECODE_MIN_WEIGHT_WIDE, GLUON_DECODE_WIDE_MIN_M = 1 << 26, 1 << 25, 17
+GLUON_DECODE_MIN_WEIGHT, GLUON_DECODE_MIN_WEIGHT_WIDE, GLUON_DECODE_WIDE_MIN_M = 1 << 26, 6144 * 4096, 17
+GLUON_DECODE_MIN_WEIGHT_WIDE_SMALL_GROUP = 1 << 24
 GLUON_DECODE_MIN_WEIGHT_WIDER, GLUON_DECODE_WIDER_MIN_M = 1 << 24, 33
 TRITON_PREFILL_MAX_M, TRITON_PREFILL_WIDE_MAX_M = 256, 512
 TRITON_PREFILL_MIN_N, TRITON_PREFILL_MIN_N_ANY, TRITON_PREFILL_MIN_K = 8192, 4096, 8192
@@ -581,12 +589,14 @@ def gluon_decode_in_auto(m: int, n_out: int, k_in: int, group_size: int = 128, z
     if m < 2 or (small and group_size != GLUON_DECODE_SMALL_GROUP):
         return False
     size = n_out * k_in
-    if m >= GLUON_DECODE_WIDER_MIN_M:
-        return size > GLUON_DECODE_MIN_WEIGHT_WIDER
     if small and zeros:
+        if m >= GLUON_DECODE_WIDER_MIN_M:
+            return size >= GLUON_DECODE_MIN_WEIGHT_WIDE
         return m >= GLUON_DECODE_WIDE_MIN_M and size >= GLUON_DECODE_MIN_WEIGHT
+    if m >= GLUON_DECODE_WIDER_MIN_M:
+        return size >= GLUON_DECODE_MIN_WEIGHT_WIDER
     if m >= GLUON_DECODE_WIDE_MIN_M:
-        return size >= GLUON_DECODE_MIN_WEIGHT_WIDE
+        return size >= (GLUON_DECODE_MIN_WEIGHT_WIDE_SMALL_GROUP if small else GLUON_DECODE_MIN_WEIGHT_WIDE)
     return size >= GLUON_DECODE_MIN_WEIGHT
 
 
@@ -613,12 +623,14 @@ def gluon_decode_tiles(m: int, sms: int) -> dict:
             "occupancy": 2} | deep  # fmt: skip
 
 
-def gluon_prefill_max_m(k_in: int, group_size: int, owned: bool = False) -> int:
+def gluon_prefill_max_m(k_in: int, group_size: int, owned: bool = False, zeros: bool = False) -> int:
     """The most rows the Gluon GEMM takes in ``PREFILL="auto"`` (PREFILL's comment): further where
     dequantize + cuBLAS would slice the weight (GLUON_PREFILL_MAX_M_SLICED), less for small groups of packed
-    words."""
+    words or with zero points (g32 with zero points on owned words, H100, thirty-second session,
+    prefill_tiling_probe.py --words, results/owned_words_probe_h100_2026-11-27_g32_zeros.log: 4096 x 14336 at
+    1536 / 2048 rows 437.3 / 465.3 us on the Gluon GEMM against dequantize + cuBLAS's 331.6 / 387.0)."""
     if group_size < 64:
-        return GLUON_PREFILL_MAX_M if owned else GLUON_PREFILL_MAX_M_SMALL_GROUP
+        return GLUON_PREFILL_MAX_M if owned and not zeros else GLUON_PREFILL_MAX_M_SMALL_GROUP
     return GLUON_PREFILL_MAX_M_SLICED if k_in < DEQUANT_SLICE_MAX_K else GLUON_PREFILL_MAX_M
 
 
@@ -971,7 +983,7 @@ def _quant_matmul_owned(
     elif m <= SKINNY_MAX_M and _gluon_runs(x2, qweight, scales, zeros, group_size, 4, GLUON_DECODE_BLOCK_K):
         cfg = gluon_decode_tiles(m, sm_count(x2.device))
         y = _gluon(x2, qweight, scales, zeros, group_size, cfg | {"owned": True}, pdl=pdl)
-    elif SKINNY_MAX_M < m <= gluon_prefill_max_m(k_in, group_size, owned=True) and _gluon_runs(
+    elif SKINNY_MAX_M < m <= gluon_prefill_max_m(k_in, group_size, True, zeros is not None) and _gluon_runs(
         x2, qweight, scales, zeros, group_size, 4, 64
     ):
         cfg = gluon_tiles(m, n_out, k_in, sm_count(x2.device))

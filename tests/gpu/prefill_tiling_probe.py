@@ -1,14 +1,16 @@
 """Issue 16 items 1-2: the Gluon GEMM's tilings through quant_matmul's own path (its workspace, where parts of
 stream-K tiles meet), against the tiling ``quant_matmul.gluon_tiles`` (``gluon_decode_tiles`` up to 64 rows,
-where the Gluon kernel runs as a decode) chooses today.
+where the Gluon kernel runs as a decode) chooses today. Up to 64 rows a candidate runs on the Gluon kernel's
+decode even where the rule runs another kernel (the rule's column says which).
 
     python tests/gpu/prefill_tiling_probe.py [--ms 128,256,512] [--tiles 128:6:p132,256:4:p132] \\
         [--machete] [--gluon-max-m 8192]
 
 Each candidate replaces ``gluon_tiles`` for the call (a tiling as ``gluon_prefill_probe.py`` writes it,
 BLOCK_M:STAGES:SPLIT[:BLOCK_N[:BLOCK_K[:WARPS]]], ``pN`` stream-K over N programs). Weights are cold (copies
-past the L2), each call in a CUDA graph; the 8B model's gate_up and down_proj run on thread-owned words
-(``quant_matmul_owned``), as the vLLM method serves them on Hopper, the others on packed words. Each result is
+past the L2), each call in a CUDA graph; the weights ``vllm_ops.owned_shape`` takes run on thread-owned
+words (``quant_matmul_owned``), as the vLLM method serves them on Hopper, the others on packed words
+(``--words packed`` / ``owned``: all on one kind, ``--tiles ''`` the rule alone). Each result is
 checked against bf16 cuBLAS on the dequantized weight before it is timed. ``--machete`` adds vLLM's Machete
 (vLLM staged) on the same weights; ``--gluon-max-m`` lets the Gluon GEMM take rows past GLUON_PREFILL_MAX_M
 (the rule's column then is its tiling, where dequantize + cuBLAS would run); where qkv, o, gate_up and down
@@ -28,7 +30,7 @@ from pathlib import Path
 import torch
 from triton.testing import do_bench_cudagraph
 
-from squeezeserve.kernels import quant_layout
+from squeezeserve.kernels import quant_layout, vllm_ops
 from squeezeserve.kernels.ops import quant_matmul as qm
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -36,7 +38,6 @@ from gluon_prefill_probe import COLD_BYTES, cycle, machete, tiling  # noqa: E402
 
 SHAPES = {"gate_up": (28672, 4096), "down": (4096, 14336), "qkv": (6144, 4096), "o": (4096, 4096),
           "14336x4096": (14336, 4096), "14336x14336": (14336, 14336)}  # fmt: skip
-OWNED = ("gate_up", "down")
 LAYER = ("qkv", "o", "gate_up", "down")  # the 8B model's four GEMMs a layer: summed where all are probed
 
 
@@ -48,6 +49,10 @@ def main() -> None:
     ap.add_argument("--tiles", default="128:6:p132,128:6:1,64:6:p132")
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--group", type=int, default=128)
+    # (asymmetric weights, packed zero points as compress writes them; Machete's are symmetric)
+    ap.add_argument("--zeros", action="store_true")
+    # (the words each weight is probed on: as the vLLM method serves it, vllm_ops.owned_shape, or all alike)
+    ap.add_argument("--words", choices=("served", "packed", "owned"), default="served")
     ap.add_argument("--machete", action="store_true")
     ap.add_argument("--gluon-max-m", type=int, default=0)
     args = ap.parse_args()
@@ -55,7 +60,8 @@ def main() -> None:
         qm.GLUON_PREFILL_MAX_M = max(qm.GLUON_PREFILL_MAX_M, args.gluon_max_m)
         qm.PREFILL = "gluon"
     rule, decode_rule = qm.gluon_tiles, qm.gluon_decode_tiles
-    print(f"# {torch.cuda.get_device_name()}; g{args.group}; us (x bf16 cuBLAS), the rule's tiling first")
+    kind = f"g{args.group}" + (" zero points" if args.zeros else "")
+    print(f"# {torch.cuda.get_device_name()}; {kind}; us (x bf16 cuBLAS), the rule's tiling first")
     totals: dict[int, dict[str, float]] = {}  # rows -> column (rule, a candidate, machete) -> us over LAYER
 
     def add(name: str, m: int, column: str, us: float) -> None:
@@ -65,14 +71,18 @@ def main() -> None:
     for name in args.shapes.split(","):
         n, k = SHAPES[name]
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / 64
-        t = quant_layout.pack_weight(w, 4, args.group)
-        qw, sc = t["weight_packed"], t["weight_scale"].to(torch.bfloat16)
-        dense = quant_layout.dequantize(qw, sc, None, (n, k), args.group, 4).to(torch.bfloat16)
-        owned = name in OWNED
+        t = quant_layout.pack_weight(w, 4, args.group, symmetric=not args.zeros)
+        qw, sc, zp = t["weight_packed"], t["weight_scale"].to(torch.bfloat16), t.get("weight_zero_point")
+        dense = quant_layout.dequantize(qw, sc, zp, (n, k), args.group, 4).to(torch.bfloat16)
+        served = vllm_ops.owned_shape(n, k, args.group, args.zeros)
+        owned = served if args.words == "served" else args.words == "owned"
         if owned:
             qw = quant_layout.to_owned_order(qw)
+            zp = None if zp is None else quant_layout.to_owned_zeros(zp, n)
         copies = max(1, min(64, math.ceil(COLD_BYTES / (qw.numel() * 4))))
-        packs = [(qw, sc)] + [(qw.clone(), sc.clone()) for _ in range(copies - 1)]
+        packs = [(qw, sc, zp)] + [
+            (qw.clone(), sc.clone(), None if zp is None else zp.clone()) for _ in range(copies - 1)
+        ]
         denses = [dense] + [
             dense.clone() for _ in range(max(1, min(64, math.ceil(COLD_BYTES / dense.nbytes))) - 1)
         ]
@@ -84,28 +94,30 @@ def main() -> None:
             ref = (x @ dense.t()).float()
             t_bf16 = do_bench_cudagraph(cycle([lambda d=d, x=x: x @ d.t() for d in denses]), rep=40)
             row = []
-            for spec in ["rule"] + args.tiles.split(","):
+            for spec in ["rule"] + [t for t in args.tiles.split(",") if t]:
                 ruled = spec == "rule" or spec.startswith("rule:")
                 cfg = None if ruled else tiling(spec)
                 # (up to 64 rows the Gluon kernel's decode takes the candidate: gluon_decode_tiles)
                 qm.gluon_tiles = rule if cfg is None else (lambda *a, cfg=cfg: dict(cfg))
                 qm.gluon_decode_tiles = decode_rule if cfg is None else (lambda *a, cfg=cfg: dict(cfg))
                 saved = {}
+                if cfg is not None and m <= qm.SKINNY_MAX_M:  # (a candidate decode tiling runs on the Gluon
+                    saved["DECODE"], qm.DECODE = qm.DECODE, "gluon"  # kernel even where the rule's would not)
                 try:
                     for setting in spec.partition(":")[2].split("+") if spec.startswith("rule:") else []:
                         key, _, value = setting.partition("=")
                         saved[key] = getattr(qm, key)
                         setattr(qm, key, type(saved[key])(value))
-                    y = op(x, qw, sc, None, args.group).float()
+                    y = op(x, qw, sc, zp, args.group).float()
                     err = ((y - ref).norm() / ref.norm()).item()
                     assert err < 4e-3, f"{name} {m} {spec}: rel err {err}"  # (both sides rounded to bf16)
-                    calls = [functools.partial(op, x, *p, None, args.group) for p in packs]
+                    calls = [functools.partial(op, x, *p, args.group) for p in packs]
                     t_q = do_bench_cudagraph(cycle(calls), rep=40)
                     if m <= qm.SKINNY_MAX_M:
-                        gluon = qm.gluon_decode_in_auto(m, n, k, args.group)
+                        gluon = qm.gluon_decode_in_auto(m, n, k, args.group, args.zeros)
                         chosen = decode_rule(m, 132) if gluon else "(not the Gluon kernel)"
                     else:
-                        gluon = qm.gluon_in_auto(m, n, k, args.group) or m <= args.gluon_max_m
+                        gluon = qm.gluon_in_auto(m, n, k, args.group, args.zeros) or m <= args.gluon_max_m
                         chosen = rule(m, n, k, 132) if gluon else "(not the Gluon kernel)"
                     label = f"{spec} {chosen}" if ruled else spec
                     row.append(f"{label} {t_q * 1e3:.1f} ({t_bf16 / t_q:.2f}x)")

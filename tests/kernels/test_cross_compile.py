@@ -26,7 +26,7 @@ EXPECTED = {
     "quant_matmul 2x4096x14336 int4 g32 zp": ["_gemv_int4_kernel"],
     "quant_matmul 16x14336x4096 int4 g128": ["_skinny_kernel"],
     "quant_matmul 16x4096x14336 int4 g32 zp": ["_skinny_kernel"],
-    "quant_matmul 64x4096x4096 int4 g32 fp16": ["_skinny_kernel"],
+    "quant_matmul 64x4096x4096 int4 g32 zp fp16": ["_skinny_kernel"],  # (symmetric g32 there: Gluon decode)
     "quant_matmul 8x4096x4096 int8 per channel": ["_skinny_kernel"],
     "quant_matmul 256x4096x4096 int4 g128": ["_prefill_kernel"],
     "quant_matmul 256x6144x4096 int4 g128 zp (Gluon prefill)": ["_wgmma_kernel"],

@@ -409,8 +409,13 @@ def test_gluon_decode_measured_choices():
     assert auto(2, 14336, 14336) and auto(64, 14336, 14336) and auto(2, 28672, 4096)
     assert not auto(1, 14336, 14336)  # one row: the FMA kernel
     assert not auto(16, 14336, 4096) and auto(17, 14336, 4096) and not auto(16, 4096, 14336)
-    assert not auto(32, 6144, 4096) and auto(33, 6144, 4096) and auto(64, 6144, 4096)
-    assert not auto(32, 4096, 4096) and not auto(64, 4096, 4096)  # 2^24 values: not more than
+    assert not auto(16, 6144, 4096) and auto(17, 6144, 4096) and auto(24, 6144, 4096) and auto(64, 6144, 4096)
+    assert auto(24, 6144, 4096, zeros=True)  # (thirty-second session: 13.9 us against 18.0)
+    # 4096^2 (2^24 values): from 33 rows (the 64-row tiling's warpgroups free their own stages), g32 from 17
+    assert not auto(32, 4096, 4096) and auto(33, 4096, 4096) and auto(64, 4096, 4096)
+    assert not auto(16, 4096, 4096, 32) and auto(17, 4096, 4096, 32) and auto(64, 4096, 4096, 32)
+    assert not auto(64, 4096, 4096, 32, zeros=True) and auto(64, 6144, 4096, 32, zeros=True)
+    assert not auto(64, 4096, 2048) and not auto(32, 4096, 2048, 32)  # (smaller weights: the other kernels)
     one = qm.gluon_decode_tiles(1, 132)
     assert (one["block_m"], one["block_n"], one["num_warps"], one["block_k"]) == (8, 64, 4, 256)
     assert one["programs"] == 264 and one["occupancy"] == 2  # two programs an SM

@@ -660,19 +660,22 @@ def test_owned_words_only_where_the_gluon_decode_serves(device, monkeypatch):
     assert not vllm_ops.owned_words(layer, scheme)  # (a small weight, or no Hopper here)
     monkeypatch.setattr(vllm_ops, "wgmma", lambda device: True)
     monkeypatch.setattr(vllm_ops.quant_matmul, "gluon_module", lambda: object())
-    monkeypatch.setattr(vllm_ops.quant_matmul, "gluon_decode_in_auto", lambda *a: True)
+    monkeypatch.setattr(vllm_ops, "owned_shape", lambda *a: True)
     assert vllm_ops.owned_words(layer, scheme) == (device != "cpu")
     assert not vllm_ops.owned_words(layer, vllm_ops.WeightOnlyScheme(8, 128, True, ()))
 
 
 def test_owned_shapes_are_the_8b_models_wide_layers():
-    # The 8B model's gate_up (28672 x 4096) and down (4096 x 14336) go to owned words; its qkv and o, the
-    # bundled model's layers, and g32 with zero points below the Gluon decode's threshold keep packed words.
-    assert vllm_ops.owned_shape(28672, 4096, 128, False) and vllm_ops.owned_shape(4096, 14336, 128, False)
-    assert vllm_ops.owned_shape(28672, 4096, 32, True) and vllm_ops.owned_shape(4096, 14336, 32, False)
-    assert not vllm_ops.owned_shape(4096, 14336, 32, True)
-    for n, k in ((6144, 4096), (4096, 4096), (3072, 576), (576, 1536)):
-        assert not vllm_ops.owned_shape(n, k, 128, False), (n, k)
+    # The 8B model's gate_up (28672 x 4096) and down (4096 x 14336) go to owned words, g32 with zero points
+    # too (thirty-second session: packed words took the slower decode there); its qkv and o (under 2^25
+    # values, where packed words' FMA kernel leads at one row), the bundled model's layers, and groups the
+    # Gluon decode does not take keep packed words.
+    owned = vllm_ops.owned_shape
+    for group, zeros in ((128, False), (128, True), (32, False), (32, True)):
+        assert owned(28672, 4096, group, zeros) and owned(4096, 14336, group, zeros)
+        for n, k in ((6144, 4096), (4096, 4096), (3072, 576), (576, 1536)):
+            assert not owned(n, k, group, zeros), (n, k, group, zeros)
+    assert not owned(28672, 4096, 64, False) and not owned(28672, 4096, 16, False)
 
 
 @pytest.mark.parametrize("symmetric", [True, False])
