@@ -113,11 +113,17 @@ def main() -> None:
                     assert err < 4e-3, f"{name} {m} {spec}: rel err {err}"  # (both sides rounded to bf16)
                     calls = [functools.partial(op, x, *p, args.group) for p in packs]
                     t_q = do_bench_cudagraph(cycle(calls), rep=40)
+                    # (the label: where the rule runs the Gluon kernel; owned words take it from 2 rows to
+                    # gluon_prefill_max_m, _quant_matmul_owned)
+                    fma_row = args.group <= qm.OWNED_FMA_MAX_GROUP and not (args.zeros and args.group == 32)
                     if m <= qm.SKINNY_MAX_M:
-                        gluon = qm.gluon_decode_in_auto(m, n, k, args.group, args.zeros)
+                        gluon = (m > 1 or not fma_row) if owned else qm.gluon_decode_in_auto(
+                            m, n, k, args.group, args.zeros)  # fmt: skip
                         chosen = decode_rule(m, 132) if gluon else "(not the Gluon kernel)"
                     else:
-                        gluon = qm.gluon_in_auto(m, n, k, args.group, args.zeros) or m <= args.gluon_max_m
+                        most = qm.gluon_prefill_max_m(k, args.group, True, args.zeros)
+                        gluon = m <= most if owned else qm.gluon_in_auto(m, n, k, args.group, args.zeros)
+                        gluon = gluon or m <= args.gluon_max_m
                         chosen = rule(m, n, k, 132) if gluon else "(not the Gluon kernel)"
                     label = f"{spec} {chosen}" if ruled else spec
                     row.append(f"{label} {t_q * 1e3:.1f} ({t_bf16 / t_q:.2f}x)")
