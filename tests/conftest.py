@@ -48,6 +48,15 @@ def start_worker(
     return url, process
 
 
+@pytest.fixture(autouse=True)
+def _same_torch_seed_for_every_test() -> None:
+    """Each test starts from one global torch RNG state, so that no verdict depends on which tests ran
+    before it in the process (a subset, another order). torch only where a test module imported it."""
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.manual_seed(0)
+
+
 @pytest.fixture(scope="session")
 def baseline_dir() -> Path:
     given = os.environ.get("SQUEEZESERVE_TEST_MODEL")

@@ -49,7 +49,7 @@ def output_error(x: torch.Tensor, weight: torch.Tensor, approximation: torch.Ten
 
 def test_activation_aware_factors_have_lower_output_error_than_plain_svd() -> None:
     x = correlated_inputs(2048, 64)
-    weight = torch.randn(48, 64)
+    weight = torch.randn(48, 64, generator=torch.Generator().manual_seed(1))
     covariance = x.T @ x / x.shape[0]
     errors = {}
     for algorithm in ("svd", "asvd", "svdllm"):
@@ -66,7 +66,7 @@ def test_activation_aware_factors_have_lower_output_error_than_plain_svd() -> No
 
 def test_whitened_truncation_error_is_the_dropped_singular_values() -> None:
     x = correlated_inputs(4096, 32)
-    weight = torch.randn(24, 32)
+    weight = torch.randn(24, 32, generator=torch.Generator().manual_seed(1))
     covariance = x.T @ x / x.shape[0]
     lower = whitening(covariance)
     sigma = torch.linalg.svdvals(weight @ lower)
@@ -134,15 +134,18 @@ def test_kmeans_finds_every_value_of_a_row_with_few_distinct_values() -> None:
 @pytest.mark.parametrize("group_size", [None, 32])
 @pytest.mark.parametrize("bits", [3, 4])
 def test_gptq_onto_codebooks_beats_nearest_value(bits: int, group_size: int | None) -> None:
+    # (a seeded weight: the test's verdict must not depend on the tests before it. 96 rows: over 12 seeds
+    # GPTQ's error was 0.77-0.89x nearest value's in every case, 4 bits in groups of 32 the closest; on 24
+    # rows one order of the suite gave 0.92x there)
     x = correlated_inputs(2048, 64)
-    weight = torch.randn(24, 64)
+    weight = torch.randn(96, 64, generator=torch.Generator().manual_seed(1))
     gram = x.T @ x
     errors = {}
     for algorithm in ("kmeans", "gptq"):
         shared = codebook_quantize(weight, gram, bits, group_size, algorithm)
         assert int(shared.indices.max()) < 1 << bits and shared.codebook.dtype == torch.float16
         groups = 1 if group_size is None else 64 // group_size
-        assert shared.codebook.shape == (24, groups << bits)
+        assert shared.codebook.shape == (96, groups << bits)
         packed = codebook_layout.pack_indices(shared.indices, bits)
         assert torch.equal(
             codebook_layout.dequantize(packed, shared.codebook, 64, group_size, bits).float(),
