@@ -316,15 +316,17 @@ def owned_words(layer: torch.nn.Module, scheme: WeightOnlyScheme) -> bool:
 
 
 def owned_shape(n_out: int, k_in: int, group: int, zeros: bool) -> bool:
-    """The weights no slower on owned words at any row count: weights of at least OWNED_MIN_WEIGHT values in
-    the groups the Gluon decode takes. H100, bench_quant_matmul.py --owned (NOTES.md, twentieth session),
+    """The weights owned words serve faster: weights of at least OWNED_MIN_WEIGHT values in the groups the
+    Gluon decode takes. H100, bench_quant_matmul.py --owned (NOTES.md, twentieth session),
     owned / packed at 1-8192 rows, g128: 28672 x 4096-like N 14336 K 4096 0.98-1.15x (the Gluon decode on
     both from 2 rows), N 4096 K 14336 1.0-1.1x (where packed words take the FMA and Triton kernels to 16
     rows), but 4096^2 0.70-0.92x at 1-16 rows (the FMA kernel's 6.4-9.1 us against the Gluon decode's
     9.1-9.9). g32 with zero points too since the thirty-second session (it had waited for the packed decode's
     threshold, 2^26 values): 2-64 rows, us owned / packed, 4096 x 14336 19.3-28.3 / 21.7-34.3, 14336 x 4096
     18.7-27.1 / 21.3-33.9 (Marlin 21.7-38.4 and 18.2-32.7;
-    tests/benchmarks/results/bench_quant_matmul_h100_2026-11-27_item1_g32.log)."""
+    tests/benchmarks/results/bench_quant_matmul_h100_2026-11-27_item1_g32.log); ahead to 1536 rows, 3-12%
+    behind in four of six points at 2048-4096 (dequantize + cuBLAS on both;
+    tests/benchmarks/results/owned_words_probe_h100_2026-11-27_g32_zeros.log)."""
     wide = quant_matmul.gluon_decode_in_auto(quant_matmul.GLUON_DECODE_WIDER_MIN_M, n_out, k_in, group, zeros)
     return wide and n_out * k_in >= OWNED_MIN_WEIGHT
 
