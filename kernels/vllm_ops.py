@@ -327,8 +327,7 @@ def owned_shape(n_out: int, k_in: int, group: int, zeros: bool) -> bool:
     tests/benchmarks/results/bench_quant_matmul_h100_2026-11-27_item1_g32.log); ahead to 1536 rows, 3-12%
     behind in four of six points at 2048-4096 (dequantize + cuBLAS on both;
     tests/benchmarks/results/owned_words_probe_h100_2026-11-27_g32_zeros.log)."""
-    wide = quant_matmul.gluon_decode_in_auto(quant_matmul.GLUON_DECODE_WIDER_MIN_M, n_out, k_in, group, zeros)
-    return wide and n_out * k_in >= OWNED_MIN_WEIGHT
+    return quant_matmul.gluon_decode_group(group) and n_out * k_in >= OWNED_MIN_WEIGHT
 
 
 def to_owned(qweight: torch.Tensor) -> torch.Tensor:

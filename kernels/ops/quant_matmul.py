@@ -582,12 +582,18 @@ def _gluon_decode(x2, qweight, scales, zeros, group_size, bits) -> bool:
     )
 
 
+def gluon_decode_group(group_size: int) -> bool:
+    """Whether ``DECODE="auto"`` decodes int4 in groups of ``group_size`` on the Gluon kernel at all (DECODE's
+    comment: g64 and smaller groups but g32 were not timed)."""
+    return group_size >= GLUON_DECODE_MIN_GROUP or group_size == GLUON_DECODE_SMALL_GROUP
+
+
 def gluon_decode_in_auto(m: int, n_out: int, k_in: int, group_size: int = 128, zeros: bool = False) -> bool:
     """Whether ``DECODE="auto"`` runs ``m`` rows of this weight (with zero points: ``zeros``) on the Gluon
     kernel (DECODE's comment)."""
-    small = group_size < GLUON_DECODE_MIN_GROUP
-    if m < 2 or (small and group_size != GLUON_DECODE_SMALL_GROUP):
+    if m < 2 or not gluon_decode_group(group_size):
         return False
+    small = group_size < GLUON_DECODE_MIN_GROUP
     size = n_out * k_in
     if small and zeros:
         if m >= GLUON_DECODE_WIDER_MIN_M:

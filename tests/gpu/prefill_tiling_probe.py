@@ -115,9 +115,9 @@ def main() -> None:
                     t_q = do_bench_cudagraph(cycle(calls), rep=40)
                     # (the label: where the rule runs the Gluon kernel; owned words take it from 2 rows to
                     # gluon_prefill_max_m, _quant_matmul_owned)
-                    fma_row = args.group <= qm.OWNED_FMA_MAX_GROUP and not (args.zeros and args.group == 32)
                     if m <= qm.SKINNY_MAX_M:
-                        gluon = (m > 1 or not fma_row) if owned else qm.gluon_decode_in_auto(
+                        fma_row = m == 1 and qm._owned_row_on_fma(x, qw, sc, zp, args.group)
+                        gluon = not fma_row if owned else qm.gluon_decode_in_auto(
                             m, n, k, args.group, args.zeros)  # fmt: skip
                         chosen = decode_rule(m, 132) if gluon else "(not the Gluon kernel)"
                     else:
