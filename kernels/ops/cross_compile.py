@@ -187,10 +187,12 @@ def cases() -> dict:
         zp = quant_layout.to_owned_zeros(zp, n) if zeros else None
         return quant_matmul._quant_matmul_owned, (x, quant_layout.to_owned_order(qw), scales, zp, group)
 
-    def owned_dequantize(n, k, group):
-        t = quant_layout.pack_weight(torch.zeros(n, k), 4, group)
-        qw, scales = quant_layout.to_owned_order(t["weight_packed"]), t["weight_scale"].to(bf)
-        return quant_matmul.dequantize, (qw, scales, None, k, group, 4, bf, None, True)
+    def dequantize(n, k, group, bits=4, zeros=False, owned=False):
+        t = quant_layout.pack_weight(torch.zeros(n, k), bits, group, symmetric=not zeros)
+        qw, scales, zp = t["weight_packed"], t["weight_scale"].to(bf), t.get("weight_zero_point")
+        if owned:
+            qw, zp = quant_layout.to_owned_order(qw), quant_layout.to_owned_zeros(zp, n) if zeros else None
+        return quant_matmul.dequantize, (qw, scales, zp if zeros else None, k, group, bits, bf, None, owned)
 
     def cb(m, n, k, group, bits):
         idx = codebook_layout.pack_indices(torch.zeros(n, k, dtype=torch.int32), bits)
@@ -262,7 +264,13 @@ def cases() -> dict:
         "quant_matmul_owned 1100x4096x14336 int4 g128 zp (Gluon a wave, then stream-K, 256-row tiles)": (
             lambda: owned(1100, 4096, 14336, 128, True)
         ),
-        "quant_matmul_owned dequantize 4096x14336 int4 g128": lambda: owned_dequantize(4096, 14336, 128),
+        "quant_matmul_owned dequantize 4096x14336 int4 g128": (
+            lambda: dequantize(4096, 14336, 128, owned=True)
+        ),
+        "quant_matmul_owned dequantize 14336x4096 int4 g32 zp": (
+            lambda: dequantize(14336, 4096, 32, zeros=True, owned=True)
+        ),
+        "quant_matmul dequantize 4096x4096 int8 per channel": lambda: dequantize(4096, 4096, 4096, bits=8),
         "codebook_matmul 1x4096x4096 4-bit g128": lambda: cb(1, 4096, 4096, 128, 4),
         "codebook_matmul 16x4096x4096 4-bit g128": lambda: cb(16, 4096, 4096, 128, 4),
         "codebook_matmul 128x4096x4096 3-bit per channel": lambda: cb(128, 4096, 4096, 0, 3),

@@ -174,6 +174,14 @@ TRITON_PREFILL_NARROW_MAX_M = 8192
 DEQUANT_SLICE_MIN_M, DEQUANT_SLICE_MAX_K = 1024, 8192
 # (whole int4 and int8 words of packed zero points a slice: a multiple of 8 rows; 0, the whole weight)
 DEQUANT_SLICE_ROWS = _rows_setting("SQUEEZESERVE_DEQUANT_SLICE_ROWS", 4096, multiple=8)
+# The dequantize kernel's tile (weight rows x K) where K spans a whole one, else DEQUANT_TILE_NARROW. H100, us
+# to expand the 8B model's down_proj (4096 x 14336) / 14336 x 4096 to bf16, 4 x 2048 against 32 x 256
+# (tests/gpu/dequantize_probe.py --tiles, results/dequantize_probe_h100_2026-11-28_tiles.log): g32 with zero
+# points on owned words 58.2 / 57.4 against 65.5 / 61.2 (a row's zero points are one word a 256-wide tile,
+# 32 scattered words a tile of 32 rows; a sector of eight in a 2048-wide one), on packed words 56.6 / 56.2
+# against 57.9 / 58.5, g128 within 1-3% either way; the 2048-row product on owned words 383.0 / 372.0
+# against 389.7 / 384.1 (packed 370.0-377.0 both).
+DEQUANT_TILE, DEQUANT_TILE_NARROW = (4, 2048), (32, 256)
 # Rows up to which the FMA kernel beats the tensor-core one where groups align to its GEMV_BLOCK_K tiles and
 # hold at most GEMV_ROWS_MAX_GROUP values (g32_probe.py --sweep-gemv-rows, H100: g32 1.0-1.4x faster at 2
 # rows, slower at 4); other groups one row. Since the tensor-core kernel reads int32 words, 2 rows of g128 run
@@ -222,7 +230,11 @@ ROW_SPLIT_TILE, ROW_SPLIT_MAX_M = 256, 1024
 # 1-16 rows, 28672 x 4096 30.8-33.0 / 28.3-30.7, 4096 x 14336 21.4-22.5 / 20.0-20.9, 64 rows 2-5% faster;
 # after our norm launched plainly nothing (14336 x 4096 19.4-20.4 / 20.0-21.0); after torch's RMSNorm, which
 # does not trigger, 4-8% slower (twenty-fourth session). So only on the caller's word, never by default;
-# prefill launches stay as they were (512 rows: within the noise).
+# prefill launches stay as they were (512 rows: within the noise). The FMA kernel and the tensor-core decode
+# stay plain launches: as dependents (their first weight words asked of the L2, then the wait; branch
+# decode-pdl-trial) they were slower in the same chain, 6144 x 4096 at one row 18.3-19.4 against 10.2-10.6 us,
+# up to 1.9 us at 2-16 rows but for one point (tests/gpu/pdl_probe.py --words packed,
+# results/pdl_probe_h100_2026-11-28_packed_decode_trial.log; NOTES.md, thirty-third session).
 PDL_MAX_M = SKINNY_MAX_M
 # bf16: 0x4300 is 128.0 with a 7-bit mantissa (integers 128..255 exact); fp16: 0x6400 is 1024.0 with a
 # 10-bit mantissa (1024..2047 exact).
@@ -893,7 +905,7 @@ def dequantize(
     n_out = qweight.shape[0]
     weight = torch.empty((n_out, k_in), dtype=dtype, device=qweight.device) if out is None else out
     zero_arg = zeros if zeros is not None else qweight
-    block_n, block_k = (16, 64) if interpreting() else (32, 256)
+    block_n, block_k = DEQUANT_TILE if k_in >= DEQUANT_TILE[1] else DEQUANT_TILE_NARROW
     grid = (cdiv(n_out, block_n), cdiv(k_in, block_k))
     traceable(_dequantize_kernel)[grid](
         qweight, scales, zero_arg, weight, n_out, k_in,

@@ -12,14 +12,15 @@ them). ``run_ncu`` runs every case under ncu and writes one text report per case
     python3 tests/gpu/ncu_probe.py --stalls OUTDIR/CASE.sass.csv  # where the warps' stall samples fall
 
 Cases: ``prefill-M-N-K`` (``_prefill_kernel`` forced, int4 g128), ``bf16-M-N-K`` (cuBLAS, ``x @ w.t()``),
-``decode-M-N-K[-g32z]`` (the skinny / FMA kernel as ``quant_matmul`` picks it; ``g32z``: int4 g32 with zero
-points), ``gluon-M-N-K[-g32z][-tTILING]`` (the Gluon kernel forced: stream-K decode up to 64 rows, the prefill
-GEMM past that, at ``quant_matmul.gluon_tiles``' tiling or, with ``-t``, at TILING as gluon_prefill_probe.py
-writes it, dots for its colons: ``gluon-384-6144-4096-t256.4.1`` a tile a program, ``-t256.4.p132`` stream-K,
-``-t256.4.p132w-1`` whole waves first), ``auto-M-N-K[-g32z]`` (what quant_matmul picks; ``-g128o`` /
-``-g32zo``: on owned words, quant_matmul_owned, as the vLLM method serves them on Hopper), ``machete-M-N-K``
-and ``marlin-M-N-K[-g32z]`` (vLLM's W4A16 kernels on the same weight re-quantized, symmetric g128 unless
-``g32z``; vLLM staged). Any M, N, K parse; ``--list`` gives the ones the 2026-11-25 reports hold.
+``decode-M-N-K`` (the skinny / FMA kernel as ``quant_matmul`` picks it), ``gluon-M-N-K[-tTILING]`` (the Gluon
+kernel forced: stream-K decode up to 64 rows, the prefill GEMM past that, at ``quant_matmul.gluon_tiles``'
+tiling or, with ``-t``, at TILING as gluon_prefill_probe.py writes it, dots for its colons:
+``gluon-384-6144-4096-t256.4.1`` a tile a program, ``-t256.4.p132`` stream-K, ``-t256.4.p132w-1`` whole waves
+first), ``auto-M-N-K`` (what quant_matmul picks), ``machete-M-N-K`` and ``marlin-M-N-K`` (vLLM's W4A16
+kernels on the same weight re-quantized; vLLM staged). The weight is int4 g128 unless the name ends in
+``-gGROUP[z][o]`` (before any tiling): ``-g32`` groups of 32, ``z`` with zero points, ``o`` on owned words
+(quant_matmul_owned, as the vLLM method serves them on Hopper): ``auto-4-14336-4096-g32zo``. Any M, N, K
+parse; ``--list`` gives the ones the 2026-11-25 reports hold.
 """
 
 from __future__ import annotations
@@ -173,8 +174,10 @@ def _case(name: str):
     kind, *dims = name.split("-")
     fmt = dims.pop() if not dims[-1].isdigit() else "g128"
     m, n, k = (int(d) for d in dims)
-    owned = fmt.endswith("o")
-    group, zeros = (32, True) if fmt.removesuffix("o") == "g32z" else (128, False)
+    parsed = re.fullmatch(r"g(\d+)(z?)(o?)", fmt)
+    if parsed is None:
+        raise SystemExit(f"{name}: the weight's format is gGROUP[z][o], got {fmt!r}")
+    group, zeros, owned = int(parsed[1]), bool(parsed[2]), bool(parsed[3])
     x = torch.randn(m, k, device="cuda", dtype=DTYPE)
     weight = torch.randn(n, k, device="cuda", dtype=DTYPE) / 64
     if kind == "bf16":

@@ -1,5 +1,7 @@
-"""Issue 16 item 1 (and the prompts of item 3): the Gluon kernel launched as a programmatic dependent (PDL)
-against its plain launch, through quant_matmul's own path on owned words (as the vLLM method serves Hopper).
+"""Issue 16 item 1 (and the prompts of item 3): the decode GEMMs launched as programmatic dependents (PDL)
+against their plain launch, through quant_matmul's own path on owned words (as the vLLM method serves Hopper)
+or, ``--words packed``, on the checkpoint's words (the Gluon decode, or the FMA and tensor-core decode
+kernels where quant_matmul picks those).
 
 A decode GEMM of 30-60 MB is a ~20 us kernel that reaches under half the DRAM bandwidth: its start and its
 end cost what its streaming does not (Nsight Compute, NOTES.md, twenty-fourth session). Under PDL (``pdl``,
@@ -44,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from gluon_prefill_probe import COLD_BYTES, cycle  # noqa: E402
 
 SHAPES = {"14336x4096": (14336, 4096), "4096x14336": (4096, 14336), "28672x4096": (28672, 4096),
-          "14336x14336": (14336, 14336), "6144x4096": (6144, 4096)}  # fmt: skip
+          "14336x14336": (14336, 14336), "6144x4096": (6144, 4096), "4096x4096": (4096, 4096)}  # fmt: skip
 
 
 def _marlin(w: torch.Tensor, group: int, zeros: bool, copies: int):
@@ -97,21 +99,27 @@ def main() -> None:
     ap.add_argument("--torch-norm", action="store_true", help="with --after-norm: torch's F.rms_norm")
     ap.add_argument("--chain", action="store_true", help="with --after-norm: a norm launched as a dependent")
     ap.add_argument("--marlin", action="store_true")
+    ap.add_argument(
+        "--words", choices=("owned", "packed"), default="owned",
+        help="packed: quant_matmul on the checkpoint's words (vLLM serves the weights under 2^25 values so: "
+        "qkv_proj, o_proj), whose decode rows run the FMA and tensor-core decode kernels",
+    )  # fmt: skip
     args = ap.parse_args()
     zeros = " zero points" if args.zeros else ""
     which = "torch's RMSNorm" if args.torch_norm else "our add-RMSNorm"
     which = "an RMSNorm launched as a programmatic dependent" if args.chain else which
     norm = f"; each GEMM after {which}" if args.after_norm else ""
     device = torch.cuda.get_device_name()
-    print(f"# {device}; g{args.group}{zeros}; owned words; us, PDL off / on / off / on{norm}")
+    print(f"# {device}; g{args.group}{zeros}; {args.words} words; us, PDL off / on / off / on{norm}")
     for name in args.shapes.split(","):
         n, k = SHAPES[name]
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / 64
         t = quant_layout.pack_weight(w, 4, args.group, symmetric=not args.zeros)
-        qw = quant_layout.to_owned_order(t["weight_packed"])
+        owned = args.words == "owned"
+        qw = quant_layout.to_owned_order(t["weight_packed"]) if owned else t["weight_packed"]
         sc = t["weight_scale"].to(torch.bfloat16)
         zp = t.get("weight_zero_point")
-        zp = quant_layout.to_owned_zeros(zp, n) if zp is not None else None
+        zp = quant_layout.to_owned_zeros(zp, n) if zp is not None and owned else zp
         copies = max(1, min(64, math.ceil(COLD_BYTES / (qw.numel() * 4))))
         packs = [(qw, sc, zp)] + [(qw.clone(), sc.clone(), zp) for _ in range(copies - 1)]
         norm_w = torch.ones(k, device="cuda", dtype=torch.bfloat16)
@@ -129,8 +137,10 @@ def main() -> None:
                     return dependent_rmsnorm(x, norm_w)
                 return K.add_rmsnorm(x, res, norm_w, 1e-6)[0]
 
-            def step(p, pdl, before=before):
-                return qm._quant_matmul_owned(before(), *p, args.group, pdl)
+            def step(p, pdl, before=before, owned=owned):
+                if owned:
+                    return qm._quant_matmul_owned(before(), *p, args.group, pdl)
+                return qm._quant_matmul(before(), *p, args.group, 4, pdl)
 
             row, first = [], None
             for pdl in (False, True, False, True):

@@ -62,6 +62,8 @@ EXPECTED = {
         "_wgmma_kernel"
     ],
     "quant_matmul_owned dequantize 4096x14336 int4 g128": ["_dequantize_kernel"],
+    "quant_matmul_owned dequantize 14336x4096 int4 g32 zp": ["_dequantize_kernel"],
+    "quant_matmul dequantize 4096x4096 int8 per channel": ["_dequantize_kernel"],
     "codebook_matmul 1x4096x4096 4-bit g128": ["_codebook_fma_kernel"],
     "codebook_matmul 16x4096x4096 4-bit g128": ["_codebook_matmul_kernel"],
     "codebook_matmul 128x4096x4096 3-bit per channel": ["_codebook_matmul_kernel"],

@@ -771,6 +771,27 @@ def test_dequantize_reads_owned_words(n, k, group, zeros, device):
         qm.dequantize(qw, sc, zp, k, 16, 4, torch.float16, owned=True)
 
 
+@pytest.mark.parametrize(
+    ("n", "k", "group", "bits", "zeros"),
+    [(10, 2304, 32, 4, True), (6, 4096, 128, 4, False), (10, 2304, 128, 8, False), (12, 2048, 64, 8, True)],
+)
+def test_dequantize_on_wide_tiles_is_the_reference(n, k, group, bits, zeros, device):
+    # K of a whole DEQUANT_TILE or more takes its 2048-wide tiles (a tail past them at 2304, rows past a
+    # tile's four at 6 and 10): the packed words' values, and int4's on owned words, bit for bit those of
+    # the layout's reference dequantization (in fp16: the interpreter rounds to bf16 otherwise than CUDA).
+    assert k >= qm.DEQUANT_TILE[1]
+    torch.manual_seed(n + k)
+    t = ql.pack_weight(torch.randn(n, k) / 64, bits, group, symmetric=not zeros)
+    qw, sc = t["weight_packed"].to(device), t["weight_scale"].to(device=device, dtype=torch.float16)
+    zp = t["weight_zero_point"].to(device) if zeros else None
+    want = ql.dequantize(qw, sc, zp, (n, k), group, bits).to(torch.float16)
+    assert torch.equal(qm.dequantize(qw, sc, zp, k, group, bits, torch.float16), want)
+    if bits == 4:
+        owned_zp = ql.to_owned_zeros(zp, n) if zeros else None
+        got = qm.dequantize(ql.to_owned_order(qw), sc, owned_zp, k, group, 4, torch.float16, owned=True)
+        assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize(("m", "zeros"), [(0, False), (1, False), (1, True), (3, False), (70, True)])
 def test_quant_matmul_owned_is_quant_matmul(m, zeros, device):
     # One row of groups of 32 runs on the FMA kernel reading x in the owned words' order; elsewhere, where the
