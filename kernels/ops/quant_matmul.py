@@ -174,13 +174,13 @@ TRITON_PREFILL_NARROW_MAX_M = 8192
 DEQUANT_SLICE_MIN_M, DEQUANT_SLICE_MAX_K = 1024, 8192
 # (whole int4 and int8 words of packed zero points a slice: a multiple of 8 rows; 0, the whole weight)
 DEQUANT_SLICE_ROWS = _rows_setting("SQUEEZESERVE_DEQUANT_SLICE_ROWS", 4096, multiple=8)
-# The dequantize kernel's tile (weight rows x K) where K spans a whole one, else DEQUANT_TILE_NARROW. H100, us
-# to expand the 8B model's down_proj (4096 x 14336) / 14336 x 4096 to bf16, 4 x 2048 against 32 x 256
-# (tests/gpu/dequantize_probe.py --tiles, results/dequantize_probe_h100_2026-11-28_tiles.log): g32 with zero
-# points on owned words 58.2 / 57.4 against 65.5 / 61.2 (a row's zero points are one word a 256-wide tile,
-# 32 scattered words a tile of 32 rows; a sector of eight in a 2048-wide one), on packed words 56.6 / 56.2
-# against 57.9 / 58.5, g128 within 1-3% either way; the 2048-row product on owned words 383.0 / 372.0
-# against 389.7 / 384.1 (packed 370.0-377.0 both).
+# The dequantize kernel's tile (weight rows x K) where K spans a whole one and the groups align to it, else
+# DEQUANT_TILE_NARROW. H100, us to expand the 8B model's down_proj (4096 x 14336) / 14336 x 4096 to bf16,
+# 4 x 2048 against 32 x 256 (tests/gpu/dequantize_probe.py --tiles,
+# results/dequantize_probe_h100_2026-11-28_tiles.log): g32 with zero points on owned words 58.2 / 57.4 against
+# 65.5 / 61.2 (a row's zero points are one word a 256-wide tile, 32 scattered words a tile of 32 rows; a
+# sector of eight in a 2048-wide one), on packed words 56.6 / 56.2 against 57.9 / 58.5, g128 within 1-3%
+# either way; the 2048-row product on owned words 383.0 / 372.0 against 389.7 / 384.1 (packed 370.0-377.0).
 DEQUANT_TILE, DEQUANT_TILE_NARROW = (4, 2048), (32, 256)
 # Rows up to which the FMA kernel beats the tensor-core one where groups align to its GEMV_BLOCK_K tiles and
 # hold at most GEMV_ROWS_MAX_GROUP values (g32_probe.py --sweep-gemv-rows, H100: g32 1.0-1.4x faster at 2
@@ -905,7 +905,9 @@ def dequantize(
     n_out = qweight.shape[0]
     weight = torch.empty((n_out, k_in), dtype=dtype, device=qweight.device) if out is None else out
     zero_arg = zeros if zeros is not None else qweight
-    block_n, block_k = DEQUANT_TILE if k_in >= DEQUANT_TILE[1] else DEQUANT_TILE_NARROW
+    block_n, block_k = DEQUANT_TILE
+    if k_in < block_k or not _groups_per_tile(group_size, block_k, 32 // bits):  # (groups straddling it)
+        block_n, block_k = DEQUANT_TILE_NARROW
     grid = (cdiv(n_out, block_n), cdiv(k_in, block_k))
     traceable(_dequantize_kernel)[grid](
         qweight, scales, zero_arg, weight, n_out, k_in,

@@ -773,12 +773,19 @@ def test_dequantize_reads_owned_words(n, k, group, zeros, device):
 
 @pytest.mark.parametrize(
     ("n", "k", "group", "bits", "zeros"),
-    [(10, 2304, 32, 4, True), (6, 4096, 128, 4, False), (10, 2304, 128, 8, False), (12, 2048, 64, 8, True)],
+    [
+        (10, 2304, 32, 4, True),
+        (6, 4096, 128, 4, False),
+        (10, 2304, 128, 8, False),
+        (12, 2048, 64, 8, True),
+        (8, 2304, 2304, 8, False),
+    ],
 )
 def test_dequantize_on_wide_tiles_is_the_reference(n, k, group, bits, zeros, device):
     # K of a whole DEQUANT_TILE or more takes its 2048-wide tiles (a tail past them at 2304, rows past a
-    # tile's four at 6 and 10): the packed words' values, and int4's on owned words, bit for bit those of
-    # the layout's reference dequantization (in fp16: the interpreter rounds to bf16 otherwise than CUDA).
+    # tile's four at 6 and 10; groups of 2304 straddle them and take the narrow ones): the packed words'
+    # values, and int4's on owned words, bit for bit those of the layout's reference dequantization (in
+    # fp16: the interpreter rounds to bf16 otherwise than CUDA).
     assert k >= qm.DEQUANT_TILE[1]
     torch.manual_seed(n + k)
     t = ql.pack_weight(torch.randn(n, k) / 64, bits, group, symmetric=not zeros)

@@ -10,6 +10,9 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, settings
 from schemathesis.checks import not_a_server_error
+from schemathesis.generation.feedback import FeedbackSources
+from schemathesis.pytest._test_builder import build_operation_test
+from schemathesis.python._constants.orchestrator import make_constants_value_source
 from schemathesis.specs.openapi.checks import (
     content_type_conformance,
     response_headers_conformance,
@@ -50,14 +53,43 @@ def fake_gateway(fake_upstream: Callable[..., Any], start_gateway: Callable[...,
     return start_gateway([fake_upstream().url])
 
 
-@FUZZED.parametrize()
-@FUZZ_SETTINGS
-def test_gateway_in_front_of_the_fake_upstream(case: schemathesis.Case, fake_gateway: str) -> None:
-    case.call_and_validate(base_url=fake_gateway, checks=CHECKS)
+# Every operation the fuzzing covers, a test each. Parametrized here rather than by FUZZED.parametrize():
+# under pytest-xdist (the README's test command) Schemathesis's own parametrize ran one of them. Each test is
+# the Hypothesis test that parametrize builds for its operation (Schemathesis's builder, as its pytest
+# plugin calls it: the examples, coverage and fuzzing phases, positive and negative data), so the cases are
+# the same. (Schemathesis is pinned in pyproject.toml: the builder is its own module's, not public API.)
+OPERATIONS = [f"{op.method.upper()} {op.path}" for op in (r.ok() for r in FUZZED.get_all_operations())]
+FEEDBACK = FeedbackSources(constants_value_source=make_constants_value_source(FUZZED))
+
+
+def fuzz(label: str, base_url: str) -> None:
+    """Schemathesis's cases of one operation (``METHOD /path``) against ``base_url``, CHECKS on each."""
+    method, path = label.split(" ", 1)
+
+    @FUZZ_SETTINGS
+    def check(case: schemathesis.Case) -> None:
+        case.call_and_validate(base_url=base_url, checks=CHECKS)
+
+    operation = FUZZED[path][method]
+    build_operation_test(config=FUZZED.config, operation=operation, test_func=check, given_kwargs={},
+                         feedback=FEEDBACK)()  # fmt: skip
+
+
+def test_every_v1_operation_is_fuzzed() -> None:
+    assert sorted(OPERATIONS) == [
+        "GET /v1/models",
+        "GET /v1/models/{model_id}",
+        "POST /v1/chat/completions",
+        "POST /v1/completions",
+    ]
+
+
+@pytest.mark.parametrize("operation", OPERATIONS)
+def test_gateway_in_front_of_the_fake_upstream(operation: str, fake_gateway: str) -> None:
+    fuzz(operation, fake_gateway)
 
 
 @pytest.mark.slow
-@FUZZED.parametrize()
-@FUZZ_SETTINGS
-def test_gateway_in_front_of_the_real_worker(case: schemathesis.Case, worker_gateway: str) -> None:
-    case.call_and_validate(base_url=worker_gateway, checks=CHECKS)
+@pytest.mark.parametrize("operation", OPERATIONS)
+def test_gateway_in_front_of_the_real_worker(operation: str, worker_gateway: str) -> None:
+    fuzz(operation, worker_gateway)
