@@ -1,7 +1,8 @@
 """Issue 16 item 1 (and the prompts of item 3): the decode GEMMs launched as programmatic dependents (PDL)
 against their plain launch, through quant_matmul's own path on owned words (as the vLLM method serves Hopper)
-or, ``--words packed``, on the checkpoint's words (the Gluon decode, or the FMA and tensor-core decode
-kernels where quant_matmul picks those).
+or, ``--words packed``, on the checkpoint's words (the Gluon decode where quant_matmul picks it; the FMA and
+tensor-core decode kernels it picks elsewhere launch plainly whatever ``pdl`` says, so those columns time one
+launch twice: branch decode-pdl-trial made them dependents, measured slower, NOTES.md thirty-third session).
 
 A decode GEMM of 30-60 MB is a ~20 us kernel that reaches under half the DRAM bandwidth: its start and its
 end cost what its streaming does not (Nsight Compute, NOTES.md, twenty-fourth session). Under PDL (``pdl``,
@@ -102,7 +103,7 @@ def main() -> None:
     ap.add_argument(
         "--words", choices=("owned", "packed"), default="owned",
         help="packed: quant_matmul on the checkpoint's words (vLLM serves the weights under 2^25 values so: "
-        "qkv_proj, o_proj), whose decode rows run the FMA and tensor-core decode kernels",
+        "qkv_proj, o_proj)",
     )  # fmt: skip
     args = ap.parse_args()
     zeros = " zero points" if args.zeros else ""
