@@ -324,9 +324,10 @@ def owned_shape(n_out: int, k_in: int, group: int, zeros: bool) -> bool:
     9.1-9.9). g32 with zero points too since the thirty-second session (it had waited for the packed decode's
     threshold, 2^26 values): 2-64 rows, us owned / packed, 4096 x 14336 19.3-28.3 / 21.7-34.3, 14336 x 4096
     18.7-27.1 / 21.3-33.9 (Marlin 21.7-38.4 and 18.2-32.7;
-    tests/benchmarks/results/bench_quant_matmul_h100_2026-11-27_item1_g32.log); ahead to 1536 rows, 3-12%
-    behind in four of six points at 2048-4096 (dequantize + cuBLAS on both;
-    tests/benchmarks/results/owned_words_probe_h100_2026-11-27_g32_zeros.log)."""
+    tests/benchmarks/results/bench_quant_matmul_h100_2026-11-27_item1_g32.log); ahead to 1536 rows, and at
+    2048-4096 (dequantize + cuBLAS on both) 0.99-1.02x since the dequantize kernel's 4 x 2048 tile
+    (quant_matmul.DEQUANT_TILE; 1.01-1.05x before:
+    tests/benchmarks/results/dequantize_probe_h100_2026-11-28*.log)."""
     return quant_matmul.gluon_decode_group(group) and n_out * k_in >= OWNED_MIN_WEIGHT
 
 

@@ -180,7 +180,8 @@ DEQUANT_SLICE_ROWS = _rows_setting("SQUEEZESERVE_DEQUANT_SLICE_ROWS", 4096, mult
 # results/dequantize_probe_h100_2026-11-28_tiles.log): g32 with zero points on owned words 58.2 / 57.4 against
 # 65.5 / 61.2 (a row's zero points are one word a 256-wide tile, 32 scattered words a tile of 32 rows; a
 # sector of eight in a 2048-wide one), on packed words 56.6 / 56.2 against 57.9 / 58.5, g128 within 1-3%
-# either way; the 2048-row product on owned words 383.0 / 372.0 against 389.7 / 384.1 (packed 370.0-377.0).
+# either way; the 2048-row product on owned words 383.0 / 372.0 against 389.7 / 384.1 (medians; packed
+# 367.0-380.7 on every tile).
 DEQUANT_TILE, DEQUANT_TILE_NARROW = (4, 2048), (32, 256)
 # Rows up to which the FMA kernel beats the tensor-core one where groups align to its GEMV_BLOCK_K tiles and
 # hold at most GEMV_ROWS_MAX_GROUP values (g32_probe.py --sweep-gemv-rows, H100: g32 1.0-1.4x faster at 2
