@@ -143,6 +143,17 @@ def release_by_warpgroup(ptx: str) -> str:
     return "\n".join(line for i, line in enumerate(lines) if i not in drop)
 
 
+def _passes(ptx: str, metadata: dict) -> str:
+    """Each marked kernel's passes: :func:`release_by_warpgroup`, then ``ptx_cluster.share_x`` (whose kernel
+    launches as clusters: its metadata's ``num_ctas``, which Triton's launcher reads)."""
+    from squeezeserve.kernels.ops import ptx_cluster
+
+    ptx, clustered = ptx_cluster.share_x(release_by_warpgroup(ptx))
+    if clustered:
+        metadata["num_ctas"] = ptx_cluster.CTAS
+    return ptx
+
+
 _hook = None
 
 
@@ -163,11 +174,13 @@ def install() -> None:
     def hook(*args):
         if not args:  # (the cache key's part)
             key, digest = before() if before is not None else ("", "")
-            return key + "+squeezeserve-ptx-release", digest + MARK
+            from squeezeserve.kernels.ops import ptx_cluster
+
+            return key + "+squeezeserve-ptx-release", digest + MARK + ptx_cluster.MARK
         if before is not None:
             before(*args)
         stages = args[1]
         make_ptx = stages["ptx"]
-        stages["ptx"] = lambda src, metadata: release_by_warpgroup(make_ptx(src, metadata))
+        stages["ptx"] = lambda src, metadata: _passes(make_ptx(src, metadata), metadata)
 
     runtime.add_stages_inspection_hook = _hook = hook

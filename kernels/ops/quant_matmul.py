@@ -532,12 +532,21 @@ _BUILD_ERRORS = (CompilationError, *(getattr(triton_errors, n) for n in ("PTXASE
 
 
 def _release_error(e: BaseException) -> BaseException | None:
-    """The ptx_release.ReleaseError behind ``e`` (a compile error may wrap it), or None."""
+    """The ptx_release.ReleaseError or ptx_cluster.ClusterError behind ``e`` (a compile error may wrap it),
+    or None."""
+    from squeezeserve.kernels.ops.ptx_cluster import ClusterError
     from squeezeserve.kernels.ops.ptx_release import ReleaseError
 
-    while e is not None and not isinstance(e, ReleaseError):
+    while e is not None and not isinstance(e, (ReleaseError, ClusterError)):
         e = e.__cause__ or e.__context__
     return e
+
+
+def _cluster_off(reason: str) -> None:
+    """From now on the Gluon prefill GEMM's programs each load their own x tiles (GLUON_CLUSTER "off")."""
+    global GLUON_CLUSTER
+    GLUON_CLUSTER = "off"
+    log.warning("quant_matmul: the Gluon GEMM's clusters sharing x are off (%s)", reason)
 
 
 def _wg_release_off(reason: str) -> None:
@@ -624,6 +633,25 @@ def gluon_decode_in_auto(m: int, n_out: int, k_in: int, group_size: int = 128, z
 WG_RELEASE = os.environ.get("SQUEEZESERVE_WG_RELEASE", "on")
 if WG_RELEASE not in ("on", "off"):
     raise ValueError(f"SQUEEZESERVE_WG_RELEASE must be on or off, got {WG_RELEASE!r}")
+
+
+# SQUEEZESERVE_GLUON_CLUSTER=off: the Gluon prefill GEMM's programs each load their own x tiles. On (the
+# default), where the rule runs 256-row tiles a tile a program, the weight's 128-row tiles are even in number
+# and K is at least GLUON_CLUSTER_MIN_K, two programs of a cluster share x's tiles, each loading half of each
+# into both (TMA multicast; ptx_cluster's pass), bit for bit the products of the programs alone: less of the
+# L2-to-SM traffic that held the GEMM below Machete where N >= 14336 (NOTES.md, twenty-fourth and
+# thirty-fourth sessions). H100, owned words as served, g128, medians of three interleaved rounds
+# (tests/gpu/cluster_probe.py, results/cluster_probe_h100_2026-11-28_machete.log), us alone / in clusters /
+# Machete: 14336^2 at 2048 rows 1235.7 / 1175.4 / 1172.3, at 8192 5248.6 / 5099.7 / 4744.0; down_proj
+# (4096 x 14336) 350.0 / 342.3 / 402.7 and 1511.1 / 1438.1 / 1592.3. Where K = 4096 it did not pay
+# everywhere: gate_up (28672 x 4096) 740.3 / 730.1 at 2048 rows in those rounds but 721.8 / 769.0 in single
+# samples through quant_matmul (results/prefill_tiling_probe_h100_2026-11-28_cluster_rule.log), qkv (6144 x
+# 4096) 1-6% slower at 512-4096 rows, 14336 x 4096 within 0.3% at 2048, o_proj (4096^2) 1-5% faster, the 8B
+# layer's four at 512-4096 rows within -3% / +2%: so deep reductions only. 128-row tiles gained nothing.
+GLUON_CLUSTER_MIN_K = 8192
+GLUON_CLUSTER = os.environ.get("SQUEEZESERVE_GLUON_CLUSTER", "on")
+if GLUON_CLUSTER not in ("on", "off"):
+    raise ValueError(f"SQUEEZESERVE_GLUON_CLUSTER must be on or off, got {GLUON_CLUSTER!r}")
 
 
 def gluon_decode_tiles(m: int, sms: int) -> dict:
@@ -757,6 +785,8 @@ def gluon_tiles(m: int, n_out: int, k_in: int, sms: int) -> dict:
     ):  # the last wave mostly idle: whole tiles a wave (but one, where GLUON_DP_MIN_N wide), then the rest
         # shared stream-K (GLUON_DP_*)
         return cfg | {"programs": sms, "dp_waves": -1 if n_out >= GLUON_DP_MIN_N else tiles // sms}
+    if block_m == 256 and k_in >= GLUON_CLUSTER_MIN_K and cdiv(n_out, 128) % 2 == 0 and GLUON_CLUSTER == "on":
+        return cfg | {"cluster": 2}  # (GLUON_CLUSTER's comment)
     return cfg
 
 
@@ -786,6 +816,9 @@ def _gluon(x2, qweight, scales, zeros, group_size, cfg: dict, out=None, pdl=Fals
         if release is not None and cfg.get("wg_release"):  # (the pass could not apply: Gluon's own release)
             _wg_release_off(str(release))
             return _gluon(x2, qweight, scales, zeros, group_size, cfg | {"wg_release": False}, out, pdl)
+        if release is not None and cfg.get("cluster", 1) > 1:  # (ptx_cluster's could not: programs alone)
+            _cluster_off(str(release))
+            return _gluon(x2, qweight, scales, zeros, group_size, cfg | {"cluster": 1}, out, pdl)
         if not isinstance(e, _BUILD_ERRORS):
             raise
         cause = e

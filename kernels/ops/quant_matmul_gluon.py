@@ -61,8 +61,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from squeezeserve.kernels.ops import ptx_release
-from squeezeserve.kernels.ops.launch import FastLaunch, cdiv
+from squeezeserve.kernels.ops import ptx_cluster, ptx_release
+from squeezeserve.kernels.ops.launch import FastLaunch, capturing, cdiv, specialization_key
 
 # Gluon's names in Triton 3.6 (vLLM 0.26's) and from 3.9 on: a CTA-wide barrier (``thread_barrier`` ->
 # ``barrier``), a TMA load into shared memory (``async_copy_global_to_shared`` -> ``async_load``).
@@ -92,6 +92,30 @@ _MARK_ASM = gl.constexpr(f"mov.u32 $0, 0; // {ptx_release.MARK}")
 def _mark_release():
     """Asks :mod:`ptx_release`'s pass to have each warpgroup free its own stages (RELEASES > 1)."""
     gl.inline_asm_elementwise(_MARK_ASM, "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
+
+_CLUSTER_START_ASM = gl.constexpr(
+    f"fence.mbarrier_init.release.cluster; barrier.cluster.arrive.release; barrier.cluster.wait.acquire; "
+    f"mov.u32 $0, 0; // {ptx_cluster.MARK}"
+)
+
+
+@gluon.jit
+def _cluster_start():
+    """The compute warps' part of the cluster's start: the ring's barriers, just made, become visible to the
+    other program, and they wait for both programs' (the loading warpgroup's arrival is ptx_cluster's, which
+    this call's mark asks for, with TMA's multicast of x and the releases of the other program's stages)."""
+    gl.inline_asm_elementwise(_CLUSTER_START_ASM, "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
+
+_CLUSTER_WAIT_ASM = gl.constexpr("barrier.cluster.wait.acquire; mov.u32 $0, 0;")
+
+
+@gluon.jit
+def _cluster_wait():
+    """The loading warp's wait for the cluster's start (its arrival is ptx_cluster's, where the loading
+    warpgroup leaves the compute warps): both programs' barriers are made."""
+    gl.inline_asm_elementwise(_CLUSTER_WAIT_ASM, "=r", [], dtype=gl.int32, is_pure=False, pack=1)
 
 
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
@@ -531,37 +555,50 @@ def _stretch(s, start, end, k_units, dp_tiles, DP: gl.constexpr):
 
 
 @gluon.jit
-def _segment(unit, end, k_units, tiles_m, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+def _segment(unit, end, k_units, tiles_m, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+             CLUSTER: gl.constexpr = 1):  # fmt: skip
     """The output tile that K unit ``unit`` of a run ending at ``end`` belongs to: (tile, its first unit
-    here, how many of its units the run holds from there, the tile's row and weight-row offsets)."""
+    here, how many of its units the run holds from there, the tile's row and weight-row offsets). Tiles go
+    rows first (programs sharing a weight tile run together); with ``CLUSTER`` 2, tiles 2 c and 2 c + 1 (a
+    cluster's two programs) share their rows of x and take neighbouring weight tiles."""
     tile = unit // k_units
     u0 = unit - tile * k_units
-    return (
-        tile,
-        u0,
-        gl.minimum(k_units - u0, end - unit),
-        (tile % tiles_m) * BLOCK_M,
-        (tile // tiles_m) * BLOCK_N,
-    )
+    if CLUSTER == 2:
+        pair = tile // 2
+        off_m = (pair % tiles_m) * BLOCK_M
+        off_n = ((pair // tiles_m) * 2 + tile % 2) * BLOCK_N
+    else:
+        off_m = (tile % tiles_m) * BLOCK_M
+        off_n = (tile // tiles_m) * BLOCK_N
+    return tile, u0, gl.minimum(k_units - u0, end - unit), off_m, off_n
 
 
 @gluon.jit
 def _load_stage(x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, ready, empty, stage, g, t, off_m, off_n,
                 WITH_X: gl.constexpr, SCALES_TMA: gl.constexpr, BLOCK_K: gl.constexpr,
-                STAGES: gl.constexpr):  # fmt: skip
+                STAGES: gl.constexpr, CLUSTER: gl.constexpr = 1):  # fmt: skip
     """K tile ``t`` into ring stage ``stage`` (the ``g``-th tile loaded) once it is free: its words (and
     scales), and with ``WITH_X`` x's tile; the stage's ``ready`` expects x's tile either way (without
     ``WITH_X`` the caller issues it apart: PDL's, after its wait)."""
     # (a fresh barrier: phase 1 is done)
     mbarrier.wait(empty.index(stage), ((g // STAGES) & 1) ^ 1)
     bar = ready.index(stage)
+    # (with CLUSTER 2, x_desc's box is half the tile: each program's half comes to both, ptx_cluster's pass)
+    x_bytes: gl.constexpr = x_desc.block_type.nbytes * CLUSTER
     if SCALES_TMA:
-        mbarrier.expect(bar, x_desc.block_type.nbytes + w_desc.block_type.nbytes + s_desc.block_type.nbytes)
+        mbarrier.expect(bar, x_bytes + w_desc.block_type.nbytes + s_desc.block_type.nbytes)
         _tma_load(s_desc, [off_n, t * 8], bar, s_smem.index(stage))
     else:
-        mbarrier.expect(bar, x_desc.block_type.nbytes + w_desc.block_type.nbytes)
+        mbarrier.expect(bar, x_bytes + w_desc.block_type.nbytes)
     if WITH_X:
-        _tma_load(x_desc, [off_m, t * BLOCK_K], bar, x_smem.index(stage))
+        if CLUSTER == 2:
+            half: gl.constexpr = x_desc.block_type.shape[0]
+            rank = gl.program_id(0) % 2
+            _tma_load(x_desc, [off_m, t * BLOCK_K], bar, x_smem.index(stage).slice(0, half), pred=rank == 0)
+            _tma_load(x_desc, [off_m + half, t * BLOCK_K], bar, x_smem.index(stage).slice(half, half),
+                      pred=rank == 1)  # fmt: skip
+        else:
+            _tma_load(x_desc, [off_m, t * BLOCK_K], bar, x_smem.index(stage))
     _tma_load(w_desc, [off_n, t * (BLOCK_K // 8)], bar, w_smem.index(stage))
 
 
@@ -588,6 +625,7 @@ def _load_partition(
     BLOCK_K: gl.constexpr,
     STAGES: gl.constexpr,
     PDL: gl.constexpr,
+    CLUSTER: gl.constexpr,
 ):
     """The loading warp: every K tile of the program's run, in order, into the ring's next stage once the
     products of the tile it held are done (``empty``); TMA signals ``ready`` when the bytes are in. With
@@ -598,6 +636,8 @@ def _load_partition(
     start, end, k_units, stretches = _share(M, N, K, units_per_split, dp_tiles, STREAM_K, DP, BLOCK_M,
                                             BLOCK_N, BLOCK_K)  # fmt: skip
     tiles_m = gl.cdiv(M, BLOCK_M)
+    if CLUSTER > 1:
+        _cluster_wait()
     _launch_dependents()  # (a kernel launched after this one as its programmatic dependent may start)
     if PDL:
         lo, hi = _stretch(0, start, end, k_units, dp_tiles, DP)
@@ -614,7 +654,7 @@ def _load_partition(
         lo, hi = _stretch(s, start, end, k_units, dp_tiles, DP)
         unit = lo
         while unit < hi:
-            tile, u0, units, off_m, off_n = _segment(unit, hi, k_units, tiles_m, BLOCK_M, BLOCK_N)
+            tile, u0, units, off_m, off_n = _segment(unit, hi, k_units, tiles_m, BLOCK_M, BLOCK_N, CLUSTER)
             for t in range(2 * u0, 2 * (u0 + units)):
                 stage = g % STAGES
                 if PDL:
@@ -625,7 +665,7 @@ def _load_partition(
                     _tma_load(x_desc, [off_m, t * BLOCK_K], bar, x_smem.index(stage))
                 else:
                     _load_stage(x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, ready, empty, stage, g, t,
-                                off_m, off_n, True, SCALES_TMA, BLOCK_K, STAGES)  # fmt: skip
+                                off_m, off_n, True, SCALES_TMA, BLOCK_K, STAGES, CLUSTER)  # fmt: skip
                 g += 1
             unit += units
 
@@ -666,6 +706,7 @@ def _compute_partition(
     STAGES: gl.constexpr,
     PDL: gl.constexpr,
     RELEASES: gl.constexpr,
+    CLUSTER: gl.constexpr,
     num_warps: gl.constexpr,
 ):
     """The products, tile by tile: tile t's run on the tensor cores while tile t + 1's operand is made from
@@ -694,7 +735,7 @@ def _compute_partition(
         lo, hi = _stretch(s, start, end, k_units, dp_tiles, DP)
         unit = lo
         while unit < hi:
-            tile, u0, units, off_m, off_n = _segment(unit, hi, k_units, tiles_m, BLOCK_M, BLOCK_N)
+            tile, u0, units, off_m, off_n = _segment(unit, hi, k_units, tiles_m, BLOCK_M, BLOCK_N, CLUSTER)
             offs_n = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, gl.SliceLayout(2, w_layout)))
             mask_n = offs_n < N
             first = 2 * u0
@@ -751,11 +792,19 @@ def _compute_partition(
             _write(acc, y_ptr, ws_ptr, count_ptr, tile, units == k_units, late, units, k_units, off_m, off_n,
                    M, N, y_row_stride, MODE, BLOCK_M, BLOCK_N, num_warps)  # fmt: skip
             unit += units
+    if CLUSTER > 1:
+        # The other program of the cluster frees our stages too (its last releases may come after ours):
+        # the program ends once every stage's last release, its and ours, is in (no arrival then reaches
+        # a program that has ended).
+        for s in gl.static_range(STAGES):
+            uses = (g - s + STAGES - 1) // STAGES
+            mbarrier.wait(empty.index(s), (uses - 1) & 1, pred=uses > 0)
 
 
 @gluon.jit
 def _ring(x_desc, w_desc, s_desc, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-          STAGES: gl.constexpr, SCALES_TMA: gl.constexpr, RELEASES: gl.constexpr):  # fmt: skip
+          STAGES: gl.constexpr, SCALES_TMA: gl.constexpr, RELEASES: gl.constexpr,
+          CLUSTER: gl.constexpr):  # fmt: skip
     """The ring of STAGES shared-memory stages (x tile, weight words, and with ``SCALES_TMA`` the tile's
     scales) the loading warp fills, with each stage's ``ready`` (TMA's bytes in) and ``empty`` (its
     products done) barriers."""
@@ -770,7 +819,9 @@ def _ring(x_desc, w_desc, s_desc, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, 
     for s in gl.static_range(STAGES):
         mbarrier.init(ready.index(s), count=1)
         # (one arrival: the partition syncs, then one thread arrives; RELEASES: one a warpgroup, ptx_release)
-        mbarrier.init(empty.index(s), count=RELEASES)
+        mbarrier.init(empty.index(s), count=RELEASES * CLUSTER)
+    if CLUSTER > 1:  # (the barriers are the cluster's before either program loads into or frees the other's)
+        _cluster_start()
     return x_smem, w_smem, s_smem, ready, empty
 
 
@@ -808,10 +859,11 @@ def _wgmma_kernel(
     STAGES: gl.constexpr,
     PDL: gl.constexpr,  # launched as a programmatic dependent (launch_args' ``pdl``)
     RELEASES: gl.constexpr,  # arrivals that free a stage: 1, or a warpgroup's each (launch_args' wg_release)
+    CLUSTER: gl.constexpr,  # 2: clusters of two programs sharing x's tiles (launch_args' cluster)
     num_warps: gl.constexpr,
 ):
     x_smem, w_smem, s_smem, ready, empty = _ring(x_desc, w_desc, s_desc, BLOCK_M, BLOCK_N, BLOCK_K, STAGES,
-                                                 SCALES_TMA, RELEASES)  # fmt: skip
+                                                 SCALES_TMA, RELEASES, CLUSTER)  # fmt: skip
     # One loading warp of 24 registers (scalars only; the least a warp may have). (The partitions' arguments
     # are written out in the call: a tuple bound to a name first turns the constexprs in it into tensors.)
     gl.warp_specialize(
@@ -820,10 +872,10 @@ def _wgmma_kernel(
                                   count_ptr, M, N, K, scale_row_stride, zero_row_stride, y_row_stride,
                                   units_per_split, dp_tiles, MODE, STREAM_K, DP, LATE_FIRST, OWNED, GROUP,
                                   HAS_ZERO, ZERO_ROWS, SCALES_TMA, MAGIC_F, BLOCK_M, BLOCK_N, BLOCK_K, STAGES,
-                                  PDL, RELEASES, num_warps)),
+                                  PDL, RELEASES, CLUSTER, num_warps)),
             (_load_partition, (x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, ready, empty, M, N, K,
                                units_per_split, dp_tiles, STREAM_K, DP, SCALES_TMA, BLOCK_M, BLOCK_N, BLOCK_K,
-                               STAGES, PDL)),
+                               STAGES, PDL, CLUSTER)),
         ],
         [1],
         [24],
@@ -885,7 +937,26 @@ def _smem_layout(rows: int, cols: int, dtype: torch.dtype = torch.int32):
 def launch(x2, qweight, scales, zeros, group_size, y, ws, counts, **tiling) -> None:
     """y [M, N] = x2 [M, K] @ dequantize(W).T on the Gluon kernel (:func:`launch_args` says how)."""
     grid, args, kwargs = launch_args(x2, qweight, scales, zeros, group_size, y, ws, counts, **tiling)
+    if kwargs["CLUSTER"] > 1 and not capturing():  # (captured launches run nowhere: cross_compile's)
+        _check_clustered(grid, args, kwargs)
     _LAUNCH[grid](*args, **kwargs)
+
+
+_CLUSTERED: set = set()  # specialization keys whose kernel ptx_cluster made a cluster's
+
+
+def _check_clustered(grid, args, kwargs) -> None:
+    """Before a CLUSTER kernel's first launch: compiled (not launched), it must be ptx_cluster's, launched in
+    clusters (its metadata's num_ctas); compiled without the pass (another stages hook in its place), its
+    ring would wait for releases nobody sends."""
+    key = specialization_key(args, kwargs, _LAUNCH.constexpr_positions)
+    if key is not None and key in _CLUSTERED:
+        return
+    compiled = _wgmma_kernel.warmup(*args, grid=grid, **kwargs)
+    if getattr(compiled.metadata, "num_ctas", 1) != kwargs["CLUSTER"]:
+        raise ptx_cluster.ClusterError("ptx_cluster: the kernel was compiled without the pass")
+    if key is not None:
+        _CLUSTERED.add(key)
 
 
 def launch_args(
@@ -913,6 +984,7 @@ def launch_args(
     zero_rows=None,
     pdl=False,
     wg_release=False,
+    cluster=1,
 ) -> tuple[tuple, tuple, dict]:
     """The grid, arguments and keywords of the Gluon kernel's launch for y [M, N] = x2 [M, K] @
     dequantize(W).T: each output tile's K split ``split`` ways, or, with ``programs``, all (tile, K unit)
@@ -946,7 +1018,17 @@ def launch_args(
         parts = grid[1] > 1
     if parts and mode == 0:
         raise ValueError("quant_matmul_gluon.launch: split tiles need mode 1 or 2")
-    x_desc = TensorDescriptor.from_tensor(x2, [block_m, block_k], _smem_layout(block_m, block_k, x2.dtype))
+    if cluster not in (1, 2):
+        raise ValueError(f"quant_matmul_gluon.launch: clusters of 1 or 2 programs, not {cluster}")
+    if cluster == 2:
+        if programs or parts or pdl or wg_release or cdiv(n_out, block_n) % 2:
+            raise ValueError(
+                "quant_matmul_gluon.launch: clusters take whole tiles a program, an even count of weight "
+                "tiles, no PDL or warpgroup releases"
+            )
+        grid = (grid[0] // 2, 1)  # (clusters: Triton's launcher multiplies by the cluster's programs)
+    x_box = block_m // cluster
+    x_desc = TensorDescriptor.from_tensor(x2, [x_box, block_k], _smem_layout(block_m, block_k, x2.dtype))
     w_desc = TensorDescriptor.from_tensor(
         qweight, [block_n, block_k // 8], _smem_layout(block_n, block_k // 8)
     )
@@ -979,10 +1061,11 @@ def launch_args(
         "STAGES": stages,
         "PDL": bool(pdl),
         "RELEASES": num_warps // 4 if wg_release else 1,
+        "CLUSTER": cluster,
         "num_warps": num_warps,
         "maxnreg": maxnreg,
     }
-    if kwargs["RELEASES"] > 1:
+    if kwargs["RELEASES"] > 1 or cluster > 1:
         ptx_release.install()
     if kwargs["PDL"]:
         kwargs["launch_pdl"] = (

@@ -10,10 +10,11 @@ time of cold weights in CUDA graphs, as bench_quant_matmul.py times them.
 ``--machete`` adds vLLM's Machete W4A16 GEMM (what vLLM runs for compressed-tensors W4A16 on an H100; vLLM
 staged) on the same weights, re-quantized to its symmetric format, beside each row.
 
-A tiling is BLOCK_M:STAGES:SPLIT[:BLOCK_N[:BLOCK_K[:WARPS]]][:r]; SPLIT ``pN`` shares the work among N
-programs (stream-K, N // 132 an SM) instead of splitting each tile's K; a last ``r``: each warpgroup frees its
-own ring stages (``launch_args``' ``wg_release``); ``pNwW`` first runs W waves of whole tiles a
-program (``launch_args``' ``dp_waves``: a negative W, all the full waves but -W), then shares the rest.
+A tiling is BLOCK_M:STAGES:SPLIT[:BLOCK_N[:BLOCK_K[:WARPS]]][:c][:r]; SPLIT ``pN`` shares the work among N
+programs (stream-K, N // 132 an SM) instead of splitting each tile's K; ``c``: clusters of two programs
+sharing x's tiles (``launch_args``' ``cluster``); a last ``r``: each warpgroup frees its own ring stages
+(``launch_args``' ``wg_release``); ``pNwW`` first runs W waves of whole tiles a program (``launch_args``'
+``dp_waves``: a negative W, all the full waves but -W), then shares the rest.
 Tilings run through ``prefill()`` (parts of tiles meet in a zeroed fp32 output, then a cast: slower than
 quant_matmul's workspace at many rows).
 """
@@ -100,14 +101,47 @@ def check():
     print(f"check: all {len(cases)} cases within 2e-3 (worst {worst:.2e})")
 
 
+def served_weights(n: int, k: int, group: int, zeros: bool, words: str = "served"):
+    """A random int4 weight of N x K as the probes time it: (words, scales, zero points, the dequantized
+    bf16 weight, whether the words are thread-owned), on the words the vLLM method serves it on
+    (``vllm_ops.owned_shape``) or, ``words`` "packed" / "owned", all alike."""
+    from squeezeserve.kernels import quant_layout, vllm_ops
+
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / 64
+    t = quant_layout.pack_weight(w, 4, group, symmetric=not zeros)
+    qw, sc, zp = t["weight_packed"], t["weight_scale"].to(torch.bfloat16), t.get("weight_zero_point")
+    dense = quant_layout.dequantize(qw, sc, zp, (n, k), group, 4).to(torch.bfloat16)
+    owned = vllm_ops.owned_shape(n, k, group, zeros) if words == "served" else words == "owned"
+    if owned:
+        qw = quant_layout.to_owned_order(qw)
+        zp = None if zp is None else quant_layout.to_owned_zeros(zp, n)
+    return qw, sc, zp, dense, owned
+
+
+def cold_copies(qw, sc, zp, dense):
+    """Copies of a weight past the L2 (up to 64), cycled through by the timed calls: ([(words, scales, zero
+    points), ...], [dense bf16 weight, ...])."""
+    copies = max(1, min(64, math.ceil(COLD_BYTES / (qw.numel() * 4))))
+    packs = [(qw, sc, zp)] + [
+        (qw.clone(), sc.clone(), None if zp is None else zp.clone()) for _ in range(copies - 1)
+    ]
+    denses = [dense] + [
+        dense.clone() for _ in range(max(1, min(64, math.ceil(COLD_BYTES / dense.nbytes))) - 1)
+    ]
+    return packs, denses
+
+
 def tiling(spec: str) -> dict:
     """A tiling (the module doc) as prefill()'s keywords."""
     bm, stages, split, *rest = spec.split(":")
     release = rest[-1:] == ["r"]  # a last field ``r``: each warpgroup frees its own stages (wg_release)
     rest = rest[:-1] if release else rest
+    cluster = rest[-1:] == ["c"]  # ``c``: clusters of two programs sharing x's tiles (launch_args' cluster)
+    rest = rest[:-1] if cluster else rest
     bn, bk, warps = [int(v) for v in rest] + [128, 64, 8][len(rest) :]
     out = {"block_m": int(bm), "stages": int(stages), "block_n": bn, "block_k": bk, "num_warps": warps}
     out |= {"wg_release": True} if release else {}
+    out |= {"cluster": 2} if cluster else {}
     if split.startswith("p"):
         programs, _, waves = split[1:].partition("w")
         dp = {"dp_waves": int(waves)} if waves else {}

@@ -23,18 +23,16 @@ from __future__ import annotations
 
 import argparse
 import functools
-import math
 import sys
 from pathlib import Path
 
 import torch
 from triton.testing import do_bench_cudagraph
 
-from squeezeserve.kernels import quant_layout, vllm_ops
 from squeezeserve.kernels.ops import quant_matmul as qm
 
 sys.path.insert(0, str(Path(__file__).parent))
-from gluon_prefill_probe import COLD_BYTES, cycle, machete, tiling  # noqa: E402
+from gluon_prefill_probe import cold_copies, cycle, machete, served_weights, tiling  # noqa: E402
 
 SHAPES = {"gate_up": (28672, 4096), "down": (4096, 14336), "qkv": (6144, 4096), "o": (4096, 4096),
           "14336x4096": (14336, 4096), "14336x14336": (14336, 14336)}  # fmt: skip
@@ -70,22 +68,8 @@ def main() -> None:
 
     for name in args.shapes.split(","):
         n, k = SHAPES[name]
-        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / 64
-        t = quant_layout.pack_weight(w, 4, args.group, symmetric=not args.zeros)
-        qw, sc, zp = t["weight_packed"], t["weight_scale"].to(torch.bfloat16), t.get("weight_zero_point")
-        dense = quant_layout.dequantize(qw, sc, zp, (n, k), args.group, 4).to(torch.bfloat16)
-        served = vllm_ops.owned_shape(n, k, args.group, args.zeros)
-        owned = served if args.words == "served" else args.words == "owned"
-        if owned:
-            qw = quant_layout.to_owned_order(qw)
-            zp = None if zp is None else quant_layout.to_owned_zeros(zp, n)
-        copies = max(1, min(64, math.ceil(COLD_BYTES / (qw.numel() * 4))))
-        packs = [(qw, sc, zp)] + [
-            (qw.clone(), sc.clone(), None if zp is None else zp.clone()) for _ in range(copies - 1)
-        ]
-        denses = [dense] + [
-            dense.clone() for _ in range(max(1, min(64, math.ceil(COLD_BYTES / dense.nbytes))) - 1)
-        ]
+        qw, sc, zp, dense, owned = served_weights(n, k, args.group, args.zeros, args.words)
+        packs, denses = cold_copies(qw, sc, zp, dense)
         # (the ops' bodies: no launch plan holds a tiling from an earlier call)
         op = qm._quant_matmul_owned if owned else functools.partial(qm._quant_matmul, bits=4)
         peer = machete(dense, args.group) if args.machete else []

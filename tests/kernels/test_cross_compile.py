@@ -61,6 +61,10 @@ EXPECTED = {
     "quant_matmul_owned 1100x4096x14336 int4 g128 zp (Gluon a wave, then stream-K, 256-row tiles)": [
         "_wgmma_kernel"
     ],
+    "quant_matmul_owned 2048x4096x14336 int4 g128 zp (Gluon in clusters sharing x, 256-row tiles)": [
+        "_wgmma_kernel"
+    ],
+    "quant_matmul 2048x14336x14336 int4 g128 (Gluon in clusters sharing x, 256-row tiles)": ["_wgmma_kernel"],
     "quant_matmul_owned dequantize 4096x14336 int4 g128": ["_dequantize_kernel"],
     "quant_matmul_owned dequantize 14336x4096 int4 g32 zp": ["_dequantize_kernel"],
     "quant_matmul dequantize 4096x4096 int8 per channel": ["_dequantize_kernel"],

@@ -10,7 +10,7 @@ import types
 import pytest
 from triton import knobs
 
-from squeezeserve.kernels.ops import ptx_release
+from squeezeserve.kernels.ops import ptx_cluster, ptx_release
 
 WAIT = """\t// begin inline asm
 \t
@@ -150,7 +150,7 @@ def test_install_chains_the_hook_in_place(monkeypatch):
     assert knobs.runtime.add_stages_inspection_hook is hook
     # Triton 3.9's cache key: the hook before's, then this pass's (with its mark, so the pass's version)
     key, digest = hook()
-    assert key == "theirs+squeezeserve-ptx-release" and digest == "h" + ptx_release.MARK
+    assert key == "theirs+squeezeserve-ptx-release" and digest == "h" + ptx_release.MARK + ptx_cluster.MARK
     stages = {"ptx": lambda src, metadata: src}
     hook("backend", stages, "options", "language", 90)
     assert len(seen) == 1  # the hook before ran too

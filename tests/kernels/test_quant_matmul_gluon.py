@@ -58,9 +58,12 @@ def test_cpu_calls_never_take_it(monkeypatch):
 
 
 def test_gluon_tiles_measured_choices():
-    # (gluon_prefill_probe.py on the H100: NOTES.md, "tenth session" and "eleventh session")
+    # (gluon_prefill_probe.py on the H100: NOTES.md, "tenth session" and "eleventh session"); 256-row tiles a
+    # tile a program run in clusters of two sharing x's tiles where K is deep and the weight's 128-row tiles
+    # are even in number (test_gluon_tiles_pair_programs_where_the_weight_tiles_pair)
+    pair = {"block_m": 256, "stages": 4, "cluster": 2}
     assert qm.gluon_tiles(128, 14336, 14336, 132) == {"block_m": 128, "stages": 6}  # 112 tiles: one each
-    assert qm.gluon_tiles(256, 14336, 14336, 132) == {"block_m": 256, "stages": 4}
+    assert qm.gluon_tiles(256, 14336, 14336, 132) == pair
     assert qm.gluon_tiles(512, 4096, 4096, 132) == {"block_m": 128, "stages": 6}  # 256-row tiles: 64 programs
     assert qm.gluon_tiles(512, 6144, 4096, 132) == {"block_m": 256, "stages": 4}
     # under half the SMs' worth of tiles: stream-K over one program an SM
@@ -87,7 +90,7 @@ def test_gluon_tiles_measured_choices():
     assert qm.gluon_tiles(1024, 6144, 4096, 132) == {"block_m": 256, "stages": 4}  # 192 tiles: 60
     assert qm.gluon_tiles(2048, 14336, 4096, 132) == {"block_m": 256, "stages": 4}  # 896 tiles: 104
     assert qm.gluon_tiles(1536, 4096, 4096, 132) == {"block_m": 256, "stages": 4}  # 4096 wide: 60 of 132
-    assert qm.gluon_tiles(4096, 14336, 14336, 132) == {"block_m": 256, "stages": 4}  # x 117 MB: past the L2
+    assert qm.gluon_tiles(4096, 14336, 14336, 132) == pair  # x 117 MB: past the L2
     # Outputs under 6144 wide run all their full waves a tile a program, then the rest stream-K (NOTES.md,
     # twenty-ninth session: down_proj at 1025-1200 rows 20% faster, o_proj 2-7%)
     whole = {"block_m": 256, "stages": 4, "programs": 132}
@@ -95,8 +98,86 @@ def test_gluon_tiles_measured_choices():
     assert qm.gluon_tiles(1100, 4096, 14336, 132) == whole | {"dp_waves": 1}  # x 31.5 MB: in the L2
     assert qm.gluon_tiles(2100, 4096, 4096, 132) == whole | {"dp_waves": 2}  # 288 tiles: 24
     assert qm.gluon_tiles(1300, 4096, 4096, 132) == {"block_m": 256, "stages": 4}  # 192 tiles: 60
-    assert qm.gluon_tiles(2048, 4096, 14336, 132) == {"block_m": 256, "stages": 4}  # 256 tiles: 124
-    assert qm.gluon_tiles(1100, 4096, 28672, 132) == {"block_m": 256, "stages": 4}  # x 63 MB: past the L2
+    assert qm.gluon_tiles(2048, 4096, 14336, 132) == pair  # 256 tiles: 124
+    assert qm.gluon_tiles(1100, 4096, 28672, 132) == pair  # x 63 MB: past the L2
+
+
+def test_gluon_tiles_pair_programs_where_the_weight_tiles_pair(monkeypatch):
+    # (tests/gpu/cluster_probe.py on the H100: NOTES.md, thirty-fourth session; quant_matmul.GLUON_CLUSTER)
+    assert qm.gluon_tiles(2048, 14336, 14336, 132) == {"block_m": 256, "stages": 4, "cluster": 2}
+    assert qm.gluon_tiles(2048, 4096, 8192, 132)["cluster"] == 2  # (GLUON_CLUSTER_MIN_K)
+    assert qm.gluon_tiles(2048, 14336 + 128, 14336, 132) == {"block_m": 256, "stages": 4}  # 113 weight tiles
+    assert qm.gluon_tiles(2048, 14336, 4096, 132) == {"block_m": 256, "stages": 4}  # K 4096: not everywhere
+    assert "cluster" not in qm.gluon_tiles(1536, 14336, 14336, 132)  # whole waves, then stream-K
+    assert "cluster" not in qm.gluon_tiles(512, 4096, 14336, 132)  # stream-K
+    assert "cluster" not in qm.gluon_tiles(128, 14336, 14336, 132)  # 128-row tiles
+    monkeypatch.setattr(qm, "GLUON_CLUSTER", "off")
+    assert qm.gluon_tiles(2048, 14336, 14336, 132) == {"block_m": 256, "stages": 4}
+
+
+def test_clusters_take_whole_tiles_of_even_weight_tiles():
+    x, y = torch.zeros(512, 4096, dtype=torch.bfloat16), torch.zeros(512, 4096, dtype=torch.bfloat16)
+    qw, sc = torch.zeros(4096, 512, dtype=torch.int32), torch.zeros(4096, 32, dtype=torch.bfloat16)
+    grid, args, kwargs = qg.launch_args(x, qw, sc, None, 128, y, y, y, block_m=256, cluster=2)
+    # 2 x 32 tiles in 32 clusters of two (Triton's launcher launches num_ctas programs a grid point); each
+    # program's x descriptor holds half a tile: each loads one half into both programs' stages
+    assert grid == (32, 1) and kwargs["CLUSTER"] == 2 and args[0].block_shape == [128, 64]
+    assert qg.launch_args(x, qw, sc, None, 128, y, y, y, block_m=256)[1][0].block_shape == [256, 64]
+    for bad in ({"programs": 132}, {"split": 2}, {"pdl": True}, {"block_n": 4096 // 3 + 1}):  # (3 tiles)
+        with pytest.raises(ValueError, match="clusters take whole tiles"):
+            qg.launch_args(x, qw, sc, None, 128, y, y, y, block_m=256, cluster=2, mode=2, **bad)
+    with pytest.raises(ValueError, match="clusters of 1 or 2 programs, not 4"):
+        qg.launch_args(x, qw, sc, None, 128, y, y, y, block_m=256, cluster=4)
+
+
+def test_gluon_cluster_setting_turns_it_off_and_refuses_a_bad_value():
+    code = (
+        "from squeezeserve.kernels.ops import quant_matmul as q; print(q.gluon_tiles(2048, 4096, 14336, 132))"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SQUEEZESERVE_")}
+
+    def run(value: str) -> subprocess.CompletedProcess:
+        command = [sys.executable, "-c", code]
+        return subprocess.run(
+            command,
+            env=env | {"SQUEEZESERVE_GLUON_CLUSTER": value},
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+
+    for value, seen in (("on", "True"), ("off", "False")):
+        r = run(value)
+        assert r.returncode == 0 and ("'cluster': 2" in r.stdout) == (seen == "True"), r.stderr[-2000:]
+    refused = run("2")
+    assert (
+        refused.returncode != 0 and "SQUEEZESERVE_GLUON_CLUSTER must be on or off, got '2'" in refused.stderr
+    )
+
+
+def test_a_prefill_the_cluster_pass_refuses_runs_its_programs_alone(monkeypatch):
+    # Where ptx_cluster cannot rewrite the kernel (a Triton whose PTX it does not know), the compile fails
+    # before anything runs (or, compiled without the pass, launch refuses it before its first launch:
+    # _check_clustered); quant_matmul launches the same tiles a program alone and keeps to that.
+    from squeezeserve.kernels.ops import ptx_cluster
+
+    asked = []
+
+    def launch(*args, **cfg):
+        asked.append(cfg.get("cluster", 1))
+        if cfg.get("cluster", 1) > 1:
+            raise RuntimeError("compile failed") from ptx_cluster.ClusterError("ptx_cluster: not this PTX")
+
+    monkeypatch.setattr(qg, "launch", launch)
+    monkeypatch.setattr(qm, "GLUON_CLUSTER", "on")
+    monkeypatch.setattr(qm, "GLUON_OFF", None)
+    x2 = torch.zeros(512, 256, dtype=torch.bfloat16)
+    qw, sc, _ = _packed(512, 256, 128, False)
+    cfg = {"block_m": 256, "stages": 4, "cluster": 2}
+    y = qm._gluon(x2, qw, sc, None, 128, cfg)
+    assert asked == [2, 1] and y is not None and y.shape == (512, 512)
+    assert qm.GLUON_CLUSTER == "off" and "cluster" not in qm.gluon_tiles(2048, 4096, 14336, 132)
+    assert qm.GLUON_OFF is None
 
 
 def test_gluon_tiles_take_128_row_tiles_where_a_third_256_row_tile_is_at_most_half_full():
@@ -113,7 +194,7 @@ def test_gluon_tiles_take_128_row_tiles_where_a_third_256_row_tile_is_at_most_ha
     assert qm.gluon_tiles(641, 6144, 4096, 132) == hybrid  # a third tile over half full: as before
     # one partial wave of 256-row tiles (4096 wide: 96 tiles) keeps them
     assert qm.gluon_tiles(600, 4096, 4096, 132) == {"block_m": 256, "stages": 4}
-    assert qm.gluon_tiles(600, 4096, 14336, 132) == {"block_m": 256, "stages": 4}
+    assert qm.gluon_tiles(600, 4096, 14336, 132) == {"block_m": 256, "stages": 4, "cluster": 2}
     assert qm.gluon_tiles(512, 6144, 4096, 132) == {"block_m": 256, "stages": 4}  # two whole 256-row tiles
 
 
@@ -756,6 +837,34 @@ def test_owned_words_give_the_packed_words_results(m, n, k, group, zeros, dtype,
     assert ((owned.float() - ref).norm() / ref.norm()).item() < 2e-3
 
 
+@needs_hopper
+@pytest.mark.parametrize(
+    ("m", "n", "k", "group", "zeros", "owned", "dtype"),
+    [
+        (2048, 28672, 4096, 128, False, False, torch.bfloat16),  # the 8B model's gate_up
+        # 44 rows past the last whole tile: the second program's half of that tile is past x's end
+        (300, 4096, 14336, 32, True, True, torch.bfloat16),
+        (1000, 2304, 4160, 64, True, False, torch.float16),  # a K tail
+    ],
+)
+def test_clusters_give_the_programs_alone_results(m, n, k, group, zeros, owned, dtype):
+    # Two programs of a cluster sharing x's tiles (ptx_cluster) make the same products in the same order as
+    # each alone: equal bit for bit.
+    qw, sc, zp = _packed(n, k, group, zeros, dtype, "cuda")
+    words, word_zp = qw, zp
+    if owned:
+        words, word_zp = ql.to_owned_order(qw), ql.to_owned_zeros(zp, n) if zeros else None
+    x = torch.randn(m, k, device="cuda", dtype=dtype)
+    ws, counts = qm._workspace(x.device, m * n, 4096)
+    alone, paired = (torch.empty((m, n), device="cuda", dtype=dtype) for _ in range(2))
+    tiling = {"block_m": 256, "stages": 4, "mode": 2, "owned": owned}
+    qg.launch(x, words, sc, word_zp, group, alone, ws, counts, **tiling)
+    qg.launch(x, words, sc, word_zp, group, paired, ws, counts, cluster=2, **tiling)
+    assert torch.equal(paired, alone)
+    ref = (x @ ql.dequantize(qw, sc, zp, (n, k), group, 4).to(dtype).t()).float()
+    assert ((paired.float() - ref).norm() / ref.norm()).item() < 2e-3
+
+
 @pytest.mark.parametrize(
     ("n", "k", "group", "zeros"), [(48, 256, 32, True), (40, 320, 64, False), (24, 640, 128, True)]
 )
@@ -954,6 +1063,7 @@ for m, n, k in ((16, 14336, 4096), (2048, 14336, 4096)):  # the decode and a pre
     qw, sc = torch.zeros(n, k // 8, dtype=torch.int32), torch.zeros(n, k // 128, dtype=torch.bfloat16)
     y, ws, counts = torch.empty(m, n, dtype=x.dtype), torch.zeros(m * n), torch.zeros(4096, dtype=torch.int32)
     cfg = qm.gluon_decode_tiles(m, 132) if m <= 64 else qm.gluon_tiles(m, n, k, 132)
+    cfg.pop("cluster", None)  # (a programmatic dependent launches its programs alone)
     out = {"case": m}
     for pdl in (False, True):
         launch = qg.launch_args(x, qw, sc, None, 128, y, ws, counts, mode=2, owned=True, pdl=pdl, **cfg)

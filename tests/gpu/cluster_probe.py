@@ -1,0 +1,94 @@
+"""Issue 16 item 2: the Gluon prefill GEMM in clusters of two programs that share x's tiles (TMA multicast,
+``ptx_cluster``), against the same tiling a program alone: bit for bit, then the time.
+
+    python tests/gpu/cluster_probe.py [--ms 2048,8192] [--shapes 14336x14336,gate_up] [--group 128] [--zeros]
+
+Each shape and row count is first checked exactly (the same products in the same order: y must be equal,
+bit for bit, including rows past the last whole tile), then timed with cold weights (copies past the L2,
+each call in a CUDA graph) in interleaved rounds beside bf16 cuBLAS on the dequantized weight, quant_matmul
+as it stands (``rule``) and, with ``--machete``, vLLM's Machete (vLLM staged). The weights are on the words
+the vLLM method serves them on (``vllm_ops.owned_shape``) unless ``--words`` says otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+from triton.testing import do_bench_cudagraph
+
+from squeezeserve.kernels.ops import quant_matmul as qm
+from squeezeserve.kernels.ops import quant_matmul_gluon as qg
+
+sys.path.insert(0, str(Path(__file__).parent))
+from gluon_prefill_probe import cold_copies, cycle, machete, served_weights  # noqa: E402
+from prefill_tiling_probe import SHAPES  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ms", default="2048,8192")
+    ap.add_argument("--shapes", default="14336x14336,gate_up,14336x4096")
+    ap.add_argument("--group", type=int, default=128)
+    ap.add_argument("--zeros", action="store_true")
+    ap.add_argument("--check-ms", default="100,300,2000")
+    ap.add_argument("--block-m", type=int, default=256)
+    ap.add_argument("--stages", type=int, default=4)
+    ap.add_argument("--rounds", type=int, default=3)
+    # (the words: as the vLLM method serves the weight, vllm_ops.owned_shape, or all alike)
+    ap.add_argument("--words", choices=("served", "packed", "owned"), default="served")
+    ap.add_argument("--machete", action="store_true")  # (vLLM staged)
+    args = ap.parse_args()
+    print(f"# {torch.cuda.get_device_name()}; g{args.group}{' zero points' if args.zeros else ''}; "
+          f"{args.block_m}-row tiles, {args.stages} stages; us (x bf16 cuBLAS); rounds interleaved, then "
+          "each column's median", flush=True)  # fmt: skip
+    for name in args.shapes.split(","):
+        n, k = SHAPES[name]
+        qw, sc, zp, dense, owned = served_weights(n, k, args.group, args.zeros, args.words)
+        tiling = {"block_m": args.block_m, "stages": args.stages, "owned": owned}
+        for m in [int(v) for v in args.check_ms.split(",") if v]:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            alone = qg.prefill(x, qw, sc, zp, args.group, **tiling)
+            paired = qg.prefill(x, qw, sc, zp, args.group, cluster=2, **tiling)
+            torch.cuda.synchronize()
+            same = torch.equal(alone, paired)
+            ref = (x @ dense.t()).float()
+            err = ((paired.float() - ref).norm() / ref.norm()).item()
+            print(f"check {name} m={m}: bit-exact {same}, rel err against cuBLAS {err:.2e}", flush=True)
+            assert same, f"{name} m={m}: the cluster's products differ from the program's alone"
+        packs, denses = cold_copies(qw, sc, zp, dense)
+        op = qm._quant_matmul_owned if owned else functools.partial(qm._quant_matmul, bits=4)
+        peer = machete(dense, args.group) if args.machete else []
+        for m in [int(v) for v in args.ms.split(",") if v]:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            y = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+            columns = {
+                "bf16": [lambda d=d, x=x: x @ d.t() for d in denses],
+                "rule": [functools.partial(op, x, *p, args.group) for p in packs],
+                **{
+                    label: [
+                        functools.partial(qg.launch, x, *p, args.group, y, y, y, cluster=c, **tiling)
+                        for p in packs
+                    ]
+                    for label, c in (("alone", 1), ("cluster", 2))
+                },
+                **({"machete": [lambda f=f, x=x: f(x) for f in peer]} if peer else {}),
+            }
+            times: dict[str, list[float]] = {c: [] for c in columns}
+            for r in range(args.rounds):
+                for label, calls in columns.items():
+                    times[label].append(do_bench_cudagraph(cycle(calls), rep=60) * 1e3)
+                cells = " | ".join(f"{label} {ts[-1]:.1f}" for label, ts in times.items())
+                print(f"{name} m={m}{' owned' if owned else ''} round {r}: {cells}", flush=True)
+            med = {label: statistics.median(ts) for label, ts in times.items()}
+            cells = " | ".join(f"{label} {us:.1f} ({med['bf16'] / us:.3f}x)" for label, us in med.items())
+            vs = f" | cluster / machete {med['machete'] / med['cluster']:.3f}x" if peer else ""
+            print(f"{name} m={m} median: {cells}{vs}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
