@@ -10,12 +10,12 @@
 // object per argument. A call whose signature has no plan returns None, and Python takes its own path.
 //
 // Only launches that Triton's launcher would make with cuLaunchKernel's plain semantics are given here
-// (one CTA a cluster, no programmatic dependent launch, no cooperative grid, no scratch buffers): the
-// Python side (kernels/ops/native.py) keeps every other plan in Python. Kernel parameters are passed as
-// Triton's launcher passes them: each non-constexpr argument by its C type (pointers as 64-bit addresses,
-// floats in their storage width), a CUtensorMap by value for a TMA descriptor (encoded for each call from
-// the recorded dimensions, strides, box and swizzle and the call's address, as Triton's fillTMADescriptor
-// encodes it), then the scratch pointers that Triton's version appends (null).
+// (one CTA a cluster or the kernel's own clusters, no programmatic dependent launch, no cooperative grid,
+// no scratch buffers): the Python side (kernels/ops/native.py) keeps every other plan in Python. Kernel
+// parameters are passed as Triton's launcher passes them: each non-constexpr argument by its C type
+// (pointers as 64-bit addresses, floats in their storage width), a CUtensorMap by value for a TMA descriptor
+// (encoded for each call from the recorded dimensions, strides, box and swizzle and the call's address, as
+// Triton's fillTMADescriptor encodes it), then the scratch pointers that Triton's version appends (null).
 //
 // The driver is opened with dlopen at the first launch, so the module builds and loads where no GPU is (CI
 // tests it there: `set_dry_run` makes launches append what they would pass to the driver to a list).

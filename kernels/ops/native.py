@@ -19,9 +19,10 @@ tests/kernels/test_launch_plans.py and test_quant_matmul_gluon.py replayed throu
 time (18-26 replayed in Python; its body 64-78).
 
 :func:`launch_spec` (through ``replay._native_spec``) turns a recorded plan whose every launch is a compiled
-Triton kernel launched the way ``cuLaunchKernel`` launches (one CTA a cluster, no programmatic dependent
-launch, no cooperative grid, no scratch buffers; TMA descriptors lowered to tensor maps, which the extension
-encodes for each call's addresses) into the extension's description; any other plan stays a Python one.
+Triton kernel launched the way ``cuLaunchKernel`` launches (one CTA a cluster or the kernel's own clusters,
+no programmatic dependent launch, no cooperative grid, no scratch buffers; TMA descriptors lowered to tensor
+maps, which the extension encodes for each call's addresses) into the extension's description; any other
+plan stays a Python one.
 """
 
 from __future__ import annotations
@@ -231,7 +232,8 @@ def launch_spec(compiled, function: int, grid: tuple, args: list) -> tuple | Non
     meta = compiled.metadata
     if getattr(getattr(meta, "target", None), "backend", None) != "cuda":
         return None
-    if getattr(meta, "num_ctas", 1) != 1 or getattr(meta, "launch_pdl", False):
+    ctas = getattr(meta, "num_ctas", 1)
+    if getattr(meta, "launch_pdl", False) or (ctas != 1 and not _cluster_in_kernel(compiled, ctas)):
         return None
     if getattr(meta, "launch_cooperative_grid", False):
         return None
@@ -268,4 +270,17 @@ def launch_spec(compiled, function: int, grid: tuple, args: list) -> tuple | Non
     # The scratch pointers Triton's launcher appends (both since 3.5, the global one since 3.3): null.
     params += [("c", 8, 0)] * (hasattr(meta, "global_scratch_size") + hasattr(meta, "profile_scratch_size"))
     x, y, z = (*grid, 1, 1)[:3]
-    return (function, (x, y, z), 32 * meta.num_warps, meta.shared, tuple(params))
+    # (clusters: Triton's launcher launches num_ctas programs a grid point along x, as the kernel's
+    # compile-time cluster, which cuLaunchKernel keeps, groups them)
+    return (function, (x * ctas, y, z), 32 * meta.num_warps, meta.shared, tuple(params))
+
+
+def _cluster_in_kernel(compiled, ctas: int) -> bool:
+    """Whether the kernel's clusters of ``ctas`` programs are its own (``.reqnctapercluster``, as
+    ptx_cluster writes it), so that ``cuLaunchKernel`` launches them as Triton's launcher does with its
+    cluster attribute."""
+    try:
+        ptx = compiled.asm["ptx"]
+    except (KeyError, OSError):  # (a cache that keeps binaries only)
+        return False
+    return f".reqnctapercluster {ctas}, 1, 1" in ptx

@@ -24,6 +24,12 @@ explicitly:
   and each pair becomes one fragment register (``_PAIR_ASM``): no data movement between the words and the
   operand (``convert_layout(..., assert_trivial=True)`` proves it when the kernel compiles).
 
+Where K is deep, prefill runs in clusters of two programs with neighbouring weight tiles and the same rows
+of x (``launch_args``' ``cluster``): each loads half of each x tile into both programs' stages, and a stage
+is free once both are done with it (TMA multicast and remote releases, which Gluon in Triton 3.6 cannot say:
+a pass over the kernel's PTX, :mod:`ptx_cluster`), halving the L2-to-SM bytes of x
+(quant_matmul.GLUON_CLUSTER).
+
 Launched as a programmatic dependent (``launch_args``' ``pdl``), the kernel lets the next one launch, sends
 its first stages' weight words before it waits for the kernel before it, then loads x: the decode's start
 overlaps the previous kernel's end where that kernel triggers its dependents (quant_matmul.PDL_MAX_M says
@@ -999,8 +1005,10 @@ def launch_args(
     (CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION), which pays only where that kernel calls
     launch_dependents (quant_matmul.PDL_MAX_M). ``wg_release``: each warpgroup of the compute partition frees
     its ring stages itself, not the partition's thread 0 after a barrier of all its warps
-    (:mod:`ptx_release`'s pass over the PTX; two warpgroups or more). (Apart from :func:`launch`, for
-    compiling what a launch would run without a GPU: ``cross_compile.compile_for``.)"""
+    (:mod:`ptx_release`'s pass over the PTX; two warpgroups or more). ``cluster`` 2: clusters of two programs
+    sharing x's tiles (:mod:`ptx_cluster`'s pass; whole tiles a program, an even count of weight tiles; the
+    grid counts clusters). (Apart from :func:`launch`, for compiling what a launch would run without a GPU:
+    ``cross_compile.compile_for``.)"""
     m, k_in = x2.shape
     n_out = qweight.shape[0]
     k_units = cdiv(cdiv(k_in, block_k), 2)

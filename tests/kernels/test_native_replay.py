@@ -277,6 +277,8 @@ CASES = [
     "quant_matmul 32x4096x14336 int4 g128 (Gluon decode)",
     "quant_matmul 256x6144x4096 int4 g128 zp (Gluon prefill)",
     "quant_matmul 128x4096x14336 int4 g128 zp (Gluon stream-K)",
+    # clusters of two programs sharing x (ptx_cluster: the kernel's own clusters, num_ctas 2)
+    "quant_matmul 2048x4096x8192 int4 g128 (Gluon in clusters)",
 ]
 
 
@@ -296,6 +298,11 @@ def test_a_replay_passes_what_the_body_launches_with(compiled_checks, case):
         )
     if "Gluon" in case:
         assert [kernel for kernel, _, _ in result["params"]] == ["_wgmma_kernel"]
+    # the grid Triton's launcher launches: num_ctas programs a grid point along x (clusters of two here)
+    ctas = 2 if "clusters" in case else 1
+    assert result["grids"] and all(
+        replayed == [recorded[0] * ctas, *recorded[1:]] for recorded, replayed in result["grids"]
+    ), result["grids"]
     for kernel, expected, replayed in result["params"]:
         assert replayed == expected, f"{kernel}: replayed parameters differ from the body's launch"
 
@@ -445,8 +452,9 @@ def _check(name: str) -> dict:
     body_result, body_launches, _ = _captured(body, new_inputs)
     body_outs = [body_result] if plan.single else list(body_result)
     replay_outs = [replayed] if plan.single else list(replayed)
-    params = []
-    for (kernel, _, args, kwargs), (run, _), entry in zip(body_launches, plan.launches, log, strict=True):
+    params, grids = [], []
+    for (kernel, grid, args, kwargs), (run, _), entry in zip(body_launches, plan.launches, log, strict=True):
+        grids.append(([*grid, 1, 1][:3], list(entry[1])))
         tail = launch.FastLaunch(kernel).tail(len(args), kwargs)
 
         def replayed_address(address):
@@ -472,7 +480,7 @@ def _check(name: str) -> dict:
         expected += [bytes(8).hex()] * scratch
         replayed_params = [list(p) if isinstance(p, tuple) else p.hex() for p in entry[5]]
         params.append((run.compiled.name, expected, replayed_params))
-    return {"case": name, "launches": len(plan.launches), "sizes": sizes, "params": params}
+    return {"case": name, "launches": len(plan.launches), "sizes": sizes, "params": params, "grids": grids}
 
 
 if __name__ == "__main__":

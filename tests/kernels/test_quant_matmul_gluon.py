@@ -598,8 +598,13 @@ def test_a_kernel_that_does_not_build_falls_back(monkeypatch):
 @pytest.mark.parametrize("cpp", [False, True], ids=["python-replay", "cpp-replay"])
 @pytest.mark.parametrize(
     ("m", "n", "k", "zeros", "exact"),
-    [(32, 4096, 14336, False, False), (256, 6144, 4096, True, True), (128, 4096, 14336, True, False)],
-    ids=["decode", "prefill", "stream-k"],
+    [
+        (32, 4096, 14336, False, False),
+        (256, 6144, 4096, True, True),
+        (128, 4096, 14336, True, False),
+        (2048, 4096, 8192, False, True),  # clusters of two programs sharing x (launched as the kernel's own)
+    ],
+    ids=["decode", "prefill", "stream-k", "clusters"],
 )
 def test_launch_plans_replay_the_gluon_kernel(m, n, k, zeros, exact, cpp, monkeypatch):
     # Its TMA descriptors are made again over each call's tensors (in Python, or as tensor maps in C++):
