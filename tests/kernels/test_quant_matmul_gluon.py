@@ -130,6 +130,35 @@ def test_clusters_take_whole_tiles_of_even_weight_tiles():
         qg.launch_args(x, qw, sc, None, 128, y, y, y, block_m=256, cluster=4)
 
 
+def test_a_cluster_kernel_compiled_without_the_pass_is_refused_before_it_launches(monkeypatch):
+    # Compiled without ptx_cluster's pass (another stages hook in its place), a CLUSTER kernel's ring would
+    # wait for releases nobody sends: launch compiles it first and refuses it unless its metadata launches
+    # clusters (num_ctas 2), once for each specialization. (A stand-in for Triton's compile: the kernel
+    # compiles for sm_90 in test_ptx_cluster.py; no GPU compiles here.)
+    from types import SimpleNamespace
+
+    from squeezeserve.kernels.ops import ptx_cluster
+
+    x, y = torch.zeros(512, 8192, dtype=torch.bfloat16), torch.zeros(512, 4096, dtype=torch.bfloat16)
+    qw, sc = torch.zeros(4096, 1024, dtype=torch.int32), torch.zeros(4096, 64, dtype=torch.bfloat16)
+    grid, args, kwargs = qg.launch_args(x, qw, sc, None, 128, y, y, y, block_m=256, cluster=2)
+    compiled = []
+
+    def warmup(*a, grid, **kw):
+        compiled.append(grid)
+        return SimpleNamespace(metadata=SimpleNamespace(num_ctas=ctas))
+
+    monkeypatch.setattr(qg._wgmma_kernel, "warmup", warmup)
+    monkeypatch.setattr(qg, "_CLUSTERED", set())
+    ctas = 1
+    with pytest.raises(ptx_cluster.ClusterError, match="compiled without the pass"):
+        qg._check_clustered(grid, args, kwargs)
+    ctas = 2
+    qg._check_clustered(grid, args, kwargs)
+    qg._check_clustered(grid, args, kwargs)  # (known: not compiled again)
+    assert compiled == [grid, grid]
+
+
 def test_gluon_cluster_setting_turns_it_off_and_refuses_a_bad_value():
     code = (
         "from squeezeserve.kernels.ops import quant_matmul as q; print(q.gluon_tiles(2048, 4096, 14336, 132))"
