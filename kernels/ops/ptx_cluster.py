@@ -54,7 +54,7 @@ _ARRIVE = re.compile(r"^(\s*)(@%p\d+\s+)?mbarrier\.arrive\.shared::cta\.b64\s+_,
 _SPLIT = re.compile(r"^\s*setp\.lt\.u32\s+(%p\d+),\s*%r\d+,\s*(\d+);\s*$")
 _BRANCH = re.compile(r"^\s*@(!?)(%p\d+)\s+bra\s+(\$L__\w+);\s*$")
 _FALL = re.compile(r"^\s*bra\.uni\s+\$L__\w+;\s*$")
-_REQNTID = re.compile(r"^\.reqntid\s+\d+\s*$")
+_REQNTID = re.compile(r"^\.reqntid\s+(\d+)\s*$")
 
 
 def share_x(ptx: str) -> tuple[str, bool]:
@@ -62,6 +62,9 @@ def share_x(ptx: str) -> tuple[str, bool]:
     if MARK not in ptx:
         return ptx, False
     lines = ptx.split("\n")
+    # the compute partition's warps: all but the loading warpgroup's four (what the split compares with)
+    threads = [int(m.group(1)) for m in map(_REQNTID.match, lines) if m]
+    compute_warps = threads[0] // 32 - 4 if len(threads) == 1 else None
     x_regs: set[str] = set()
     for line in lines:
         m = _X_PARAM.match(line)
@@ -120,6 +123,7 @@ def share_x(ptx: str) -> tuple[str, bool]:
             split = len(out)  # (the workers' first line, a block they enter once)
         if split is None and workers is None:
             m = _SPLIT.match(line)
+            m = m if m and int(m.group(2)) == compute_warps else None
             # where the warps past the compute partition's leave it: Triton 3.6 `@%p bra <compute>; bra.uni
             # <workers' loop>` (before that branch), 3.9 `@!%p bra <workers' preheader>` (its first line)
             branch = _BRANCH.match(lines[i + 1]) if m and i + 1 < len(lines) else None

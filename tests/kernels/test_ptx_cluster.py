@@ -113,6 +113,7 @@ def test_unmarked_ptx_is_left_as_it_is():
         ("_param_0;", "_param_7;"),  # x's loads not found
         ("mbarrier.arrive.shared::cta.b64", "mbarrier.arrive.relaxed.shared::cta.b64"),  # no release
         ("setp.lt.u32 \t%p1", "setp.lt.u32 \t%p3"),  # the workers' split not found
+        (".reqntid 384", ".reqntid 256"),  # a split at 8 warps, but the compute warps would be 4
     ],
 )
 def test_a_marked_kernel_the_pass_does_not_know_is_refused(change):
