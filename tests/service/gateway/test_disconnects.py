@@ -1,7 +1,8 @@
 """Clients that go away, with real processes: ``squeezeserve gateway`` in front of the real embedded worker.
 
 Whether generation stopped is read from the worker's own ``decode_steps`` counter: once the only request
-is gone it must stop growing within 1 s of the hang-up (the engine drops the sequence at its next step).
+is gone it must stop growing soon after the hang-up (the engine drops the sequence at its next step), long
+before the request would have ended by itself (STOP_WITHIN_S).
 """
 
 from __future__ import annotations
@@ -19,12 +20,15 @@ pytestmark = pytest.mark.slow  # loads the model
 
 MODEL = "smollm2-135m-instruct"  # as tests/conftest.py serves the baseline
 BODY = {"model": MODEL, "prompt": "Write a very long essay.", "max_tokens": 4000, "ignore_eos": True}
-STOP_WITHIN_S = 1.0
+# A hang-up stops generation within about a decode step on a warm worker (1 s in the runs this bound came
+# from); under a loaded 2-core CI a step can take longer, so the tests wait up to STOP_WITHIN_S for the stop
+# and check that it came long before the request would have ended by itself (4000 tokens take minutes).
+STOP_WITHIN_S = 15.0
 
 
 @pytest.fixture(scope="module", autouse=True)
 def warm_worker(baseline_worker: str) -> None:
-    """The first steps of a fresh worker take seconds each; the 1 s bounds are about a warm one."""
+    """The first steps of a fresh worker take seconds each; the bounds are about a warm one."""
     body = {"model": MODEL, "prompt": "Hello", "max_tokens": 8, "ignore_eos": True}
     assert httpx.post(f"{baseline_worker}/v1/completions", json=body, timeout=300).status_code == 200
 
@@ -52,10 +56,11 @@ def _wait_until_generating(worker: str) -> None:
 
 
 def _assert_generation_stops(worker: str, hung_up_at: float) -> None:
-    """From STOP_WITHIN_S after ``hung_up_at`` on, nothing runs and decode steps no longer grow."""
-    time.sleep(max(0.0, hung_up_at + STOP_WITHIN_S - time.monotonic()))
+    """Within STOP_WITHIN_S of ``hung_up_at`` nothing runs, and decode steps no longer grow."""
+    while _worker_sample(worker, "squeezeserve_worker_num_requests_running") != 0:
+        assert time.monotonic() < hung_up_at + STOP_WITHIN_S, "still generating"
+        time.sleep(0.05)
     settled = _steps(worker)
-    assert _worker_sample(worker, "squeezeserve_worker_num_requests_running") == 0, "still generating"
     time.sleep(0.5)
     assert _steps(worker) == settled, "decode steps still grow after the client left"
 
