@@ -270,6 +270,9 @@ def cases() -> dict:
         "quant_matmul 2048x14336x14336 int4 g128 (Gluon in clusters sharing x, 256-row tiles)": lambda: qm(
             2048, 14336, 14336, 128
         ),
+        "quant_matmul_owned 2048x28672x4096 int4 g128 (Gluon persistent in clusters, 256-row tiles)": (
+            lambda: owned(2048, 28672, 4096, 128)
+        ),
         "quant_matmul_owned dequantize 4096x14336 int4 g128": (
             lambda: dequantize(4096, 14336, 128, owned=True)
         ),

@@ -652,6 +652,27 @@ GLUON_CLUSTER_MIN_K = 8192
 GLUON_CLUSTER = os.environ.get("SQUEEZESERVE_GLUON_CLUSTER", "on")
 if GLUON_CLUSTER not in ("on", "off"):
     raise ValueError(f"SQUEEZESERVE_GLUON_CLUSTER must be on or off, got {GLUON_CLUSTER!r}")
+# Under GLUON_CLUSTER_MIN_K, where they are more than a wave, those tiles run persistent instead
+# (SQUEEZESERVE_GLUON_PERSISTENT=off: a tile a program alone, as before, for A/B runs): one program an SM (an
+# even count) in clusters of two sharing x's tiles, each program's loading warp filling its next tile's stages
+# while its compute warps write the last tile's sum, on GLUON_PERSISTENT_STAGES stages. Where K = 4096 a
+# program's start and end weigh more than where K is deep (a tile is 64 K tiles, not 224). H100, g128, owned
+# words as served, medians of three interleaved rounds at 2048 rows, us a tile a program alone / in clusters
+# / persistent in clusters / Machete (tests/gpu/cluster_probe.py,
+# results/cluster_probe_h100_2026-11-28_persistent_machete.log): gate_up (28672 x 4096) 752.5 / 737.4 /
+# 721.6 / 688.6, 14336 x 4096 377.5 / 369.3 / 358.7 / 346.2, qkv (6144 x 4096) 162.0 / 159.1 / 157.4 /
+# 149.7; with the epilogue's cast first (_write), quant_matmul / Machete in one run
+# (results/cluster_probe_h100_2026-11-28_bf16_epilogue_machete.log): gate_up 703.9 / 689.6, 14336 x 4096
+# 358.8 / 358.1, qkv 157.3 / 153.9. Nsight Compute at 2048 x 28672 x 4096 (results/ncu_h100_2026-11-28_
+# persistent/summary.txt): x's L2-to-SM traffic now Machete's (43.3% of the crossbar's cycles against 44.9%;
+# alone 67.0%), the tensor pipe busy 83.9% against 87.7% (alone 80.7%). A wave or less stays a tile a program
+# alone (o_proj at 768 / 1024 rows 2-5% slower persistent; results/prefill_tiling_probe_h100_2026-11-28_
+# persistent_ab.log). Where K is deep it gained nothing over the tiles a program in clusters (14336^2 at
+# 2048 rows 1217.3 against 1214.9 us, down_proj 350.8 against 350.3).
+GLUON_PERSISTENT = os.environ.get("SQUEEZESERVE_GLUON_PERSISTENT", "on")
+if GLUON_PERSISTENT not in ("on", "off"):
+    raise ValueError(f"SQUEEZESERVE_GLUON_PERSISTENT must be on or off, got {GLUON_PERSISTENT!r}")
+GLUON_PERSISTENT_STAGES = 5
 
 
 def gluon_decode_tiles(m: int, sms: int) -> dict:
@@ -750,8 +771,9 @@ def gluon_tiles(m: int, n_out: int, k_in: int, sms: int) -> dict:
     (GLUON_NARROW_MAX_M; NOTES.md, "twenty-first session"); at 513-640 rows past one wave, 128-row tiles too
     (GLUON_THIRD_TILE_MAX_M). Outputs whose last wave of 256-row tiles is mostly idle run their full waves
     (but one, where 6144 wide or more) a tile a program, the rest stream-K (GLUON_DP_LAST_WAVE). 256-row tiles
-    a tile a program over K >= GLUON_CLUSTER_MIN_K run in clusters of two sharing x's tiles where the
-    weight's 128-row tiles pair up (GLUON_CLUSTER)."""
+    a tile a program run in clusters of two sharing x's tiles where the weight's 128-row tiles pair up
+    (GLUON_CLUSTER): over K >= GLUON_CLUSTER_MIN_K a tile a program, under it persistent, a program an SM
+    (GLUON_PERSISTENT)."""
     block_m = 128
     if m > 128 and (cdiv(n_out, 128) * cdiv(m, 256) >= sms // 2 or cdiv(k_in, 64) >= 128):
         block_m = 256
@@ -787,8 +809,13 @@ def gluon_tiles(m: int, n_out: int, k_in: int, sms: int) -> dict:
     ):  # the last wave mostly idle: whole tiles a wave (but one, where GLUON_DP_MIN_N wide), then the rest
         # shared stream-K (GLUON_DP_*)
         return cfg | {"programs": sms, "dp_waves": -1 if n_out >= GLUON_DP_MIN_N else tiles // sms}
-    if block_m == 256 and k_in >= GLUON_CLUSTER_MIN_K and cdiv(n_out, 128) % 2 == 0 and GLUON_CLUSTER == "on":
-        return cfg | {"cluster": 2}  # (GLUON_CLUSTER's comment)
+    if block_m == 256 and cdiv(n_out, 128) % 2 == 0 and GLUON_CLUSTER == "on":
+        if k_in >= GLUON_CLUSTER_MIN_K:
+            return cfg | {"cluster": 2}  # (GLUON_CLUSTER's comment)
+        if GLUON_PERSISTENT == "on" and tiles > sms:  # (GLUON_PERSISTENT's comment)
+            pairs = sms - sms % 2
+            return {"block_m": 256, "stages": GLUON_PERSISTENT_STAGES, "programs": pairs, "persistent": True,
+                    "cluster": 2}  # fmt: skip
     return cfg
 
 

@@ -28,7 +28,9 @@ Where K is deep, prefill runs in clusters of two programs with neighbouring weig
 of x (``launch_args``' ``cluster``): each loads half of each x tile into both programs' stages, and a stage
 is free once both are done with it (TMA multicast and remote releases, which Gluon in Triton 3.6 cannot say:
 a pass over the kernel's PTX, :mod:`ptx_cluster`), halving the L2-to-SM bytes of x
-(quant_matmul.GLUON_CLUSTER).
+(quant_matmul.GLUON_CLUSTER). Where K is shallower the clustered programs are persistent (``launch_args``'
+``persistent``: one an SM, a wave's tile at a time), so that each loading warp fills its next tile's stages
+while the compute warps write the last tile (quant_matmul.GLUON_PERSISTENT).
 
 Launched as a programmatic dependent (``launch_args``' ``pdl``), the kernel lets the next one launch, sends
 its first stages' weight words before it waits for the kernel before it, then loads x: the decode's start
@@ -480,6 +482,11 @@ def _write(
     rows_m = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, out_layout))
     at = gl.expand_dims(rows_m.to(gl.int64) * y_row_stride, 0) + gl.expand_dims(rows_n, 1)
     mask = gl.expand_dims(rows_n < N, 1) & gl.expand_dims(rows_m < M, 0)
+    if MODE == 0:  # (every tile whole: cast first, so that the change of layout, through shared memory, moves
+        # half the bytes; the same values. Nsight Compute, 2048 x 28672 x 4096 persistent: the epilogue in
+        # fp32 was 6.1% of all warps' stall samples, the tensor pipe idle meanwhile)
+        gl.store(y_ptr + at, gl.convert_layout(acc.to(y_ptr.dtype.element_ty), out_layout), mask=mask)
+        return
     out = gl.convert_layout(acc, out_layout)
     if whole:
         gl.store(y_ptr + at, out.to(y_ptr.dtype.element_ty), mask=mask)
@@ -550,11 +557,14 @@ def _share(
 @gluon.jit
 def _stretch(s, start, end, k_units, dp_tiles, DP: gl.constexpr):
     """Stretch ``s`` of a program's pairs: with ``DP``, wave s's whole tile (tile s P + p of program p) while
-    s < dp_tiles / P, then the program's stream-K run [start, end)."""
+    that is one of the first dp_tiles, then the program's stream-K run [start, end) (none where every tile is
+    whole: a persistent launch, whose last wave may be partial). (With clusters of two, P even and dp_tiles
+    even, programs 2 c and 2 c + 1 take tiles 2 q and 2 q + 1 of a wave: a pair, as :func:`_segment` has
+    it.)"""
     lo = start
     hi = end
     if DP:
-        if s < dp_tiles // gl.num_programs(0):
+        if s * gl.num_programs(0) + gl.program_id(0) < dp_tiles:
             lo = (s * gl.num_programs(0) + gl.program_id(0)) * k_units
             hi = lo + k_units
     return lo, hi
@@ -991,6 +1001,7 @@ def launch_args(
     pdl=False,
     wg_release=False,
     cluster=1,
+    persistent=False,
 ) -> tuple[tuple, tuple, dict]:
     """The grid, arguments and keywords of the Gluon kernel's launch for y [M, N] = x2 [M, K] @
     dequantize(W).T: each output tile's K split ``split`` ways, or, with ``programs``, all (tile, K unit)
@@ -1006,15 +1017,24 @@ def launch_args(
     launch_dependents (quant_matmul.PDL_MAX_M). ``wg_release``: each warpgroup of the compute partition frees
     its ring stages itself, not the partition's thread 0 after a barrier of all its warps
     (:mod:`ptx_release`'s pass over the PTX; two warpgroups or more). ``cluster`` 2: clusters of two programs
-    sharing x's tiles (:mod:`ptx_cluster`'s pass; whole tiles a program, an even count of weight tiles; the
-    grid counts clusters). (Apart from :func:`launch`, for compiling what a launch would run without a GPU:
-    ``cross_compile.compile_for``.)"""
+    sharing x's tiles (:mod:`ptx_cluster`'s pass; whole tiles, an even count of weight tiles; the grid counts
+    clusters). ``persistent`` (with ``programs``): every tile whole, the programs taking a wave of tiles at a
+    time (the last may be partial), each program's loading warp filling the next tile's stages while its
+    compute warps write the last one's sum. (Apart from :func:`launch`, for compiling what a launch would run
+    without a GPU: ``cross_compile.compile_for``.)"""
     m, k_in = x2.shape
     n_out = qweight.shape[0]
     k_units = cdiv(cdiv(k_in, block_k), 2)
     tiles = cdiv(m, block_m) * cdiv(n_out, block_n)
     dp_tiles = 0
-    if programs:
+    if persistent and not programs:
+        raise ValueError("quant_matmul_gluon.launch: a persistent launch needs its programs")
+    if persistent:
+        grid = (min(programs, tiles),)
+        units_per_split = k_units
+        dp_tiles = tiles
+        parts = False
+    elif programs:
         grid = (min(programs, tiles * k_units),)
         units_per_split = k_units
         waves = tiles // grid[0]
@@ -1029,10 +1049,17 @@ def launch_args(
     if cluster not in (1, 2):
         raise ValueError(f"quant_matmul_gluon.launch: clusters of 1 or 2 programs, not {cluster}")
     if cluster == 2:
-        if programs or parts or pdl or wg_release or cdiv(n_out, block_n) % 2:
+        if (
+            (programs and not persistent)
+            or grid[0] % 2
+            or parts
+            or pdl
+            or wg_release
+            or cdiv(n_out, block_n) % 2
+        ):
             raise ValueError(
-                "quant_matmul_gluon.launch: clusters take whole tiles a program, an even count of weight "
-                "tiles, no PDL or warpgroup releases"
+                "quant_matmul_gluon.launch: clusters take whole tiles (a tile a program, or persistent on an "
+                "even count of programs), an even count of weight tiles, no PDL or warpgroup releases"
             )
         grid = (grid[0] // 2, 1)  # (clusters: Triton's launcher multiplies by the cluster's programs)
     x_box = block_m // cluster

@@ -2,9 +2,11 @@
 ``ptx_cluster``), against the same tiling a program alone: bit for bit, then the time.
 
     python tests/gpu/cluster_probe.py [--ms 2048,8192] [--shapes 14336x14336,gate_up] [--group 128] [--zeros]
+        [--tiles 256:4:1,256:4:1:c,256:4:P132:c]
 
-Each shape and row count is first checked exactly (the same products in the same order: y must be equal,
-bit for bit, including rows past the last whole tile), then timed with cold weights (copies past the L2,
+Each tiling (gluon_prefill_probe's notation; whole tiles only) is first checked exactly against the first
+(the same products in the same order: y must be equal, bit for bit, including rows past the last whole
+tile), then timed with cold weights (copies past the L2,
 each call in a CUDA graph) in interleaved rounds beside bf16 cuBLAS on the dequantized weight, quant_matmul
 as it stands (``rule``) and, with ``--machete``, vLLM's Machete (vLLM staged). The weights are on the words
 the vLLM method serves them on (``vllm_ops.owned_shape``) unless ``--words`` says otherwise.
@@ -25,7 +27,7 @@ from squeezeserve.kernels.ops import quant_matmul as qm
 from squeezeserve.kernels.ops import quant_matmul_gluon as qg
 
 sys.path.insert(0, str(Path(__file__).parent))
-from gluon_prefill_probe import cold_copies, cycle, machete, served_weights  # noqa: E402
+from gluon_prefill_probe import cold_copies, cycle, machete, served_weights, tiling  # noqa: E402
 from prefill_tiling_probe import SHAPES  # noqa: E402
 
 
@@ -36,30 +38,36 @@ def main() -> None:
     ap.add_argument("--group", type=int, default=128)
     ap.add_argument("--zeros", action="store_true")
     ap.add_argument("--check-ms", default="100,300,2000")
-    ap.add_argument("--block-m", type=int, default=256)
-    ap.add_argument("--stages", type=int, default=4)
+    ap.add_argument("--tiles", default="256:4:1,256:4:1:c")
     ap.add_argument("--rounds", type=int, default=3)
     # (the words: as the vLLM method serves the weight, vllm_ops.owned_shape, or all alike)
     ap.add_argument("--words", choices=("served", "packed", "owned"), default="served")
     ap.add_argument("--machete", action="store_true")  # (vLLM staged)
     args = ap.parse_args()
     print(f"# {torch.cuda.get_device_name()}; g{args.group}{' zero points' if args.zeros else ''}; "
-          f"{args.block_m}-row tiles, {args.stages} stages; us (x bf16 cuBLAS); rounds interleaved, then "
-          "each column's median", flush=True)  # fmt: skip
+          f"tilings {args.tiles}; us (x bf16 cuBLAS); rounds interleaved, then each column's median",
+          flush=True)  # fmt: skip
+    tilings = {spec: tiling(spec) for spec in args.tiles.split(",")}
     for name in args.shapes.split(","):
         n, k = SHAPES[name]
         qw, sc, zp, dense, owned = served_weights(n, k, args.group, args.zeros, args.words)
-        tiling = {"block_m": args.block_m, "stages": args.stages, "owned": owned}
         for m in [int(v) for v in args.check_ms.split(",") if v]:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            alone = qg.prefill(x, qw, sc, zp, args.group, **tiling)
-            paired = qg.prefill(x, qw, sc, zp, args.group, cluster=2, **tiling)
-            torch.cuda.synchronize()
-            same = torch.equal(alone, paired)
             ref = (x @ dense.t()).float()
-            err = ((paired.float() - ref).norm() / ref.norm()).item()
-            print(f"check {name} m={m}: bit-exact {same}, rel err against cuBLAS {err:.2e}", flush=True)
-            assert same, f"{name} m={m}: the cluster's products differ from the program's alone"
+            first = None
+            ws, counts = qm._workspace(x.device, m * n, 4096)
+            for spec, cfg in tilings.items():
+                y = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)  # (as served: y in x's dtype)
+                qg.launch(x, qw, sc, zp, args.group, y, ws, counts, mode=2, owned=owned, **cfg)
+                torch.cuda.synchronize()
+                first = y if first is None else first
+                same = torch.equal(first, y)
+                err = ((y.float() - ref).norm() / ref.norm()).item()
+                print(
+                    f"check {name} m={m} {spec}: bit-exact {same}, rel err against cuBLAS {err:.2e}",
+                    flush=True,
+                )
+                assert same, f"{name} m={m}: {spec}'s products differ from the first tiling's"
         packs, denses = cold_copies(qw, sc, zp, dense)
         op = qm._quant_matmul_owned if owned else functools.partial(qm._quant_matmul, bits=4)
         peer = machete(dense, args.group) if args.machete else []
@@ -70,11 +78,11 @@ def main() -> None:
                 "bf16": [lambda d=d, x=x: x @ d.t() for d in denses],
                 "rule": [functools.partial(op, x, *p, args.group) for p in packs],
                 **{
-                    label: [
-                        functools.partial(qg.launch, x, *p, args.group, y, y, y, cluster=c, **tiling)
+                    spec: [
+                        functools.partial(qg.launch, x, *p, args.group, y, y, y, owned=owned, **cfg)
                         for p in packs
                     ]
-                    for label, c in (("alone", 1), ("cluster", 2))
+                    for spec, cfg in tilings.items()
                 },
                 **({"machete": [lambda f=f, x=x: f(x) for f in peer]} if peer else {}),
             }
@@ -86,7 +94,11 @@ def main() -> None:
                 print(f"{name} m={m}{' owned' if owned else ''} round {r}: {cells}", flush=True)
             med = {label: statistics.median(ts) for label, ts in times.items()}
             cells = " | ".join(f"{label} {us:.1f} ({med['bf16'] / us:.3f}x)" for label, us in med.items())
-            vs = f" | cluster / machete {med['machete'] / med['cluster']:.3f}x" if peer else ""
+            vs = (
+                "".join(f" | {spec} / machete {med['machete'] / med[spec]:.3f}x" for spec in tilings)
+                if peer
+                else ""
+            )
             print(f"{name} m={m} median: {cells}{vs}", flush=True)
 
 

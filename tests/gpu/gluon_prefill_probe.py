@@ -14,7 +14,8 @@ A tiling is BLOCK_M:STAGES:SPLIT[:BLOCK_N[:BLOCK_K[:WARPS]]][:c][:r]; SPLIT ``pN
 programs (stream-K, N // 132 an SM) instead of splitting each tile's K; ``c``: clusters of two programs
 sharing x's tiles (``launch_args``' ``cluster``); a last ``r``: each warpgroup frees its own ring stages
 (``launch_args``' ``wg_release``); ``pNwW`` first runs W waves of whole tiles a program (``launch_args``'
-``dp_waves``: a negative W, all the full waves but -W), then shares the rest.
+``dp_waves``: a negative W, all the full waves but -W), then shares the rest; ``PN``: N programs each taking
+a wave's tile whole at a time (``launch_args``' ``persistent``).
 Tilings run through ``prefill()`` (parts of tiles meet in a zeroed fp32 output, then a cast: slower than
 quant_matmul's workspace at many rows).
 """
@@ -142,6 +143,8 @@ def tiling(spec: str) -> dict:
     out = {"block_m": int(bm), "stages": int(stages), "block_n": bn, "block_k": bk, "num_warps": warps}
     out |= {"wg_release": True} if release else {}
     out |= {"cluster": 2} if cluster else {}
+    if split.startswith("P"):
+        return out | {"programs": int(split[1:]), "persistent": True}
     if split.startswith("p"):
         programs, _, waves = split[1:].partition("w")
         dp = {"dp_waves": int(waves)} if waves else {}

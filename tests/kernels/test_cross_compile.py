@@ -65,6 +65,9 @@ EXPECTED = {
         "_wgmma_kernel"
     ],
     "quant_matmul 2048x14336x14336 int4 g128 (Gluon in clusters sharing x, 256-row tiles)": ["_wgmma_kernel"],
+    "quant_matmul_owned 2048x28672x4096 int4 g128 (Gluon persistent in clusters, 256-row tiles)": [
+        "_wgmma_kernel"
+    ],
     "quant_matmul_owned dequantize 4096x14336 int4 g128": ["_dequantize_kernel"],
     "quant_matmul_owned dequantize 14336x4096 int4 g32 zp": ["_dequantize_kernel"],
     "quant_matmul dequantize 4096x4096 int8 per channel": ["_dequantize_kernel"],

@@ -131,6 +131,7 @@ from squeezeserve.kernels.ops import quant_matmul_gluon as qg
 for case, (m, n, k, g, zeros, owned) in {
     "14336^2 2048 rows g128": (2048, 14336, 14336, 128, False, False),
     "down_proj 2000 rows g32 zero points owned": (2000, 4096, 14336, 32, True, True),
+    "gate_up 2048 rows g32 zero points owned (persistent)": (2048, 28672, 4096, 32, True, True),
 }.items():
     x = torch.zeros(m, k, dtype=torch.bfloat16)
     qw, sc = torch.zeros(n, k // 8, dtype=torch.int32), torch.zeros(n, k // g, dtype=torch.bfloat16)
@@ -149,7 +150,8 @@ for case, (m, n, k, g, zeros, owned) in {
     ptx = c.asm["ptx"]
     bars = [s["instructions"].get(i, 0) for i in ("UCGABAR_ARV", "UCGABAR_WAIT")]
     print(json.dumps({
-        "case": case, "grid": grid, "tiles": -(-m // 256) * (n // 128), "num_ctas": c.metadata.num_ctas,
+        "case": case, "grid": grid, "tiles": -(-m // 256) * (n // 128), "programs": cfg.get("programs", 0),
+        "persistent": cfg.get("persistent", False), "num_ctas": c.metadata.num_ctas,
         "alone_num_ctas": alone.metadata.num_ctas, "multicast": ptx.count(".multicast::cluster"),
         "remote": ptx.count("mbarrier.arrive.shared::cluster.b64"),
         "local": ptx.count("mbarrier.arrive.shared::cta.b64"),
@@ -162,14 +164,17 @@ for case, (m, n, k, g, zeros, owned) in {
 @pytest.mark.skipif(not cross_compile.has_cuobjdump(), reason="this Triton wheel has no cuobjdump")
 def test_the_rules_cluster_tilings_compile_for_sm90_as_pairs(run_compiled):
     # The rule's clusters at two deep reductions (14336^2 on packed words; the 8B model's down_proj on owned
-    # words with g32 zero points), compiled with this Triton down to SASS: launched in pairs, the x loads
+    # words with g32 zero points), and persistent where K is shallow (gate_up; a wave of tiles at a time, one
+    # program an SM), compiled with this Triton down to SASS: launched in pairs, the x loads
     # multicast, a remote release for each release, the cluster's barriers in the SASS, no spills, and a K
     # loop a few instructions longer than the programs' alone (the remote releases).
     results = run_compiled(["-c", _COMPILE])
-    assert len(results) == 2
+    assert len(results) == 3
     for case, r in results.items():
         assert r["num_ctas"] == 2 and r["alone_num_ctas"] == 1, (case, r)
-        assert r["grid"][0] * 2 == r["tiles"], (case, r)  # (clusters: Triton's launcher doubles it)
+        assert r["persistent"] == ("persistent" in case) and r["programs"] == (132 if r["persistent"] else 0)
+        # (clusters: Triton's launcher doubles the grid)
+        assert r["grid"][0] * 2 == (r["programs"] if r["persistent"] else r["tiles"]), (case, r)
         assert r["multicast"] == 2 and r["remote"] == r["local"] >= 2 and r["cluster_dims"], (case, r)
         assert r["spills"] == 0 and min(r["cluster_barriers"]) >= 1, (case, r)
         assert r["loop"] <= r["alone_loop"] + 12, (case, r)  # (a release's remote arrival: 319 against 311)

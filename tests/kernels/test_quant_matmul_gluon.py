@@ -62,14 +62,15 @@ def test_gluon_tiles_measured_choices():
     # tile a program run in clusters of two sharing x's tiles where K is deep and the weight's 128-row tiles
     # are even in number (test_gluon_tiles_pair_programs_where_the_weight_tiles_pair)
     pair = {"block_m": 256, "stages": 4, "cluster": 2}
+    persist = {"block_m": 256, "stages": 5, "programs": 132, "persistent": True, "cluster": 2}
     assert qm.gluon_tiles(128, 14336, 14336, 132) == {"block_m": 128, "stages": 6}  # 112 tiles: one each
     assert qm.gluon_tiles(256, 14336, 14336, 132) == pair
     assert qm.gluon_tiles(512, 4096, 4096, 132) == {"block_m": 128, "stages": 6}  # 256-row tiles: 64 programs
-    assert qm.gluon_tiles(512, 6144, 4096, 132) == {"block_m": 256, "stages": 4}
+    assert qm.gluon_tiles(512, 6144, 4096, 132) == {"block_m": 256, "stages": 4}  # one wave: 96 tiles
     # under half the SMs' worth of tiles: stream-K over one program an SM
     assert qm.gluon_tiles(512, 4096, 14336, 132) == {"block_m": 256, "stages": 4, "programs": 132}
     assert qm.gluon_tiles(128, 4096, 14336, 114) == {"block_m": 128, "stages": 6, "programs": 114}
-    assert qm.gluon_tiles(2048, 4096, 4096, 132) == {"block_m": 256, "stages": 4}
+    assert qm.gluon_tiles(2048, 4096, 4096, 132) == persist
     # 257-384 rows, where 256-row tiles pad by half: 128-row tiles stream-K where the weight comes from DRAM
     # (gate_up, 58.7 MB of words; down_proj, already stream-K), 256 rows where it stays in the L2 or the
     # padding is less (prefill_tiling_probe.py on the H100: NOTES.md, twenty-first session)
@@ -77,8 +78,8 @@ def test_gluon_tiles_measured_choices():
     assert qm.gluon_tiles(320, 28672, 4096, 132) == sk128
     assert qm.gluon_tiles(257, 4096, 14336, 132) == sk128
     assert qm.gluon_tiles(384, 4096, 14336, 132) == sk128
-    assert qm.gluon_tiles(320, 14336, 4096, 132) == {"block_m": 256, "stages": 4}
-    assert qm.gluon_tiles(256, 28672, 4096, 132) == {"block_m": 256, "stages": 4}
+    assert qm.gluon_tiles(320, 14336, 4096, 132) == persist
+    assert qm.gluon_tiles(256, 28672, 4096, 132) == persist
     # 256-row tiles whose last wave is at most 40% full, of outputs 6144 wide or more, x in the L2: all full
     # waves but one a tile a program, then the rest stream-K (prefill_tiling_probe.py on the H100: NOTES.md,
     # twenty-third session)
@@ -86,10 +87,10 @@ def test_gluon_tiles_measured_choices():
     assert qm.gluon_tiles(768, 6144, 4096, 132) == hybrid  # 144 tiles: 12 in the last wave
     assert qm.gluon_tiles(1536, 14336, 14336, 132) == hybrid  # 672 tiles: 12 in the last wave
     assert qm.gluon_tiles(448, 28672, 4096, 132) == hybrid  # 448 tiles: 52
-    assert qm.gluon_tiles(768, 14336, 4096, 132) == {"block_m": 256, "stages": 4}  # 336 tiles: 72
-    assert qm.gluon_tiles(1024, 6144, 4096, 132) == {"block_m": 256, "stages": 4}  # 192 tiles: 60
-    assert qm.gluon_tiles(2048, 14336, 4096, 132) == {"block_m": 256, "stages": 4}  # 896 tiles: 104
-    assert qm.gluon_tiles(1536, 4096, 4096, 132) == {"block_m": 256, "stages": 4}  # 4096 wide: 60 of 132
+    assert qm.gluon_tiles(768, 14336, 4096, 132) == persist  # 336 tiles: 72
+    assert qm.gluon_tiles(1024, 6144, 4096, 132) == persist  # 192 tiles: 60
+    assert qm.gluon_tiles(2048, 14336, 4096, 132) == persist  # 896 tiles: 104
+    assert qm.gluon_tiles(1536, 4096, 4096, 132) == persist  # 4096 wide: 60 of 132
     assert qm.gluon_tiles(4096, 14336, 14336, 132) == pair  # x 117 MB: past the L2
     # Outputs under 6144 wide run all their full waves a tile a program, then the rest stream-K (NOTES.md,
     # twenty-ninth session: down_proj at 1025-1200 rows 20% faster, o_proj 2-7%)
@@ -97,7 +98,7 @@ def test_gluon_tiles_measured_choices():
     assert qm.gluon_tiles(1025, 4096, 4096, 132) == whole | {"dp_waves": 1}  # 160 tiles: 28 in the last wave
     assert qm.gluon_tiles(1100, 4096, 14336, 132) == whole | {"dp_waves": 1}  # x 31.5 MB: in the L2
     assert qm.gluon_tiles(2100, 4096, 4096, 132) == whole | {"dp_waves": 2}  # 288 tiles: 24
-    assert qm.gluon_tiles(1300, 4096, 4096, 132) == {"block_m": 256, "stages": 4}  # 192 tiles: 60
+    assert qm.gluon_tiles(1300, 4096, 4096, 132) == persist  # 192 tiles: 60
     assert qm.gluon_tiles(2048, 4096, 14336, 132) == pair  # 256 tiles: 124
     assert qm.gluon_tiles(1100, 4096, 28672, 132) == pair  # x 63 MB: past the L2
 
@@ -107,12 +108,43 @@ def test_gluon_tiles_pair_programs_where_the_weight_tiles_pair(monkeypatch):
     assert qm.gluon_tiles(2048, 14336, 14336, 132) == {"block_m": 256, "stages": 4, "cluster": 2}
     assert qm.gluon_tiles(2048, 4096, 8192, 132)["cluster"] == 2  # (GLUON_CLUSTER_MIN_K)
     assert qm.gluon_tiles(2048, 14336 + 128, 14336, 132) == {"block_m": 256, "stages": 4}  # 113 weight tiles
-    assert qm.gluon_tiles(2048, 14336, 4096, 132) == {"block_m": 256, "stages": 4}  # K 4096: not everywhere
+    # where K is shallow, persistent in clusters, one program an SM (an even count; GLUON_PERSISTENT)
+    persist = {"block_m": 256, "stages": 5, "programs": 132, "persistent": True, "cluster": 2}
+    assert qm.gluon_tiles(2048, 14336, 4096, 132) == persist
+    assert qm.gluon_tiles(2048, 14336, 4096, 133) == persist
+    # a wave or less (o_proj at 768 / 1024 rows: 47.4, 45.9 / 51.0, 50.6 us persistent against 45.1, 45.1 /
+    # 49.5, 49.5 a tile a program; results/prefill_tiling_probe_h100_2026-11-28_persistent_ab.log)
+    assert qm.gluon_tiles(1024, 4096, 4096, 132) == {"block_m": 256, "stages": 4}  # 128 tiles
+    assert qm.gluon_tiles(2048, 14336 + 128, 4096, 132) == {"block_m": 256, "stages": 4}  # 113 weight tiles
     assert "cluster" not in qm.gluon_tiles(1536, 14336, 14336, 132)  # whole waves, then stream-K
     assert "cluster" not in qm.gluon_tiles(512, 4096, 14336, 132)  # stream-K
     assert "cluster" not in qm.gluon_tiles(128, 14336, 14336, 132)  # 128-row tiles
-    monkeypatch.setattr(qm, "GLUON_CLUSTER", "off")
+    monkeypatch.setattr(qm, "GLUON_PERSISTENT", "off")
+    assert qm.gluon_tiles(2048, 14336, 4096, 132) == {"block_m": 256, "stages": 4}
+    assert qm.gluon_tiles(2048, 14336, 14336, 132) == {"block_m": 256, "stages": 4, "cluster": 2}
+    monkeypatch.setattr(qm, "GLUON_PERSISTENT", "on")
+    monkeypatch.setattr(qm, "GLUON_CLUSTER", "off")  # (persistent goes with the clusters)
     assert qm.gluon_tiles(2048, 14336, 14336, 132) == {"block_m": 256, "stages": 4}
+    assert qm.gluon_tiles(2048, 14336, 4096, 132) == {"block_m": 256, "stages": 4}
+
+
+def test_a_persistent_launch_takes_every_tile_whole_a_wave_at_a_time():
+    x, y = torch.zeros(2048, 4096, dtype=torch.bfloat16), torch.zeros(2048, 4096, dtype=torch.bfloat16)
+    qw, sc = torch.zeros(4096, 512, dtype=torch.int32), torch.zeros(4096, 32, dtype=torch.bfloat16)
+    # 8 x 32 tiles over 132 programs: every tile whole (the last wave partial), none split, no workspace
+    grid, args, kwargs = qg.launch_args(
+        x, qw, sc, None, 128, y, y, y, block_m=256, programs=132, persistent=True
+    )
+    assert grid == (132,) and args[-1] == 256 and kwargs["DP"] and kwargs["STREAM_K"] and kwargs["MODE"] == 0
+    # in clusters: 66 of two, on an even count of programs only
+    grid, args, kwargs = qg.launch_args(
+        x, qw, sc, None, 128, y, y, y, block_m=256, programs=132, persistent=True, cluster=2
+    )
+    assert grid == (66, 1) and kwargs["CLUSTER"] == 2 and args[-1] == 256
+    with pytest.raises(ValueError, match="clusters take whole tiles"):
+        qg.launch_args(x, qw, sc, None, 128, y, y, y, block_m=256, programs=131, persistent=True, cluster=2)
+    with pytest.raises(ValueError, match="a persistent launch needs its programs"):
+        qg.launch_args(x, qw, sc, None, 128, y, y, y, block_m=256, persistent=True)
 
 
 def test_clusters_take_whole_tiles_of_even_weight_tiles():
@@ -159,29 +191,26 @@ def test_a_cluster_kernel_compiled_without_the_pass_is_refused_before_it_launche
     assert compiled == [grid, grid]
 
 
-def test_gluon_cluster_setting_turns_it_off_and_refuses_a_bad_value():
-    code = (
-        "from squeezeserve.kernels.ops import quant_matmul as q; print(q.gluon_tiles(2048, 4096, 14336, 132))"
-    )
+@pytest.mark.parametrize(
+    ("name", "shape", "mark"),
+    [
+        ("SQUEEZESERVE_GLUON_CLUSTER", "4096, 14336", "'cluster': 2"),
+        ("SQUEEZESERVE_GLUON_PERSISTENT", "14336, 4096", "'persistent': True"),
+    ],
+)
+def test_gluon_cluster_settings_turn_them_off_and_refuse_a_bad_value(name, shape, mark):
+    code = f"from squeezeserve.kernels.ops import quant_matmul as q; print(q.gluon_tiles(2048, {shape}, 132))"
     env = {k: v for k, v in os.environ.items() if not k.startswith("SQUEEZESERVE_")}
 
     def run(value: str) -> subprocess.CompletedProcess:
         command = [sys.executable, "-c", code]
-        return subprocess.run(
-            command,
-            env=env | {"SQUEEZESERVE_GLUON_CLUSTER": value},
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
+        return subprocess.run(command, env=env | {name: value}, capture_output=True, text=True, timeout=300)
 
-    for value, seen in (("on", "True"), ("off", "False")):
+    for value, seen in (("on", True), ("off", False)):
         r = run(value)
-        assert r.returncode == 0 and ("'cluster': 2" in r.stdout) == (seen == "True"), r.stderr[-2000:]
+        assert r.returncode == 0 and (mark in r.stdout) == seen, r.stderr[-2000:]
     refused = run("2")
-    assert (
-        refused.returncode != 0 and "SQUEEZESERVE_GLUON_CLUSTER must be on or off, got '2'" in refused.stderr
-    )
+    assert refused.returncode != 0 and f"{name} must be on or off, got '2'" in refused.stderr
 
 
 def test_a_prefill_the_cluster_pass_refuses_runs_its_programs_alone(monkeypatch):
@@ -632,8 +661,9 @@ def test_a_kernel_that_does_not_build_falls_back(monkeypatch):
         (256, 6144, 4096, True, True),
         (128, 4096, 14336, True, False),
         (2048, 4096, 8192, False, True),  # clusters of two programs sharing x (launched as the kernel's own)
+        (2048, 14336, 4096, True, True),  # persistent, in clusters (quant_matmul.GLUON_PERSISTENT)
     ],
-    ids=["decode", "prefill", "stream-k", "clusters"],
+    ids=["decode", "prefill", "stream-k", "clusters", "persistent-clusters"],
 )
 def test_launch_plans_replay_the_gluon_kernel(m, n, k, zeros, exact, cpp, monkeypatch):
     # Its TMA descriptors are made again over each call's tensors (in Python, or as tensor maps in C++):
@@ -777,9 +807,14 @@ for case, (m, n, k, g, zeros, dtype, cfg) in CASES.items():
     for owned, zp in ((False, packed_zp), (True, owned_zp)):
         _, args, kwargs = qg.launch_args(x, qw, sc, zp, g, y, ws, counts, mode=2, owned=owned, **cfg)
         compiled = cross_compile.compile_for(qg._wgmma_kernel, args, kwargs)
-        s = cross_compile.summary(cross_compile.sass(compiled))
+        sass = cross_compile.sass(compiled)
+        s = cross_compile.summary(sass)
         summary = {key: s[key] for key in ("local", "loop_local", "groups", "wait_one", "wait_all")}
-        out["owned" if owned else "packed"] = summary | {"prmt": s["instructions"].get("PRMT", 0)}
+        # (the K loop's: between the first wgmma and the last wait for all groups, as summary() reads it)
+        first = next(i for i, line in enumerate(sass) if "HGMMA" in line)
+        last = max(i for i, line in enumerate(sass) if "DEPBAR.LE gsb0, 0x0" in line)
+        prmt = sum(1 for line in sass[first:last] if " PRMT " in f" {line} ")
+        out["owned" if owned else "packed"] = summary | {"prmt": prmt}
     print(json.dumps(out))
 """
 
@@ -787,7 +822,8 @@ for case, (m, n, k, g, zeros, dtype, cfg) in CASES.items():
 @pytest.mark.skipif(not cross_compile.has_cuobjdump(), reason="this Triton wheel has no cuobjdump")
 def test_owned_words_compile_for_sm90_with_fewer_instructions(run_compiled):
     # The operand from owned weights is laid out as the packed words' is (the kernel's convert_layout asserts
-    # it when it compiles), its products stay pipelined, nothing spills, and the pairs need few prmt. Owned
+    # it when it compiles), its products stay pipelined, nothing spills, and the pairs need few prmt in the K
+    # loop (the epilogue's change of layout of bf16 values has its own since the thirty-fifth session). Owned
     # zero points (a row's groups a word) are what took the spills out of 32 rows of g32 with zero points:
     # Triton 3.6 / 3.9, packed 6 / 66 registers (3 / 6 in the K loop), owned 0 / 0 (twenty-second session;
     # the twenty-first's owned words with packed zero points spilled 14 / 22).
@@ -883,7 +919,7 @@ def test_owned_words_give_the_packed_words_results(m, n, k, group, zeros, dtype,
 )
 def test_clusters_give_the_programs_alone_results(m, n, k, group, zeros, owned, dtype):
     # Two programs of a cluster sharing x's tiles (ptx_cluster) make the same products in the same order as
-    # each alone: equal bit for bit.
+    # each alone: equal bit for bit, a tile a program or persistent.
     qw, sc, zp = _packed(n, k, group, zeros, dtype, "cuda")
     words, word_zp = qw, zp
     if owned:
@@ -893,8 +929,17 @@ def test_clusters_give_the_programs_alone_results(m, n, k, group, zeros, owned, 
     alone, paired = (torch.empty((m, n), device="cuda", dtype=dtype) for _ in range(2))
     tiling = {"block_m": 256, "stages": 4, "mode": 2, "owned": owned}
     qg.launch(x, words, sc, word_zp, group, alone, ws, counts, **tiling)
-    qg.launch(x, words, sc, word_zp, group, paired, ws, counts, cluster=2, **tiling)
-    assert torch.equal(paired, alone)
+    # a tile a program; persistent (the rule's where K is shallow), its last wave partial or many waves of a
+    # few programs; persistent alone
+    for extra in (
+        {"cluster": 2},
+        {"cluster": 2, "programs": 132, "persistent": True, "stages": 5},
+        {"cluster": 2, "programs": 6, "persistent": True},
+        {"programs": 7, "persistent": True},
+    ):
+        paired.fill_(float("nan"))
+        qg.launch(x, words, sc, word_zp, group, paired, ws, counts, **(tiling | extra))
+        assert torch.equal(paired, alone), extra
     ref = (x @ ql.dequantize(qw, sc, zp, (n, k), group, 4).to(dtype).t()).float()
     assert ((paired.float() - ref).norm() / ref.norm()).item() < 2e-3
 
