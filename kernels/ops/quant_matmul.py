@@ -655,24 +655,27 @@ if GLUON_CLUSTER not in ("on", "off"):
 # Under GLUON_CLUSTER_MIN_K, where they are more than a wave, those tiles run persistent instead
 # (SQUEEZESERVE_GLUON_PERSISTENT=off: a tile a program alone, as before, for A/B runs): one program an SM (an
 # even count) in clusters of two sharing x's tiles, each program's loading warp filling its next tile's stages
-# while its compute warps write the last tile's sum, on GLUON_PERSISTENT_STAGES stages. Where K = 4096 a
-# program's start and end weigh more than where K is deep (a tile is 64 K tiles, not 224). H100, g128, owned
-# words as served, medians of three interleaved rounds at 2048 rows, us a tile a program alone / in clusters
-# / persistent in clusters / Machete (tests/gpu/cluster_probe.py,
-# results/cluster_probe_h100_2026-11-28_persistent_machete.log): gate_up (28672 x 4096) 752.5 / 737.4 /
-# 721.6 / 688.6, 14336 x 4096 377.5 / 369.3 / 358.7 / 346.2, qkv (6144 x 4096) 162.0 / 159.1 / 157.4 /
-# 149.7; with the epilogue's cast first (_write), quant_matmul / Machete in one run
-# (results/cluster_probe_h100_2026-11-28_bf16_epilogue_machete.log): gate_up 703.9 / 689.6, 14336 x 4096
-# 358.8 / 358.1, qkv 157.3 / 153.9. Nsight Compute at 2048 x 28672 x 4096 (results/ncu_h100_2026-11-28_
-# persistent/summary.txt): x's L2-to-SM traffic now Machete's (43.3% of the crossbar's cycles against 44.9%;
-# alone 67.0%), the tensor pipe busy 83.9% against 87.7% (alone 80.7%). A wave or less stays a tile a program
-# alone (o_proj at 768 / 1024 rows 2-5% slower persistent; results/prefill_tiling_probe_h100_2026-11-28_
-# persistent_ab.log). Where K is deep it gained nothing over the tiles a program in clusters (14336^2 at
-# 2048 rows 1217.3 against 1214.9 us, down_proj 350.8 against 350.3).
+# while its compute warps write the last tile, which goes out through shared memory by a TMA store they do not
+# wait for (launch_args' tma_store; GLUON_PERSISTENT_STAGES stages beside the 64 KB tile: 213 KB). Where K =
+# 4096 a program's start and end weigh more than where K is deep (a tile is 64 K tiles, not 224). H100, g128,
+# owned words as served, medians of three interleaved rounds at 2048 rows (tests/gpu/cluster_probe.py), us a
+# tile a program alone / in clusters / persistent in clusters / Machete
+# (results/cluster_probe_h100_2026-11-28_persistent_machete.log): gate_up (28672 x 4096) 752.5 / 737.4 / 721.6
+# / 688.6, 14336 x 4096 377.5 / 369.3 / 358.7 / 346.2, qkv (6144 x 4096) 162.0 / 159.1 / 157.4 / 149.7. Nsight
+# Compute at 2048 x 28672 x 4096 (results/ncu_h100_2026-11-28_persistent/summary.txt): x's L2-to-SM traffic
+# then Machete's (43.3% of the crossbar's cycles against 44.9%; alone 67.0%), the tensor pipe busy 83.9%
+# against 87.7%, idle in the epilogue. Storing by TMA (one run, us persistent with the registers' stores, five
+# stages / by TMA, four; results/cluster_probe_h100_2026-11-28_tma_store.log): gate_up 696.6 / 680.8, 14336 x
+# 4096 349.8 / 343.3, qkv 152.6 / 146.9, o_proj 99.8 / 100.4 (a tile a program alone gains nothing by it: its
+# compute warps have no next tile). Machete, in the run before (..._bf16_epilogue_machete.log): gate_up 689.6,
+# 14336 x 4096 358.1, qkv 153.9. A wave or less stays a tile a program alone (o_proj at 768 / 1024 rows 2-5%
+# slower persistent; results/prefill_tiling_probe_h100_2026-11-28_persistent_ab.log). Where K is deep a tile a
+# program in clusters stays: persistent was level there (14336^2 at 2048 rows 1217.3 against 1214.9 us,
+# down_proj 350.8 against 350.3; by TMA 1198.4 against 1215.7 and 340.6 against 343.0, one run).
 GLUON_PERSISTENT = os.environ.get("SQUEEZESERVE_GLUON_PERSISTENT", "on")
 if GLUON_PERSISTENT not in ("on", "off"):
     raise ValueError(f"SQUEEZESERVE_GLUON_PERSISTENT must be on or off, got {GLUON_PERSISTENT!r}")
-GLUON_PERSISTENT_STAGES = 5
+GLUON_PERSISTENT_STAGES = 4
 
 
 def gluon_decode_tiles(m: int, sms: int) -> dict:
@@ -815,7 +818,7 @@ def gluon_tiles(m: int, n_out: int, k_in: int, sms: int) -> dict:
         if GLUON_PERSISTENT == "on" and tiles > sms:  # (GLUON_PERSISTENT's comment)
             pairs = sms - sms % 2
             return {"block_m": 256, "stages": GLUON_PERSISTENT_STAGES, "programs": pairs, "persistent": True,
-                    "cluster": 2}  # fmt: skip
+                    "cluster": 2, "tma_store": True}  # fmt: skip
     return cfg
 
 

@@ -30,7 +30,8 @@ is free once both are done with it (TMA multicast and remote releases, which Glu
 a pass over the kernel's PTX, :mod:`ptx_cluster`), halving the L2-to-SM bytes of x
 (quant_matmul.GLUON_CLUSTER). Where K is shallower the clustered programs are persistent (``launch_args``'
 ``persistent``: one an SM, a wave's tile at a time), so that each loading warp fills its next tile's stages
-while the compute warps write the last tile (quant_matmul.GLUON_PERSISTENT).
+while the compute warps write the last tile, through shared memory by a TMA store they do not wait for
+(``tma_store``; quant_matmul.GLUON_PERSISTENT).
 
 Launched as a programmatic dependent (``launch_args``' ``pdl``), the kernel lets the next one launch, sends
 its first stages' weight words before it waits for the kernel before it, then loads x: the decode's start
@@ -66,7 +67,13 @@ import math
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from squeezeserve.kernels.ops import ptx_cluster, ptx_release
@@ -127,6 +134,7 @@ def _cluster_wait():
 
 
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+_tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global  # (3.6: the latter)
 
 # Value pair (2 j, 2 j + 1) of a word as one bf16x2 / f16x2 register, minus (BIAS + z), times s: the pair's
 # byte alone (prmt; selector 0x4440 + j), copied 12 bits up (x 4097: bits 0-7 and 12-19), so that its low
@@ -448,6 +456,8 @@ def _operand(
 @gluon.jit
 def _write(
     acc,
+    y_desc,
+    y_smem,
     y_ptr,
     ws_ptr,
     count_ptr,
@@ -462,6 +472,7 @@ def _write(
     N,
     y_row_stride,
     MODE: gl.constexpr,
+    TMA_STORE: gl.constexpr,
     BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr,
     num_warps: gl.constexpr,
@@ -482,6 +493,13 @@ def _write(
     rows_m = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, out_layout))
     at = gl.expand_dims(rows_m.to(gl.int64) * y_row_stride, 0) + gl.expand_dims(rows_n, 1)
     mask = gl.expand_dims(rows_n < N, 1) & gl.expand_dims(rows_m < M, 0)
+    if TMA_STORE:  # (MODE 0) into shared memory as y's tile, then TMA's store: the compute warps go on
+        tma.store_wait(0)  # (the last tile's store has read y_smem)
+        y_smem.permute((1, 0)).store(acc.to(y_ptr.dtype.element_ty))
+        fence_async_shared()
+        _cta_barrier()
+        _tma_store(y_desc, [off_m, off_n], y_smem)
+        return
     if MODE == 0:  # (every tile whole: cast first, so that the change of layout, through shared memory, moves
         # half the bytes; the same values. Nsight Compute, 2048 x 28672 x 4096 persistent: the epilogue in
         # fp32 was 6.1% of all warps' stall samples, the tensor pipe idle meanwhile)
@@ -691,8 +709,10 @@ def _compute_partition(
     x_smem,
     w_smem,
     s_smem,
+    y_smem,
     ready,
     empty,
+    y_desc,
     scale_ptr,
     zero_ptr,
     y_ptr,
@@ -707,6 +727,7 @@ def _compute_partition(
     units_per_split,
     dp_tiles,
     MODE: gl.constexpr,
+    TMA_STORE: gl.constexpr,
     STREAM_K: gl.constexpr,
     DP: gl.constexpr,
     LATE_FIRST: gl.constexpr,
@@ -805,9 +826,12 @@ def _compute_partition(
             # A run's part of a tile is likely its tile's last where it ends the run and starts the tile after
             # other work of the run: the tile's other parts began other runs, as all the programs began.
             late = (u0 == 0) & (unit > start) & (unit + units == hi) & LATE_FIRST
-            _write(acc, y_ptr, ws_ptr, count_ptr, tile, units == k_units, late, units, k_units, off_m, off_n,
-                   M, N, y_row_stride, MODE, BLOCK_M, BLOCK_N, num_warps)  # fmt: skip
+            _write(acc, y_desc, y_smem, y_ptr, ws_ptr, count_ptr, tile, units == k_units, late, units,
+                   k_units, off_m, off_n, M, N, y_row_stride, MODE, TMA_STORE, BLOCK_M, BLOCK_N,
+                   num_warps)  # fmt: skip
             unit += units
+    if TMA_STORE:
+        tma.store_wait(0)  # (the last tile's store has read y_smem before the program ends)
     if CLUSTER > 1:
         # The other program of the cluster frees our stages too (its last releases may come after ours):
         # the program ends once every stage's last release, its and ours, is in (no arrival then reaches
@@ -818,9 +842,9 @@ def _compute_partition(
 
 
 @gluon.jit
-def _ring(x_desc, w_desc, s_desc, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-          STAGES: gl.constexpr, SCALES_TMA: gl.constexpr, RELEASES: gl.constexpr,
-          CLUSTER: gl.constexpr):  # fmt: skip
+def _ring(x_desc, w_desc, s_desc, y_desc, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+          STAGES: gl.constexpr, SCALES_TMA: gl.constexpr, RELEASES: gl.constexpr, CLUSTER: gl.constexpr,
+          TMA_STORE: gl.constexpr):  # fmt: skip
     """The ring of STAGES shared-memory stages (x tile, weight words, and with ``SCALES_TMA`` the tile's
     scales) the loading warp fills, with each stage's ``ready`` (TMA's bytes in) and ``empty`` (its
     products done) barriers."""
@@ -830,6 +854,10 @@ def _ring(x_desc, w_desc, s_desc, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, 
         s_smem = gl.allocate_shared_memory(s_desc.dtype, [STAGES, BLOCK_N, 8], s_desc.layout)
     else:
         s_smem = w_smem  # (unused)
+    if TMA_STORE:  # y's tile, as TMA stores it ([BLOCK_M, BLOCK_N]; the products are its transpose)
+        y_smem = gl.allocate_shared_memory(y_desc.dtype, [BLOCK_M, BLOCK_N], y_desc.layout)
+    else:
+        y_smem = w_smem  # (unused)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(STAGES):
@@ -838,7 +866,7 @@ def _ring(x_desc, w_desc, s_desc, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, 
         mbarrier.init(empty.index(s), count=RELEASES * CLUSTER)
     if CLUSTER > 1:  # (the barriers are the cluster's before either program loads into or frees the other's)
         _cluster_start()
-    return x_smem, w_smem, s_smem, ready, empty
+    return x_smem, w_smem, s_smem, y_smem, ready, empty
 
 
 @gluon.jit
@@ -846,6 +874,7 @@ def _wgmma_kernel(
     x_desc,  # TMA descriptor of x [M, K], blocks [BLOCK_M, BLOCK_K]
     w_desc,  # TMA descriptor of the packed weight [N, K / 8] int32, blocks [BLOCK_N, BLOCK_K / 8]
     s_desc,  # SCALES_TMA: TMA descriptor of the scales [N, K / GROUP], blocks [BLOCK_N, 8]; else x_desc
+    y_desc,  # TMA_STORE: TMA descriptor of y [M, N], blocks [BLOCK_M, BLOCK_N]; else x_desc
     scale_ptr,  # [N, ceil(K / GROUP)], the activation dtype
     zero_ptr,  # int32 packed zero points [ceil(N / 8), ceil(K / GROUP)] (HAS_ZERO; ZERO_ROWS: [N, ...])
     y_ptr,  # [M, N]: the activation dtype, or fp32 partial sums (MODE 1)
@@ -860,6 +889,7 @@ def _wgmma_kernel(
     units_per_split,  # split mode: K units (two K tiles each) a program_id(1)
     dp_tiles,  # stream-K: tiles the programs take whole first, a wave at a time (a multiple of the programs)
     MODE: gl.constexpr,  # how parts of a tile meet: 0 never split, 1 fp32 atomics into y, 2 workspace
+    TMA_STORE: gl.constexpr,  # MODE 0: each tile's sum goes out through shared memory by TMA (tma_store)
     STREAM_K: gl.constexpr,  # the programs share the (tile, K unit) pairs evenly, in order
     DP: gl.constexpr,  # dp_tiles > 0
     LATE_FIRST: gl.constexpr,  # MODE 2: a tile's likely last part reads the count first (_write's ``late``)
@@ -878,17 +908,18 @@ def _wgmma_kernel(
     CLUSTER: gl.constexpr,  # 2: clusters of two programs sharing x's tiles (launch_args' cluster)
     num_warps: gl.constexpr,
 ):
-    x_smem, w_smem, s_smem, ready, empty = _ring(x_desc, w_desc, s_desc, BLOCK_M, BLOCK_N, BLOCK_K, STAGES,
-                                                 SCALES_TMA, RELEASES, CLUSTER)  # fmt: skip
+    x_smem, w_smem, s_smem, y_smem, ready, empty = _ring(x_desc, w_desc, s_desc, y_desc, BLOCK_M, BLOCK_N,
+                                                         BLOCK_K, STAGES, SCALES_TMA, RELEASES, CLUSTER,
+                                                         TMA_STORE)  # fmt: skip
     # One loading warp of 24 registers (scalars only; the least a warp may have). (The partitions' arguments
     # are written out in the call: a tuple bound to a name first turns the constexprs in it into tensors.)
     gl.warp_specialize(
         [
-            (_compute_partition, (x_smem, w_smem, s_smem, ready, empty, scale_ptr, zero_ptr, y_ptr, ws_ptr,
-                                  count_ptr, M, N, K, scale_row_stride, zero_row_stride, y_row_stride,
-                                  units_per_split, dp_tiles, MODE, STREAM_K, DP, LATE_FIRST, OWNED, GROUP,
-                                  HAS_ZERO, ZERO_ROWS, SCALES_TMA, MAGIC_F, BLOCK_M, BLOCK_N, BLOCK_K, STAGES,
-                                  PDL, RELEASES, CLUSTER, num_warps)),
+            (_compute_partition, (x_smem, w_smem, s_smem, y_smem, ready, empty, y_desc, scale_ptr, zero_ptr,
+                                  y_ptr, ws_ptr, count_ptr, M, N, K, scale_row_stride, zero_row_stride,
+                                  y_row_stride, units_per_split, dp_tiles, MODE, TMA_STORE, STREAM_K, DP,
+                                  LATE_FIRST, OWNED, GROUP, HAS_ZERO, ZERO_ROWS, SCALES_TMA, MAGIC_F, BLOCK_M,
+                                  BLOCK_N, BLOCK_K, STAGES, PDL, RELEASES, CLUSTER, num_warps)),
             (_load_partition, (x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, ready, empty, M, N, K,
                                units_per_split, dp_tiles, STREAM_K, DP, SCALES_TMA, BLOCK_M, BLOCK_N, BLOCK_K,
                                STAGES, PDL, CLUSTER)),
@@ -1002,6 +1033,7 @@ def launch_args(
     wg_release=False,
     cluster=1,
     persistent=False,
+    tma_store=False,
 ) -> tuple[tuple, tuple, dict]:
     """The grid, arguments and keywords of the Gluon kernel's launch for y [M, N] = x2 [M, K] @
     dequantize(W).T: each output tile's K split ``split`` ways, or, with ``programs``, all (tile, K unit)
@@ -1020,8 +1052,9 @@ def launch_args(
     sharing x's tiles (:mod:`ptx_cluster`'s pass; whole tiles, an even count of weight tiles; the grid counts
     clusters). ``persistent`` (with ``programs``): every tile whole, the programs taking a wave of tiles at a
     time (the last may be partial), each program's loading warp filling the next tile's stages while its
-    compute warps write the last one's sum. (Apart from :func:`launch`, for compiling what a launch would run
-    without a GPU: ``cross_compile.compile_for``.)"""
+    compute warps write the last one's sum. ``tma_store`` (tiles never split, y in x's dtype): each tile's sum
+    goes out through shared memory by a TMA store, which the compute warps do not wait for. (Apart from
+    :func:`launch`, for compiling what a launch would run without a GPU: ``cross_compile.compile_for``.)"""
     m, k_in = x2.shape
     n_out = qweight.shape[0]
     k_units = cdiv(cdiv(k_in, block_k), 2)
@@ -1067,6 +1100,18 @@ def launch_args(
     w_desc = TensorDescriptor.from_tensor(
         qweight, [block_n, block_k // 8], _smem_layout(block_n, block_k // 8)
     )
+    if tma_store and (
+        parts or y.dtype != x2.dtype or (y.stride(0) * y.element_size()) % 16 or y.stride(1) != 1
+    ):
+        raise ValueError(
+            "quant_matmul_gluon.launch: a TMA store takes whole tiles into a y of x's dtype, its rows "
+            "16-byte aligned"
+        )
+    y_desc = (
+        TensorDescriptor.from_tensor(y, [block_m, block_n], _smem_layout(block_m, block_n, y.dtype))
+        if tma_store
+        else x_desc
+    )
     zero_arg = zeros if zeros is not None else qweight
     scales_tma = _scales_by_tma(scales, group_size, block_m, block_n, block_k, stages)
     s_desc = (
@@ -1077,10 +1122,11 @@ def launch_args(
     # The loading warp takes a whole warpgroup's registers: (num_warps + 4) warps of maxnreg registers, of
     # which the compute partition takes what the loader leaves.
     maxnreg = min(255, 65536 // occupancy // (32 * (num_warps + 4))) // 8 * 8
-    args = (x_desc, w_desc, s_desc, scales, zero_arg, y, ws, counts, m, n_out, k_in, scales.stride(0),
+    args = (x_desc, w_desc, s_desc, y_desc, scales, zero_arg, y, ws, counts, m, n_out, k_in, scales.stride(0),
             zero_arg.stride(0), y.stride(0), units_per_split, dp_tiles)  # fmt: skip
     kwargs = {
         "MODE": mode if parts else 0,
+        "TMA_STORE": bool(tma_store),
         "STREAM_K": bool(programs),
         "DP": dp_tiles > 0,
         "LATE_FIRST": bool(late_first),

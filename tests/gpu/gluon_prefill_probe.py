@@ -10,10 +10,11 @@ time of cold weights in CUDA graphs, as bench_quant_matmul.py times them.
 ``--machete`` adds vLLM's Machete W4A16 GEMM (what vLLM runs for compressed-tensors W4A16 on an H100; vLLM
 staged) on the same weights, re-quantized to its symmetric format, beside each row.
 
-A tiling is BLOCK_M:STAGES:SPLIT[:BLOCK_N[:BLOCK_K[:WARPS]]][:c][:r]; SPLIT ``pN`` shares the work among N
+A tiling is BLOCK_M:STAGES:SPLIT[:BLOCK_N[:BLOCK_K[:WARPS]]][:c][:r][:t]; SPLIT ``pN`` shares the work among N
 programs (stream-K, N // 132 an SM) instead of splitting each tile's K; ``c``: clusters of two programs
 sharing x's tiles (``launch_args``' ``cluster``); a last ``r``: each warpgroup frees its own ring stages
-(``launch_args``' ``wg_release``); ``pNwW`` first runs W waves of whole tiles a program (``launch_args``'
+(``launch_args``' ``wg_release``); a last ``t``: each tile's sum goes out by a TMA store (``tma_store``);
+``pNwW`` first runs W waves of whole tiles a program (``launch_args``'
 ``dp_waves``: a negative W, all the full waves but -W), then shares the rest; ``PN``: N programs each taking
 a wave's tile whole at a time (``launch_args``' ``persistent``).
 Tilings run through ``prefill()`` (parts of tiles meet in a zeroed fp32 output, then a cast: slower than
@@ -135,7 +136,9 @@ def cold_copies(qw, sc, zp, dense):
 def tiling(spec: str) -> dict:
     """A tiling (the module doc) as prefill()'s keywords."""
     bm, stages, split, *rest = spec.split(":")
-    release = rest[-1:] == ["r"]  # a last field ``r``: each warpgroup frees its own stages (wg_release)
+    store = rest[-1:] == ["t"]  # a last field ``t``: each tile's sum goes out by a TMA store (tma_store)
+    rest = rest[:-1] if store else rest
+    release = rest[-1:] == ["r"]  # ``r``: each warpgroup frees its own stages (wg_release)
     rest = rest[:-1] if release else rest
     cluster = rest[-1:] == ["c"]  # ``c``: clusters of two programs sharing x's tiles (launch_args' cluster)
     rest = rest[:-1] if cluster else rest
@@ -143,6 +146,7 @@ def tiling(spec: str) -> dict:
     out = {"block_m": int(bm), "stages": int(stages), "block_n": bn, "block_k": bk, "num_warps": warps}
     out |= {"wg_release": True} if release else {}
     out |= {"cluster": 2} if cluster else {}
+    out |= {"tma_store": True} if store else {}
     if split.startswith("P"):
         return out | {"programs": int(split[1:]), "persistent": True}
     if split.startswith("p"):

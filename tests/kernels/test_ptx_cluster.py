@@ -151,7 +151,8 @@ for case, (m, n, k, g, zeros, owned) in {
     bars = [s["instructions"].get(i, 0) for i in ("UCGABAR_ARV", "UCGABAR_WAIT")]
     print(json.dumps({
         "case": case, "grid": grid, "tiles": -(-m // 256) * (n // 128), "programs": cfg.get("programs", 0),
-        "persistent": cfg.get("persistent", False), "num_ctas": c.metadata.num_ctas,
+        "persistent": cfg.get("persistent", False), "smem": c.metadata.shared,
+        "tma_store": ptx.count("cp.async.bulk.tensor.2d.global.shared"), "num_ctas": c.metadata.num_ctas,
         "alone_num_ctas": alone.metadata.num_ctas, "multicast": ptx.count(".multicast::cluster"),
         "remote": ptx.count("mbarrier.arrive.shared::cluster.b64"),
         "local": ptx.count("mbarrier.arrive.shared::cta.b64"),
@@ -177,4 +178,6 @@ def test_the_rules_cluster_tilings_compile_for_sm90_as_pairs(run_compiled):
         assert r["grid"][0] * 2 == (r["programs"] if r["persistent"] else r["tiles"]), (case, r)
         assert r["multicast"] == 2 and r["remote"] == r["local"] >= 2 and r["cluster_dims"], (case, r)
         assert r["spills"] == 0 and min(r["cluster_barriers"]) >= 1, (case, r)
+        # persistent: each tile's sum stored by TMA from shared memory beside the ring (in the H100's 227 KB)
+        assert r["tma_store"] == (1 if r["persistent"] else 0) and r["smem"] <= 232448, (case, r)
         assert r["loop"] <= r["alone_loop"] + 12, (case, r)  # (a release's remote arrival: 319 against 311)

@@ -62,7 +62,14 @@ def test_gluon_tiles_measured_choices():
     # tile a program run in clusters of two sharing x's tiles where K is deep and the weight's 128-row tiles
     # are even in number (test_gluon_tiles_pair_programs_where_the_weight_tiles_pair)
     pair = {"block_m": 256, "stages": 4, "cluster": 2}
-    persist = {"block_m": 256, "stages": 5, "programs": 132, "persistent": True, "cluster": 2}
+    persist = {
+        "block_m": 256,
+        "stages": 4,
+        "programs": 132,
+        "persistent": True,
+        "cluster": 2,
+        "tma_store": True,
+    }
     assert qm.gluon_tiles(128, 14336, 14336, 132) == {"block_m": 128, "stages": 6}  # 112 tiles: one each
     assert qm.gluon_tiles(256, 14336, 14336, 132) == pair
     assert qm.gluon_tiles(512, 4096, 4096, 132) == {"block_m": 128, "stages": 6}  # 256-row tiles: 64 programs
@@ -109,7 +116,14 @@ def test_gluon_tiles_pair_programs_where_the_weight_tiles_pair(monkeypatch):
     assert qm.gluon_tiles(2048, 4096, 8192, 132)["cluster"] == 2  # (GLUON_CLUSTER_MIN_K)
     assert qm.gluon_tiles(2048, 14336 + 128, 14336, 132) == {"block_m": 256, "stages": 4}  # 113 weight tiles
     # where K is shallow, persistent in clusters, one program an SM (an even count; GLUON_PERSISTENT)
-    persist = {"block_m": 256, "stages": 5, "programs": 132, "persistent": True, "cluster": 2}
+    persist = {
+        "block_m": 256,
+        "stages": 4,
+        "programs": 132,
+        "persistent": True,
+        "cluster": 2,
+        "tma_store": True,
+    }
     assert qm.gluon_tiles(2048, 14336, 4096, 132) == persist
     assert qm.gluon_tiles(2048, 14336, 4096, 133) == persist
     # a wave or less (o_proj at 768 / 1024 rows: 47.4, 45.9 / 51.0, 50.6 us persistent against 45.1, 45.1 /
@@ -936,6 +950,9 @@ def test_clusters_give_the_programs_alone_results(m, n, k, group, zeros, owned, 
         {"cluster": 2, "programs": 132, "persistent": True, "stages": 5},
         {"cluster": 2, "programs": 6, "persistent": True},
         {"programs": 7, "persistent": True},
+        {"cluster": 2, "programs": 132, "persistent": True, "tma_store": True},  # (the rule's, K shallow)
+        {"programs": 5, "persistent": True, "tma_store": True},
+        {"tma_store": True},
     ):
         paired.fill_(float("nan"))
         qg.launch(x, words, sc, word_zp, group, paired, ws, counts, **(tiling | extra))
