@@ -57,19 +57,15 @@ def test_cpu_calls_never_take_it(monkeypatch):
     assert not qm._gluon_prefill(torch.zeros(128, 4096, dtype=torch.bfloat16), qw, sc, None, 128, 4)
 
 
+# The rule's tiling where K is shallow and the tiles more than a wave (quant_matmul.GLUON_PERSISTENT)
+PERSIST = {"block_m": 256, "stages": 4, "programs": 132, "persistent": True, "cluster": 2, "tma_store": True}
+
+
 def test_gluon_tiles_measured_choices():
     # (gluon_prefill_probe.py on the H100: NOTES.md, "tenth session" and "eleventh session"); 256-row tiles a
     # tile a program run in clusters of two sharing x's tiles where K is deep and the weight's 128-row tiles
     # are even in number (test_gluon_tiles_pair_programs_where_the_weight_tiles_pair)
     pair = {"block_m": 256, "stages": 4, "cluster": 2}
-    persist = {
-        "block_m": 256,
-        "stages": 4,
-        "programs": 132,
-        "persistent": True,
-        "cluster": 2,
-        "tma_store": True,
-    }
     assert qm.gluon_tiles(128, 14336, 14336, 132) == {"block_m": 128, "stages": 6}  # 112 tiles: one each
     assert qm.gluon_tiles(256, 14336, 14336, 132) == pair
     assert qm.gluon_tiles(512, 4096, 4096, 132) == {"block_m": 128, "stages": 6}  # 256-row tiles: 64 programs
@@ -77,7 +73,7 @@ def test_gluon_tiles_measured_choices():
     # under half the SMs' worth of tiles: stream-K over one program an SM
     assert qm.gluon_tiles(512, 4096, 14336, 132) == {"block_m": 256, "stages": 4, "programs": 132}
     assert qm.gluon_tiles(128, 4096, 14336, 114) == {"block_m": 128, "stages": 6, "programs": 114}
-    assert qm.gluon_tiles(2048, 4096, 4096, 132) == persist
+    assert qm.gluon_tiles(2048, 4096, 4096, 132) == PERSIST
     # 257-384 rows, where 256-row tiles pad by half: 128-row tiles stream-K where the weight comes from DRAM
     # (gate_up, 58.7 MB of words; down_proj, already stream-K), 256 rows where it stays in the L2 or the
     # padding is less (prefill_tiling_probe.py on the H100: NOTES.md, twenty-first session)
@@ -85,8 +81,8 @@ def test_gluon_tiles_measured_choices():
     assert qm.gluon_tiles(320, 28672, 4096, 132) == sk128
     assert qm.gluon_tiles(257, 4096, 14336, 132) == sk128
     assert qm.gluon_tiles(384, 4096, 14336, 132) == sk128
-    assert qm.gluon_tiles(320, 14336, 4096, 132) == persist
-    assert qm.gluon_tiles(256, 28672, 4096, 132) == persist
+    assert qm.gluon_tiles(320, 14336, 4096, 132) == PERSIST
+    assert qm.gluon_tiles(256, 28672, 4096, 132) == PERSIST
     # 256-row tiles whose last wave is at most 40% full, of outputs 6144 wide or more, x in the L2: all full
     # waves but one a tile a program, then the rest stream-K (prefill_tiling_probe.py on the H100: NOTES.md,
     # twenty-third session)
@@ -94,10 +90,10 @@ def test_gluon_tiles_measured_choices():
     assert qm.gluon_tiles(768, 6144, 4096, 132) == hybrid  # 144 tiles: 12 in the last wave
     assert qm.gluon_tiles(1536, 14336, 14336, 132) == hybrid  # 672 tiles: 12 in the last wave
     assert qm.gluon_tiles(448, 28672, 4096, 132) == hybrid  # 448 tiles: 52
-    assert qm.gluon_tiles(768, 14336, 4096, 132) == persist  # 336 tiles: 72
-    assert qm.gluon_tiles(1024, 6144, 4096, 132) == persist  # 192 tiles: 60
-    assert qm.gluon_tiles(2048, 14336, 4096, 132) == persist  # 896 tiles: 104
-    assert qm.gluon_tiles(1536, 4096, 4096, 132) == persist  # 4096 wide: 60 of 132
+    assert qm.gluon_tiles(768, 14336, 4096, 132) == PERSIST  # 336 tiles: 72
+    assert qm.gluon_tiles(1024, 6144, 4096, 132) == PERSIST  # 192 tiles: 60
+    assert qm.gluon_tiles(2048, 14336, 4096, 132) == PERSIST  # 896 tiles: 104
+    assert qm.gluon_tiles(1536, 4096, 4096, 132) == PERSIST  # 4096 wide: 60 of 132
     assert qm.gluon_tiles(4096, 14336, 14336, 132) == pair  # x 117 MB: past the L2
     # Outputs under 6144 wide run all their full waves a tile a program, then the rest stream-K (NOTES.md,
     # twenty-ninth session: down_proj at 1025-1200 rows 20% faster, o_proj 2-7%)
@@ -105,7 +101,7 @@ def test_gluon_tiles_measured_choices():
     assert qm.gluon_tiles(1025, 4096, 4096, 132) == whole | {"dp_waves": 1}  # 160 tiles: 28 in the last wave
     assert qm.gluon_tiles(1100, 4096, 14336, 132) == whole | {"dp_waves": 1}  # x 31.5 MB: in the L2
     assert qm.gluon_tiles(2100, 4096, 4096, 132) == whole | {"dp_waves": 2}  # 288 tiles: 24
-    assert qm.gluon_tiles(1300, 4096, 4096, 132) == persist  # 192 tiles: 60
+    assert qm.gluon_tiles(1300, 4096, 4096, 132) == PERSIST  # 192 tiles: 60
     assert qm.gluon_tiles(2048, 4096, 14336, 132) == pair  # 256 tiles: 124
     assert qm.gluon_tiles(1100, 4096, 28672, 132) == pair  # x 63 MB: past the L2
 
@@ -116,16 +112,8 @@ def test_gluon_tiles_pair_programs_where_the_weight_tiles_pair(monkeypatch):
     assert qm.gluon_tiles(2048, 4096, 8192, 132)["cluster"] == 2  # (GLUON_CLUSTER_MIN_K)
     assert qm.gluon_tiles(2048, 14336 + 128, 14336, 132) == {"block_m": 256, "stages": 4}  # 113 weight tiles
     # where K is shallow, persistent in clusters, one program an SM (an even count; GLUON_PERSISTENT)
-    persist = {
-        "block_m": 256,
-        "stages": 4,
-        "programs": 132,
-        "persistent": True,
-        "cluster": 2,
-        "tma_store": True,
-    }
-    assert qm.gluon_tiles(2048, 14336, 4096, 132) == persist
-    assert qm.gluon_tiles(2048, 14336, 4096, 133) == persist
+    assert qm.gluon_tiles(2048, 14336, 4096, 132) == PERSIST
+    assert qm.gluon_tiles(2048, 14336, 4096, 133) == PERSIST
     # a wave or less (o_proj at 768 / 1024 rows: 47.4, 45.9 / 51.0, 50.6 us persistent against 45.1, 45.1 /
     # 49.5, 49.5 a tile a program; results/prefill_tiling_probe_h100_2026-11-28_persistent_ab.log)
     assert qm.gluon_tiles(1024, 4096, 4096, 132) == {"block_m": 256, "stages": 4}  # 128 tiles
