@@ -838,6 +838,8 @@ def _gluon(x2, qweight, scales, zeros, group_size, cfg: dict, out=None, pdl=Fals
     m, n_out = x2.shape[0], qweight.shape[0]
     cfg = cfg | {"pdl": pdl and m <= PDL_MAX_M}
     y = _output(m, n_out, x2, 2, out)
+    if cfg.get("tma_store") and not quant_matmul_gluon.tma_storable(x2, y):  # (an ``out`` TMA cannot write)
+        cfg = cfg | {"tma_store": False}
     tiles = cdiv(m, cfg["block_m"]) * cdiv(n_out, cfg.get("block_n", 128))
     ws, counts = _workspace(x2.device, m * n_out, tiles)
     zeros = zeros.contiguous() if zeros is not None else None  # (qweight and scales are, from the caller)

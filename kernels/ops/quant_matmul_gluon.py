@@ -887,7 +887,8 @@ def _wgmma_kernel(
     zero_row_stride,
     y_row_stride,
     units_per_split,  # split mode: K units (two K tiles each) a program_id(1)
-    dp_tiles,  # stream-K: tiles the programs take whole first, a wave at a time (a multiple of the programs)
+    dp_tiles,  # stream-K: tiles the programs take whole first, a wave at a time (a multiple of the programs,
+    # but in a persistent launch: all the tiles)
     MODE: gl.constexpr,  # how parts of a tile meet: 0 never split, 1 fp32 atomics into y, 2 workspace
     TMA_STORE: gl.constexpr,  # MODE 0: each tile's sum goes out through shared memory by TMA (tma_store)
     STREAM_K: gl.constexpr,  # the programs share the (tile, K unit) pairs evenly, in order
@@ -1100,12 +1101,10 @@ def launch_args(
     w_desc = TensorDescriptor.from_tensor(
         qweight, [block_n, block_k // 8], _smem_layout(block_n, block_k // 8)
     )
-    if tma_store and (
-        parts or y.dtype != x2.dtype or (y.stride(0) * y.element_size()) % 16 or y.stride(1) != 1
-    ):
+    if tma_store and (parts or not tma_storable(x2, y)):
         raise ValueError(
-            "quant_matmul_gluon.launch: a TMA store takes whole tiles into a y of x's dtype, its rows "
-            "16-byte aligned"
+            "quant_matmul_gluon.launch: a TMA store takes whole tiles into a y of x's dtype, its start and "
+            "rows 16-byte aligned"
         )
     y_desc = (
         TensorDescriptor.from_tensor(y, [block_m, block_n], _smem_layout(block_m, block_n, y.dtype))
@@ -1153,6 +1152,18 @@ def launch_args(
             True  # (Triton's launcher: CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION)
         )
     return grid, args, kwargs
+
+
+def tma_storable(x2: torch.Tensor, y: torch.Tensor) -> bool:
+    """Whether tiles of ``y`` can go out by TMA (``launch_args``' ``tma_store``): x's dtype, unit stride along
+    a row, rows and the start 16-byte aligned (TMA's)."""
+    size = y.element_size()
+    return (
+        y.dtype == x2.dtype
+        and y.stride(-1) == 1
+        and (y.stride(0) * size) % 16 == 0
+        and y.data_ptr() % 16 == 0
+    )
 
 
 # Scales by TMA where the ring of stages holds them too, up to this many bytes of x and words: the 64-row

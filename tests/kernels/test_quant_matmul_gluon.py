@@ -130,7 +130,7 @@ def test_gluon_tiles_pair_programs_where_the_weight_tiles_pair(monkeypatch):
     assert qm.gluon_tiles(2048, 14336, 4096, 132) == {"block_m": 256, "stages": 4}
 
 
-def test_a_persistent_launch_takes_every_tile_whole_a_wave_at_a_time():
+def test_a_persistent_launch_takes_every_tile_whole_a_wave_at_a_time_and_may_store_them_by_tma():
     x, y = torch.zeros(2048, 4096, dtype=torch.bfloat16), torch.zeros(2048, 4096, dtype=torch.bfloat16)
     qw, sc = torch.zeros(4096, 512, dtype=torch.int32), torch.zeros(4096, 32, dtype=torch.bfloat16)
     # 8 x 32 tiles over 132 programs: every tile whole (the last wave partial), none split, no workspace
@@ -147,6 +147,18 @@ def test_a_persistent_launch_takes_every_tile_whole_a_wave_at_a_time():
         qg.launch_args(x, qw, sc, None, 128, y, y, y, block_m=256, programs=131, persistent=True, cluster=2)
     with pytest.raises(ValueError, match="a persistent launch needs its programs"):
         qg.launch_args(x, qw, sc, None, 128, y, y, y, block_m=256, persistent=True)
+    # a TMA store of each tile: y in x's dtype, its start and rows 16-byte aligned (else quant_matmul's _gluon
+    # stores from the registers)
+    grid, args, kwargs = qg.launch_args(x, qw, sc, None, 128, y, y, y, block_m=256, tma_store=True)
+    assert kwargs["TMA_STORE"] and args[3].block_shape == [256, 128] and qg.tma_storable(x, y)
+    flat = torch.zeros(2048 * 4096 + 8, dtype=torch.bfloat16)
+    rows = torch.zeros(2048, 4100, dtype=torch.bfloat16)[:, :4096]  # (8200-byte rows)
+    for bad in (y.float(), flat[1 : 1 + 2048 * 4096].view(2048, 4096), rows):
+        assert not qg.tma_storable(x, bad)
+    with pytest.raises(ValueError, match="a TMA store takes whole tiles"):
+        qg.launch_args(x, qw, sc, None, 128, y.float(), y, y, block_m=256, tma_store=True)
+    with pytest.raises(ValueError, match="a TMA store takes whole tiles"):
+        qg.launch_args(x, qw, sc, None, 128, y, y, y, block_m=256, split=2, mode=2, tma_store=True)
 
 
 def test_clusters_take_whole_tiles_of_even_weight_tiles():
