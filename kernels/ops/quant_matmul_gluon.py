@@ -487,12 +487,11 @@ def _write(
     this part adds the workspace's sum to its own in registers and stores the tile, without adding its own
     to the workspace and the count. That spares the last part a round trip to L2 (the fence that waits for
     its atomics, then the count's), which ends the kernel's critical path (tests/gpu/decode_stream_probe.py:
-    NOTES.md, "eighteenth session"). Where they have not, it adds its part as every part does."""
-    out_layout: gl.constexpr = gl.BlockedLayout([8, 1], [16, 2], [1, num_warps], [0, 1])
-    rows_n = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, out_layout))
-    rows_m = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, out_layout))
-    at = gl.expand_dims(rows_m.to(gl.int64) * y_row_stride, 0) + gl.expand_dims(rows_n, 1)
-    mask = gl.expand_dims(rows_n < N, 1) & gl.expand_dims(rows_m < M, 0)
+    NOTES.md, "eighteenth session"). Where they have not, it adds its part as every part does.
+
+    ``TMA_STORE`` (MODE 0): the tile goes into ``y_smem`` as y's tile and out by a TMA store (which clips
+    rows and columns past y's end), which the compute warps do not wait for; the next tile's write, and the
+    program's end, wait until it has read ``y_smem``."""
     if TMA_STORE:  # (MODE 0) into shared memory as y's tile, then TMA's store: the compute warps go on
         tma.store_wait(0)  # (the last tile's store has read y_smem)
         y_smem.permute((1, 0)).store(acc.to(y_ptr.dtype.element_ty))
@@ -500,6 +499,11 @@ def _write(
         _cta_barrier()
         _tma_store(y_desc, [off_m, off_n], y_smem)
         return
+    out_layout: gl.constexpr = gl.BlockedLayout([8, 1], [16, 2], [1, num_warps], [0, 1])
+    rows_n = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, out_layout))
+    rows_m = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, out_layout))
+    at = gl.expand_dims(rows_m.to(gl.int64) * y_row_stride, 0) + gl.expand_dims(rows_n, 1)
+    mask = gl.expand_dims(rows_n < N, 1) & gl.expand_dims(rows_m < M, 0)
     if MODE == 0:  # (every tile whole: cast first, so that the change of layout, through shared memory, moves
         # half the bytes; the same values. Nsight Compute, 2048 x 28672 x 4096 persistent: the epilogue in
         # fp32 was 6.1% of all warps' stall samples, the tensor pipe idle meanwhile)

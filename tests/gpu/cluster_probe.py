@@ -68,6 +68,7 @@ def main() -> None:
                     flush=True,
                 )
                 assert same, f"{name} m={m}: {spec}'s products differ from the first tiling's"
+                assert err < 4e-3, f"{name} m={m} {spec}: rel err {err}"  # (both sides rounded to bf16)
         packs, denses = cold_copies(qw, sc, zp, dense)
         op = qm._quant_matmul_owned if owned else functools.partial(qm._quant_matmul, bits=4)
         peer = machete(dense, args.group) if args.machete else []
