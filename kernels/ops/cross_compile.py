@@ -264,10 +264,10 @@ def cases() -> dict:
         "quant_matmul_owned 1100x4096x14336 int4 g128 zp (Gluon a wave, then stream-K, 256-row tiles)": (
             lambda: owned(1100, 4096, 14336, 128, True)
         ),
-        "quant_matmul_owned 2048x4096x14336 int4 g128 zp (Gluon in clusters sharing x, 256-row tiles)": (
-            lambda: owned(2048, 4096, 14336, 128, True)
+        "quant_matmul_owned 1024x4096x14336 int4 g128 zp (Gluon in clusters sharing x, 256-row tiles)": (
+            lambda: owned(1024, 4096, 14336, 128, True)
         ),
-        "quant_matmul 2048x14336x14336 int4 g128 (Gluon in clusters sharing x, 256-row tiles)": lambda: qm(
+        "quant_matmul 2048x14336x14336 int4 g128 (Gluon persistent in clusters, 256-row tiles)": lambda: qm(
             2048, 14336, 14336, 128
         ),
         "quant_matmul_owned 2048x28672x4096 int4 g128 (Gluon persistent in clusters, 256-row tiles)": (

@@ -652,12 +652,13 @@ GLUON_CLUSTER_MIN_K = 8192
 GLUON_CLUSTER = os.environ.get("SQUEEZESERVE_GLUON_CLUSTER", "on")
 if GLUON_CLUSTER not in ("on", "off"):
     raise ValueError(f"SQUEEZESERVE_GLUON_CLUSTER must be on or off, got {GLUON_CLUSTER!r}")
-# Under GLUON_CLUSTER_MIN_K, where they are more than a wave, those tiles run persistent instead
-# (SQUEEZESERVE_GLUON_PERSISTENT=off: a tile a program alone, as before, for A/B runs): one program an SM (an
-# even count) in clusters of two sharing x's tiles, each program's loading warp filling its next tile's stages
-# while its compute warps write the last tile, which goes out through shared memory by a TMA store they do not
-# wait for (launch_args' tma_store; GLUON_PERSISTENT_STAGES stages beside the 64 KB tile: 213 KB). Where K =
-# 4096 a program's start and end weigh more than where K is deep (a tile is 64 K tiles, not 224). H100, g128,
+# Where they are more than a wave, those tiles run persistent instead (SQUEEZESERVE_GLUON_PERSISTENT=off: a
+# tile a program, in clusters where K >= GLUON_CLUSTER_MIN_K, else alone, as before, for A/B runs): one
+# program an SM (an even count) in clusters of two sharing x's tiles, each program's loading warp filling its
+# next tile's stages while its compute warps write the last tile, which goes out through shared memory by a
+# TMA store they do not wait for (launch_args' tma_store; GLUON_PERSISTENT_STAGES stages beside the 64 KB
+# tile: 213 KB). Where K = 4096 a program's start and end weigh more than where K is deep (a tile is 64 K
+# tiles, not 224). H100, g128,
 # owned words as served, medians of three interleaved rounds at 2048 rows (tests/gpu/cluster_probe.py), us a
 # tile a program alone / in clusters / persistent in clusters / Machete
 # (results/cluster_probe_h100_2026-11-28_persistent_machete.log): gate_up (28672 x 4096) 752.5 / 737.4 / 721.6
@@ -669,9 +670,12 @@ if GLUON_CLUSTER not in ("on", "off"):
 # 4096 349.8 / 343.3, qkv 152.6 / 146.9, o_proj 99.8 / 100.4 (a tile a program alone gains nothing by it: its
 # compute warps have no next tile). Machete, in the run before (..._bf16_epilogue_machete.log): gate_up 689.6,
 # 14336 x 4096 358.1, qkv 153.9. A wave or less stays a tile a program alone (o_proj at 768 / 1024 rows 2-5%
-# slower persistent; results/prefill_tiling_probe_h100_2026-11-28_persistent_ab.log). Where K is deep a tile a
-# program in clusters stays: persistent was level there (14336^2 at 2048 rows 1217.3 against 1214.9 us,
-# down_proj 350.8 against 350.3; by TMA 1198.4 against 1215.7 and 340.6 against 343.0, one run).
+# slower persistent; results/prefill_tiling_probe_h100_2026-11-28_persistent_ab.log). Where K is deep
+# persistent alone was level with a tile a program in clusters (14336^2 at 2048 rows 1217.3 against 1214.9 us,
+# down_proj 350.8 against 350.3), stored by TMA ahead in two runs on two machines: H100 1198.4 against 1215.7
+# and 340.6 against 343.0 (..._tma_store.log); H200, medians of three rounds, 14336^2 1211.7 against 1233.3
+# (the rule then 1238.3), down_proj 344.7 against 353.6 (the rule 344.7;
+# results/cluster_probe_h200_2026-11-28_deep_k.log).
 GLUON_PERSISTENT = os.environ.get("SQUEEZESERVE_GLUON_PERSISTENT", "on")
 if GLUON_PERSISTENT not in ("on", "off"):
     raise ValueError(f"SQUEEZESERVE_GLUON_PERSISTENT must be on or off, got {GLUON_PERSISTENT!r}")
@@ -775,8 +779,8 @@ def gluon_tiles(m: int, n_out: int, k_in: int, sms: int) -> dict:
     (GLUON_THIRD_TILE_MAX_M). Outputs whose last wave of 256-row tiles is mostly idle run their full waves
     (but one, where 6144 wide or more) a tile a program, the rest stream-K (GLUON_DP_LAST_WAVE). 256-row tiles
     a tile a program run in clusters of two sharing x's tiles where the weight's 128-row tiles pair up
-    (GLUON_CLUSTER): over K >= GLUON_CLUSTER_MIN_K a tile a program, under it persistent, a program an SM
-    (GLUON_PERSISTENT)."""
+    (GLUON_CLUSTER): persistent, a program an SM, where they are more than a wave (GLUON_PERSISTENT), else a
+    tile a program where K >= GLUON_CLUSTER_MIN_K."""
     block_m = 128
     if m > 128 and (cdiv(n_out, 128) * cdiv(m, 256) >= sms // 2 or cdiv(k_in, 64) >= 128):
         block_m = 256
@@ -813,12 +817,12 @@ def gluon_tiles(m: int, n_out: int, k_in: int, sms: int) -> dict:
         # shared stream-K (GLUON_DP_*)
         return cfg | {"programs": sms, "dp_waves": -1 if n_out >= GLUON_DP_MIN_N else tiles // sms}
     if block_m == 256 and cdiv(n_out, 128) % 2 == 0 and GLUON_CLUSTER == "on":
-        if k_in >= GLUON_CLUSTER_MIN_K:
-            return cfg | {"cluster": 2}  # (GLUON_CLUSTER's comment)
         if GLUON_PERSISTENT == "on" and tiles > sms:  # (GLUON_PERSISTENT's comment)
             pairs = sms - sms % 2
             return {"block_m": 256, "stages": GLUON_PERSISTENT_STAGES, "programs": pairs, "persistent": True,
                     "cluster": 2, "tma_store": True}  # fmt: skip
+        if k_in >= GLUON_CLUSTER_MIN_K:
+            return cfg | {"cluster": 2}  # (GLUON_CLUSTER's comment)
     return cfg
 
 

@@ -61,10 +61,12 @@ EXPECTED = {
     "quant_matmul_owned 1100x4096x14336 int4 g128 zp (Gluon a wave, then stream-K, 256-row tiles)": [
         "_wgmma_kernel"
     ],
-    "quant_matmul_owned 2048x4096x14336 int4 g128 zp (Gluon in clusters sharing x, 256-row tiles)": [
+    "quant_matmul_owned 1024x4096x14336 int4 g128 zp (Gluon in clusters sharing x, 256-row tiles)": [
         "_wgmma_kernel"
     ],
-    "quant_matmul 2048x14336x14336 int4 g128 (Gluon in clusters sharing x, 256-row tiles)": ["_wgmma_kernel"],
+    "quant_matmul 2048x14336x14336 int4 g128 (Gluon persistent in clusters, 256-row tiles)": [
+        "_wgmma_kernel"
+    ],
     "quant_matmul_owned 2048x28672x4096 int4 g128 (Gluon persistent in clusters, 256-row tiles)": [
         "_wgmma_kernel"
     ],

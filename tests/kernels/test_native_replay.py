@@ -278,7 +278,7 @@ CASES = [
     "quant_matmul 256x6144x4096 int4 g128 zp (Gluon prefill)",
     "quant_matmul 128x4096x14336 int4 g128 zp (Gluon stream-K)",
     # clusters of two programs sharing x (ptx_cluster: the kernel's own clusters, num_ctas 2)
-    "quant_matmul 2048x4096x8192 int4 g128 (Gluon in clusters)",
+    "quant_matmul 1024x4096x8192 int4 g128 (Gluon in clusters)",
     "quant_matmul 2048x14336x4096 int4 g128 (Gluon persistent in clusters)",
 ]
 

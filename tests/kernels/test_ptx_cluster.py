@@ -129,8 +129,8 @@ from squeezeserve.kernels.ops import quant_matmul as qm
 from squeezeserve.kernels.ops import quant_matmul_gluon as qg
 
 for case, (m, n, k, g, zeros, owned) in {
-    "14336^2 2048 rows g128": (2048, 14336, 14336, 128, False, False),
-    "down_proj 2000 rows g32 zero points owned": (2000, 4096, 14336, 32, True, True),
+    "14336^2 2048 rows g128 (persistent)": (2048, 14336, 14336, 128, False, False),
+    "down_proj 1000 rows g32 zero points owned": (1000, 4096, 14336, 32, True, True),
     "gate_up 2048 rows g32 zero points owned (persistent)": (2048, 28672, 4096, 32, True, True),
 }.items():
     x = torch.zeros(m, k, dtype=torch.bfloat16)
@@ -164,9 +164,10 @@ for case, (m, n, k, g, zeros, owned) in {
 
 @pytest.mark.skipif(not cross_compile.has_cuobjdump(), reason="this Triton wheel has no cuobjdump")
 def test_the_rules_cluster_tilings_compile_for_sm90_as_pairs(run_compiled):
-    # The rule's clusters at two deep reductions (14336^2 on packed words; the 8B model's down_proj on owned
-    # words with g32 zero points), and persistent where K is shallow (gate_up; a wave of tiles at a time, one
-    # program an SM), compiled with this Triton down to SASS: launched in pairs, the x loads
+    # The rule's clusters: a tile a program at a deep reduction of a wave of tiles (the 8B model's down_proj
+    # on owned words with g32 zero points), persistent where the tiles are more (14336^2 on packed words,
+    # gate_up; a wave of tiles at a time, one program an SM), compiled with this Triton down to SASS:
+    # launched in pairs, the x loads
     # multicast, a remote release for each release, the cluster's barriers in the SASS, no spills, and a K
     # loop a few instructions longer than the programs' alone (the remote releases).
     results = run_compiled(["-c", _COMPILE])

@@ -57,14 +57,14 @@ def test_cpu_calls_never_take_it(monkeypatch):
     assert not qm._gluon_prefill(torch.zeros(128, 4096, dtype=torch.bfloat16), qw, sc, None, 128, 4)
 
 
-# The rule's tiling where K is shallow and the tiles more than a wave (quant_matmul.GLUON_PERSISTENT)
+# The rule's tiling where the 256-row tiles pair up and are more than a wave (quant_matmul.GLUON_PERSISTENT)
 PERSIST = {"block_m": 256, "stages": 4, "programs": 132, "persistent": True, "cluster": 2, "tma_store": True}
 
 
 def test_gluon_tiles_measured_choices():
     # (gluon_prefill_probe.py on the H100: NOTES.md, "tenth session" and "eleventh session"); 256-row tiles a
-    # tile a program run in clusters of two sharing x's tiles where K is deep and the weight's 128-row tiles
-    # are even in number (test_gluon_tiles_pair_programs_where_the_weight_tiles_pair)
+    # tile a program run in clusters of two sharing x's tiles where K is deep, the weight's 128-row tiles are
+    # even in number and they are a wave or less (test_gluon_tiles_pair_programs_where_the_weight_tiles_pair)
     pair = {"block_m": 256, "stages": 4, "cluster": 2}
     assert qm.gluon_tiles(128, 14336, 14336, 132) == {"block_m": 128, "stages": 6}  # 112 tiles: one each
     assert qm.gluon_tiles(256, 14336, 14336, 132) == pair
@@ -94,7 +94,7 @@ def test_gluon_tiles_measured_choices():
     assert qm.gluon_tiles(1024, 6144, 4096, 132) == PERSIST  # 192 tiles: 60
     assert qm.gluon_tiles(2048, 14336, 4096, 132) == PERSIST  # 896 tiles: 104
     assert qm.gluon_tiles(1536, 4096, 4096, 132) == PERSIST  # 4096 wide: 60 of 132
-    assert qm.gluon_tiles(4096, 14336, 14336, 132) == pair  # x 117 MB: past the L2
+    assert qm.gluon_tiles(4096, 14336, 14336, 132) == PERSIST  # x 117 MB: past the L2
     # Outputs under 6144 wide run all their full waves a tile a program, then the rest stream-K (NOTES.md,
     # twenty-ninth session: down_proj at 1025-1200 rows 20% faster, o_proj 2-7%)
     whole = {"block_m": 256, "stages": 4, "programs": 132}
@@ -102,16 +102,23 @@ def test_gluon_tiles_measured_choices():
     assert qm.gluon_tiles(1100, 4096, 14336, 132) == whole | {"dp_waves": 1}  # x 31.5 MB: in the L2
     assert qm.gluon_tiles(2100, 4096, 4096, 132) == whole | {"dp_waves": 2}  # 288 tiles: 24
     assert qm.gluon_tiles(1300, 4096, 4096, 132) == PERSIST  # 192 tiles: 60
-    assert qm.gluon_tiles(2048, 4096, 14336, 132) == pair  # 256 tiles: 124
-    assert qm.gluon_tiles(1100, 4096, 28672, 132) == pair  # x 63 MB: past the L2
+    assert qm.gluon_tiles(2048, 4096, 14336, 132) == PERSIST  # 256 tiles: 124
+    assert qm.gluon_tiles(1100, 4096, 28672, 132) == PERSIST  # x 63 MB: past the L2
+    assert qm.gluon_tiles(1024, 4096, 14336, 132) == pair  # 128 tiles: a wave
 
 
 def test_gluon_tiles_pair_programs_where_the_weight_tiles_pair(monkeypatch):
-    # (tests/gpu/cluster_probe.py on the H100: NOTES.md, thirty-fourth session; quant_matmul.GLUON_CLUSTER)
-    assert qm.gluon_tiles(2048, 14336, 14336, 132) == {"block_m": 256, "stages": 4, "cluster": 2}
-    assert qm.gluon_tiles(2048, 4096, 8192, 132)["cluster"] == 2  # (GLUON_CLUSTER_MIN_K)
+    # (tests/gpu/cluster_probe.py on the H100: NOTES.md, thirty-fourth session; quant_matmul.GLUON_CLUSTER);
+    # a wave or less where K is deep: a tile a program
+    assert qm.gluon_tiles(256, 14336, 14336, 132) == {"block_m": 256, "stages": 4, "cluster": 2}  # 112 tiles
+    assert qm.gluon_tiles(1024, 4096, 8192, 132) == {"block_m": 256, "stages": 4, "cluster": 2}  # (MIN_K)
+    assert qm.gluon_tiles(1024, 4096, 8191, 132) == {"block_m": 256, "stages": 4}
+    # more than a wave: persistent in clusters, one program an SM (an even count; GLUON_PERSISTENT), however
+    # deep K (thirty-sixth session: 14336^2 at 2048 rows on the H200 1211.7 us against 1233.3 a tile a
+    # program)
+    assert qm.gluon_tiles(2048, 14336, 14336, 132) == PERSIST
+    assert qm.gluon_tiles(2048, 4096, 8192, 132) == PERSIST
     assert qm.gluon_tiles(2048, 14336 + 128, 14336, 132) == {"block_m": 256, "stages": 4}  # 113 weight tiles
-    # where K is shallow, persistent in clusters, one program an SM (an even count; GLUON_PERSISTENT)
     assert qm.gluon_tiles(2048, 14336, 4096, 132) == PERSIST
     assert qm.gluon_tiles(2048, 14336, 4096, 133) == PERSIST
     # a wave or less (o_proj at 768 / 1024 rows: 47.4, 45.9 / 51.0, 50.6 us persistent against 45.1, 45.1 /
