@@ -255,8 +255,11 @@ def cases() -> dict:
         "quant_matmul_owned 16x14336x4096 int4 g32 zp (Gluon decode)": lambda: owned(
             16, 14336, 4096, 32, True
         ),
-        "quant_matmul_owned 512x28672x4096 int4 g128 (Gluon whole waves, then stream-K, 256-row tiles)": (
+        "quant_matmul_owned 512x28672x4096 int4 g128 (Gluon persistent in clusters, a 128-row tail)": (
             lambda: owned(512, 28672, 4096, 128)
+        ),
+        "quant_matmul 896x14336x4096 int4 g128 zp (Gluon persistent in clusters, a 128-row tail)": lambda: qm(
+            896, 14336, 4096, 128, zeros=True
         ),
         "quant_matmul_owned 600x28672x4096 int4 g128 (Gluon whole waves, then stream-K, 128-row tiles)": (
             lambda: owned(600, 28672, 4096, 128)

@@ -680,6 +680,25 @@ GLUON_PERSISTENT = os.environ.get("SQUEEZESERVE_GLUON_PERSISTENT", "on")
 if GLUON_PERSISTENT not in ("on", "off"):
     raise ValueError(f"SQUEEZESERVE_GLUON_PERSISTENT must be on or off, got {GLUON_PERSISTENT!r}")
 GLUON_PERSISTENT_STAGES = 4
+# SQUEEZESERVE_GLUON_TAIL=off: the outputs below share their last partial wave of 256-row tiles stream-K, as
+# before (for A/B runs). On (the default), where an output at least GLUON_TAIL_MIN_N wide, K under
+# GLUON_CLUSTER_MIN_K, ends its 256-row tiles in a partial wave that the rule would share stream-K
+# (GLUON_DP_LAST_WAVE), the columns of that wave run as a second launch on 128-row tiles, a tile a program
+# (GLUON_TAIL_TILES: twice the tiles at about 0.6 of the time each, and no parts to meet), after the rest
+# persistent in clusters stored by TMA (as GLUON_PERSISTENT's); the two launches' sums are bit for bit the
+# whole output's persistent launch's. H200, g128, owned words as served, medians of three interleaved rounds
+# (tests/gpu/mixed_tiles_probe.py, results/mixed_tiles_probe_h200_2026-11-28.log), us the two launches / the
+# rule then (whole waves, then stream-K) / the whole output persistent: gate_up (28672 x 4096) at 512 rows
+# 183.8 / 198.1 / 194.8 (Machete 179.2 in an earlier run), at 448 rows 179.7 / 190.9 / 191.9; 14336 x 4096
+# at 1280 rows 229.3 / 244.0 / 242.0 (last waves 39%, 39% and 24% full). Where the 256-row part is a wave or
+# less it lost (qkv at 768 rows 79.1 against 72.7), as where K is deep and the last wave a sliver (14336^2 at
+# 1536 rows, 9% full: 966.6 against 959.2; a 128-row tile takes about 0.6 of a wave's time, stream-K shares
+# the sliver among all the SMs): neither takes it, nor a last wave under GLUON_TAIL_MIN_WAVE.
+GLUON_TAIL = os.environ.get("SQUEEZESERVE_GLUON_TAIL", "on")
+if GLUON_TAIL not in ("on", "off"):
+    raise ValueError(f"SQUEEZESERVE_GLUON_TAIL must be on or off, got {GLUON_TAIL!r}")
+GLUON_TAIL_MIN_N, GLUON_TAIL_MIN_WAVE = 14336, 0.2
+GLUON_TAIL_TILES = {"block_m": 128, "stages": 6}
 
 
 def gluon_decode_tiles(m: int, sms: int) -> dict:
@@ -814,7 +833,12 @@ def gluon_tiles(m: int, n_out: int, k_in: int, sms: int) -> dict:
         and 0 < last <= GLUON_DP_LAST_WAVE * sms
         and m * k_in * 2 <= GLUON_L2_BYTES
     ):  # the last wave mostly idle: whole tiles a wave (but one, where GLUON_DP_MIN_N wide), then the rest
-        # shared stream-K (GLUON_DP_*)
+        # shared stream-K (GLUON_DP_*), or that wave's columns on 128-row tiles (GLUON_TAIL)
+        tail = narrow_tail(m, n_out, k_in, sms)
+        if tail:
+            pairs = sms - sms % 2
+            return {"block_m": 256, "stages": GLUON_PERSISTENT_STAGES, "programs": pairs, "persistent": True,
+                    "cluster": 2, "tma_store": True, "narrow_tail": tail}  # fmt: skip
         return cfg | {"programs": sms, "dp_waves": -1 if n_out >= GLUON_DP_MIN_N else tiles // sms}
     if block_m == 256 and cdiv(n_out, 128) % 2 == 0 and GLUON_CLUSTER == "on":
         if GLUON_PERSISTENT == "on" and tiles > sms:  # (GLUON_PERSISTENT's comment)
@@ -824,6 +848,24 @@ def gluon_tiles(m: int, n_out: int, k_in: int, sms: int) -> dict:
         if k_in >= GLUON_CLUSTER_MIN_K:
             return cfg | {"cluster": 2}  # (GLUON_CLUSTER's comment)
     return cfg
+
+
+def narrow_tail(m: int, n_out: int, k_in: int, sms: int) -> int:
+    """How many of the weight's 128-row tiles (the last) run on 128-row tiles of x, a tile a program, in a
+    launch after the rest's 256-row tiles persistent in clusters (GLUON_TAIL): enough for the columns of the
+    256-row tiles' last partial wave, leaving an even count of the rest for the clusters; 0 where GLUON_TAIL
+    does not apply (or the 256-row part would be a wave or less, or the 128-row part more than one)."""
+    on = GLUON_TAIL == GLUON_CLUSTER == GLUON_PERSISTENT == "on"
+    if not on or n_out < GLUON_TAIL_MIN_N or n_out % 256 or k_in >= GLUON_CLUSTER_MIN_K:
+        return 0
+    rows, cols = cdiv(m, 256), n_out // 128
+    if rows * cols % sms < GLUON_TAIL_MIN_WAVE * sms:  # (a sliver: stream-K shares it among all the SMs)
+        return 0
+    tail = cdiv(rows * cols % sms, rows)
+    tail += (cols - tail) % 2  # (the clusters pair the rest's weight tiles)
+    if (cols - tail) * rows <= sms or tail * cdiv(m, 128) > sms:
+        return 0
+    return tail
 
 
 def dependent(pdl: bool, x: torch.Tensor) -> bool:
@@ -837,19 +879,21 @@ def _gluon(x2, qweight, scales, zeros, group_size, cfg: dict, out=None, pdl=Fals
     workspace (the caller checked eager()). ``pdl``: as _quant_matmul's; up to PDL_MAX_M rows this one then
     launches as the programmatic dependent of the kernel before. None where the kernel does not compile with
     this Triton: it is then off (GLUON_OFF)."""
-    from squeezeserve.kernels.ops import quant_matmul_gluon
-
     m, n_out = x2.shape[0], qweight.shape[0]
     cfg = cfg | {"pdl": pdl and m <= PDL_MAX_M}
+    tail = cfg.pop("narrow_tail", 0)
     y = _output(m, n_out, x2, 2, out)
-    if cfg.get("tma_store") and not quant_matmul_gluon.tma_storable(x2, y):  # (an ``out`` TMA cannot write)
-        cfg = cfg | {"tma_store": False}
     tiles = cdiv(m, cfg["block_m"]) * cdiv(n_out, cfg.get("block_n", 128))
     ws, counts = _workspace(x2.device, m * n_out, tiles)
     zeros = zeros.contiguous() if zeros is not None else None  # (qweight and scales are, from the caller)
+    parts = [(0, n_out, cfg)]
+    if tail:  # (GLUON_TAIL: the weight's last ``tail`` 128-row tiles in a second launch, into their columns)
+        cut = n_out - 128 * tail
+        parts = [(0, cut, cfg), (cut, n_out, GLUON_TAIL_TILES | {"owned": cfg.get("owned", False)})]
     try:
-        quant_matmul_gluon.launch(x2, qweight, scales, zeros, group_size, y, ws, counts, mode=2, **cfg)
-    except Exception as e:  # (a build error: nothing ran)
+        for start, stop, part in parts:
+            _gluon_launch(x2, qweight, scales, zeros, group_size, y, ws, counts, start, stop, part)
+    except Exception as e:  # (a build error: nothing ran, or a first part whose columns a retry writes again)
         release = _release_error(e)
         if release is not None and cfg.get("wg_release"):  # (the pass could not apply: Gluon's own release)
             _wg_release_off(str(release))
@@ -867,6 +911,21 @@ def _gluon(x2, qweight, scales, zeros, group_size, cfg: dict, out=None, pdl=Fals
                    f"{last}")  # fmt: skip
         return None
     return y
+
+
+def _gluon_launch(x2, qweight, scales, zeros, group_size, y, ws, counts, start, stop, cfg) -> None:
+    """The Gluon kernel at ``cfg`` on the weight's rows [start, stop) into those columns of ``y`` (all rows:
+    the tensors themselves); zero points by row where the words are thread-owned, else 8 rows a word."""
+    from squeezeserve.kernels.ops import quant_matmul_gluon
+
+    if (start, stop) != (0, qweight.shape[0]):
+        owned = cfg.get("owned", False)
+        rows = slice(start, stop)
+        y, qweight, scales = y[:, rows], qweight[rows], scales[rows]
+        zeros = zeros if zeros is None else zeros[rows] if owned else zeros[start // 8 : stop // 8]
+    if cfg.get("tma_store") and not quant_matmul_gluon.tma_storable(x2, y):  # (an ``out`` TMA cannot write)
+        cfg = cfg | {"tma_store": False}
+    quant_matmul_gluon.launch(x2, qweight, scales, zeros, group_size, y, ws, counts, mode=2, **cfg)
 
 
 def prefill_in_triton(m: int, n_out: int, k_in: int, group_size: int, graphed: bool = False) -> bool:

@@ -52,8 +52,14 @@ EXPECTED = {
     "quant_matmul_owned 1x28672x4096 int4 g32 zp (Gluon decode)": ["_wgmma_kernel"],
     "quant_matmul_owned 16x28672x4096 int4 g128 (Gluon decode)": ["_wgmma_kernel"],
     "quant_matmul_owned 16x14336x4096 int4 g32 zp (Gluon decode)": ["_wgmma_kernel"],
-    "quant_matmul_owned 512x28672x4096 int4 g128 (Gluon whole waves, then stream-K, 256-row tiles)": [
-        "_wgmma_kernel"
+    # (GLUON_TAIL: two launches, the 256-row tiles persistent in clusters, then the last columns on 128 rows)
+    "quant_matmul_owned 512x28672x4096 int4 g128 (Gluon persistent in clusters, a 128-row tail)": [
+        "_wgmma_kernel",
+        "_wgmma_kernel",
+    ],
+    "quant_matmul 896x14336x4096 int4 g128 zp (Gluon persistent in clusters, a 128-row tail)": [
+        "_wgmma_kernel",
+        "_wgmma_kernel",
     ],
     "quant_matmul_owned 600x28672x4096 int4 g128 (Gluon whole waves, then stream-K, 128-row tiles)": [
         "_wgmma_kernel"

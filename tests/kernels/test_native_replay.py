@@ -280,6 +280,9 @@ CASES = [
     # clusters of two programs sharing x (ptx_cluster: the kernel's own clusters, num_ctas 2)
     "quant_matmul 1024x4096x8192 int4 g128 (Gluon in clusters)",
     "quant_matmul 2048x14336x4096 int4 g128 (Gluon persistent in clusters)",
+    # GLUON_TAIL: the first columns persistent in clusters, the last on 128-row tiles (views of the weight
+    # and of y: descriptors at offsets into them)
+    "quant_matmul 512x28672x4096 int4 g128 (Gluon persistent in clusters, a 128-row tail)",
 ]
 
 
@@ -298,12 +301,15 @@ def test_a_replay_passes_what_the_body_launches_with(compiled_checks, case):
             f"{kernel}: parameter sizes {plan_sizes} against the PTX's {ptx_sizes}"
         )
     if "Gluon" in case:
-        assert [kernel for kernel, _, _ in result["params"]] == ["_wgmma_kernel"]
+        launches = 2 if "tail" in case else 1  # (GLUON_TAIL: two launches)
+        assert [kernel for kernel, _, _ in result["params"]] == ["_wgmma_kernel"] * launches
     # the grid Triton's launcher launches: num_ctas programs a grid point along x (clusters of two here)
-    ctas = 2 if "clusters" in case else 1
     assert result["grids"] and all(
-        replayed == [recorded[0] * ctas, *recorded[1:]] for recorded, replayed in result["grids"]
+        replayed == [recorded[0] * ctas, *recorded[1:]] for recorded, replayed, ctas in result["grids"]
     ), result["grids"]
+    assert [ctas for _, _, ctas in result["grids"]] == (
+        [2, 1] if "tail" in case else [2] if "clusters" in case else [1] * result["launches"]
+    )
     for kernel, expected, replayed in result["params"]:
         assert replayed == expected, f"{kernel}: replayed parameters differ from the body's launch"
 
@@ -455,7 +461,7 @@ def _check(name: str) -> dict:
     replay_outs = [replayed] if plan.single else list(replayed)
     params, grids = [], []
     for (kernel, grid, args, kwargs), (run, _), entry in zip(body_launches, plan.launches, log, strict=True):
-        grids.append(([*grid, 1, 1][:3], list(entry[1])))
+        grids.append(([*grid, 1, 1][:3], list(entry[1]), run.compiled.metadata.num_ctas))
         tail = launch.FastLaunch(kernel).tail(len(args), kwargs)
 
         def replayed_address(address):

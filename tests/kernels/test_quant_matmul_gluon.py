@@ -89,7 +89,7 @@ def test_gluon_tiles_measured_choices():
     hybrid = {"block_m": 256, "stages": 4, "programs": 132, "dp_waves": -1}
     assert qm.gluon_tiles(768, 6144, 4096, 132) == hybrid  # 144 tiles: 12 in the last wave
     assert qm.gluon_tiles(1536, 14336, 14336, 132) == hybrid  # 672 tiles: 12 in the last wave
-    assert qm.gluon_tiles(448, 28672, 4096, 132) == hybrid  # 448 tiles: 52
+    assert qm.gluon_tiles(448, 28672, 4096, 132) == PERSIST | {"narrow_tail": 26}  # 448 tiles: 52 (a tail)
     assert qm.gluon_tiles(768, 14336, 4096, 132) == PERSIST  # 336 tiles: 72
     assert qm.gluon_tiles(1024, 6144, 4096, 132) == PERSIST  # 192 tiles: 60
     assert qm.gluon_tiles(2048, 14336, 4096, 132) == PERSIST  # 896 tiles: 104
@@ -135,6 +135,96 @@ def test_gluon_tiles_pair_programs_where_the_weight_tiles_pair(monkeypatch):
     monkeypatch.setattr(qm, "GLUON_CLUSTER", "off")  # (persistent goes with the clusters)
     assert qm.gluon_tiles(2048, 14336, 14336, 132) == {"block_m": 256, "stages": 4}
     assert qm.gluon_tiles(2048, 14336, 4096, 132) == {"block_m": 256, "stages": 4}
+
+
+def test_gluon_tiles_run_a_partial_waves_columns_on_128_row_tiles(monkeypatch):
+    # (tests/gpu/mixed_tiles_probe.py on the H200: NOTES.md, thirty-sixth session; quant_matmul.GLUON_TAIL)
+    # gate_up at 512 rows: 448 tiles, 52 in the last wave; 198 weight tiles (396 tiles: three waves)
+    # persistent in clusters, the last 26 on 128-row tiles (104: one wave)
+    assert qm.narrow_tail(512, 28672, 4096, 132) == 26
+    assert qm.gluon_tiles(512, 28672, 4096, 132) == PERSIST | {"narrow_tail": 26}
+    assert qm.gluon_tiles(1280, 14336, 4096, 132) == PERSIST | {"narrow_tail": 8}  # 32 left: 7, then even
+    assert qm.narrow_tail(896, 14336, 4096, 132) == 14  # 52 left over 4 rows of tiles: 13, then even
+    # not where the 256-row part would be a wave or less (qkv at 768 rows), K is deep, the output narrower,
+    # the last wave a sliver (gate_up at 700 rows: 12 tiles), or the 128-row part over a wave
+    assert qm.narrow_tail(768, 6144, 4096, 132) == 0
+    assert "narrow_tail" not in qm.gluon_tiles(1536, 14336, 14336, 132)
+    assert qm.narrow_tail(1536, 14336, 14336, 132) == qm.narrow_tail(1536, 14336, 8192, 132) == 0
+    assert qm.narrow_tail(2100, 4096, 4096, 132) == 0
+    assert qm.narrow_tail(700, 28672, 4096, 132) == 0
+    hybrid = {"block_m": 256, "stages": 4, "programs": 132, "dp_waves": -1}
+    assert qm.gluon_tiles(700, 28672, 4096, 132) == hybrid
+    assert qm.narrow_tail(512, 28672, 4096, 80) == 0  # (80 SMs: 48 of 448 left, 24 weight tiles of 128 rows)
+    for name in ("GLUON_TAIL", "GLUON_PERSISTENT", "GLUON_CLUSTER"):  # (its first launch is persistent's)
+        monkeypatch.setattr(qm, name, "off")
+        assert qm.narrow_tail(512, 28672, 4096, 132) == 0
+        assert qm.gluon_tiles(512, 28672, 4096, 132) == hybrid
+        monkeypatch.setattr(qm, name, "on")
+
+
+@pytest.mark.parametrize(("owned", "zeros"), [(True, False), (False, True), (True, True)])
+def test_a_tail_launch_writes_its_columns_from_its_rows_of_the_weight(owned, zeros, monkeypatch):
+    # GLUON_TAIL's two launches, as _gluon makes them: the first on the weight's first rows into those
+    # columns of y at the rule's tiling, the second on the rest at GLUON_TAIL_TILES; zero points by row where
+    # the words are thread-owned, else 8 rows a word. The Gluon kernel runs on sm_90 only: here each launch
+    # computes what the kernel computes from the tensors it is handed (the reference), and together they must
+    # give the whole product (the kernel itself: test_a_tail_launch_gives_the_whole_outputs_products, on a
+    # Hopper GPU).
+    from squeezeserve.kernels import reference
+
+    m, n, k, group = 300, 1024, 256, 32
+    qw, sc, zp = _packed(n, k, group, zeros, torch.float16)
+    x = torch.randn(m, k, dtype=torch.float16)
+    want = reference.quant_matmul(x, qw, sc, zp, group, 4)
+    words = ql.to_owned_order(qw) if owned else qw
+    word_zp = ql.to_owned_zeros(zp, n) if zeros and owned else zp
+    launched = []
+
+    def launch(x2, qweight, scales, zeros, group_size, y, ws, counts, mode, owned=False, **cfg):
+        launched.append((qweight.shape[0], y.shape[1], y.data_ptr(), cfg))
+        if owned:
+            qweight = ql.from_owned_order(qweight)
+            zeros = None if zeros is None else ql.from_owned_zeros(zeros, k // group)
+        y.copy_(reference.quant_matmul(x2, qweight, scales, zeros, group_size, 4))
+
+    monkeypatch.setattr(qg, "launch", launch)
+    cfg = {"block_m": 256, "stages": 4, "programs": 132, "persistent": True, "cluster": 2, "tma_store": True}
+    cfg |= {"narrow_tail": 3} | ({"owned": True} if owned else {})
+    y = qm._gluon(x, words, sc, word_zp, group, cfg)
+    torch.testing.assert_close(y, want, rtol=0, atol=0)
+    (first, last) = launched
+    assert first[:3] == (640, 640, y.data_ptr()) and first[3]["persistent"] and first[3]["tma_store"]
+    assert last[:3] == (384, 384, y.data_ptr() + 640 * y.element_size())
+    assert last[3] == {"block_m": 128, "stages": 6}
+    # an ``out`` whose rows TMA cannot write (unaligned): the first launch stores from the registers
+    launched.clear()
+    out = torch.empty(m * n + 1, dtype=torch.float16)[1:].view(m, n)
+    qm._gluon(x, words, sc, word_zp, group, cfg, out=out)
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+    assert launched[0][3]["tma_store"] is False and len(launched) == 2
+
+
+@needs_hopper
+@pytest.mark.parametrize(("m", "n", "zeros", "owned"), [(512, 28672, False, True), (448, 14336, True, False)])
+def test_a_tail_launch_gives_the_whole_outputs_products(m, n, zeros, owned):
+    # GLUON_TAIL's two launches (the first columns persistent in clusters, the last on 128-row tiles) make the
+    # same products in the same order as one launch over the whole output: equal bit for bit (H200,
+    # tests/gpu/mixed_tiles_probe.py), also through quant_matmul's rule.
+    k, group = 4096, 128
+    qw, sc, zp = _packed(n, k, group, zeros, torch.bfloat16, "cuda")
+    words, word_zp = qw, zp
+    if owned:
+        words, word_zp = ql.to_owned_order(qw), ql.to_owned_zeros(zp, n) if zeros else None
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    ws, counts = qm._workspace(x.device, m * n, 4096)
+    whole = torch.empty((m, n), device="cuda", dtype=torch.bfloat16)
+    cfg = dict(PERSIST)
+    qg.launch(x, words, sc, word_zp, group, whole, ws, counts, mode=2, owned=owned, **cfg)
+    tail = qm.narrow_tail(m, n, k, 132) or 4
+    y = qm._gluon(x, words, sc, word_zp, group, cfg | {"narrow_tail": tail, "owned": owned})
+    assert torch.equal(y, whole)
+    ref = (x @ ql.dequantize(qw, sc, zp, (n, k), group, 4).to(torch.bfloat16).t()).float()
+    assert ((y.float() - ref).norm() / ref.norm()).item() < 2e-3
 
 
 def test_a_persistent_launch_takes_every_tile_whole_a_wave_at_a_time_and_may_store_them_by_tma():
@@ -215,12 +305,13 @@ def test_a_cluster_kernel_compiled_without_the_pass_is_refused_before_it_launche
 @pytest.mark.parametrize(
     ("name", "shape", "mark"),
     [
-        ("SQUEEZESERVE_GLUON_CLUSTER", "4096, 14336", "'cluster': 2"),
-        ("SQUEEZESERVE_GLUON_PERSISTENT", "14336, 4096", "'persistent': True"),
+        ("SQUEEZESERVE_GLUON_CLUSTER", "2048, 4096, 14336", "'cluster': 2"),
+        ("SQUEEZESERVE_GLUON_PERSISTENT", "2048, 14336, 4096", "'persistent': True"),
+        ("SQUEEZESERVE_GLUON_TAIL", "512, 28672, 4096", "'narrow_tail': 26"),
     ],
 )
 def test_gluon_cluster_settings_turn_them_off_and_refuse_a_bad_value(name, shape, mark):
-    code = f"from squeezeserve.kernels.ops import quant_matmul as q; print(q.gluon_tiles(2048, {shape}, 132))"
+    code = f"from squeezeserve.kernels.ops import quant_matmul as q; print(q.gluon_tiles({shape}, 132))"
     env = {k: v for k, v in os.environ.items() if not k.startswith("SQUEEZESERVE_")}
 
     def run(value: str) -> subprocess.CompletedProcess:
@@ -683,8 +774,9 @@ def test_a_kernel_that_does_not_build_falls_back(monkeypatch):
         (128, 4096, 14336, True, False),
         (2048, 4096, 8192, False, True),  # clusters of two programs sharing x (launched as the kernel's own)
         (2048, 14336, 4096, True, True),  # persistent, in clusters (quant_matmul.GLUON_PERSISTENT)
+        (896, 14336, 4096, True, True),  # and a tail of 128-row tiles (GLUON_TAIL: views of W and y)
     ],
-    ids=["decode", "prefill", "stream-k", "clusters", "persistent-clusters"],
+    ids=["decode", "prefill", "stream-k", "clusters", "persistent-clusters", "tail"],
 )
 def test_launch_plans_replay_the_gluon_kernel(m, n, k, zeros, exact, cpp, monkeypatch):
     # Its TMA descriptors are made again over each call's tensors (in Python, or as tensor maps in C++):
