@@ -31,6 +31,18 @@ from gluon_prefill_probe import cold_copies, cycle, machete, served_weights, til
 from prefill_tiling_probe import SHAPES  # noqa: E402
 
 
+def rounds(columns: dict, count: int, prefix: str) -> dict[str, float]:
+    """Time each column's calls (cycled through: cold copies) in ``count`` interleaved rounds, printing each
+    round; each column's median, in us."""
+    times: dict[str, list[float]] = {c: [] for c in columns}
+    for r in range(count):
+        for label, calls in columns.items():
+            times[label].append(do_bench_cudagraph(cycle(calls), rep=60) * 1e3)
+        cells = " | ".join(f"{label} {ts[-1]:.1f}" for label, ts in times.items())
+        print(f"{prefix} round {r}: {cells}", flush=True)
+    return {label: statistics.median(ts) for label, ts in times.items()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ms", default="2048,8192")
@@ -87,13 +99,7 @@ def main() -> None:
                 },
                 **({"machete": [lambda f=f, x=x: f(x) for f in peer]} if peer else {}),
             }
-            times: dict[str, list[float]] = {c: [] for c in columns}
-            for r in range(args.rounds):
-                for label, calls in columns.items():
-                    times[label].append(do_bench_cudagraph(cycle(calls), rep=60) * 1e3)
-                cells = " | ".join(f"{label} {ts[-1]:.1f}" for label, ts in times.items())
-                print(f"{name} m={m}{' owned' if owned else ''} round {r}: {cells}", flush=True)
-            med = {label: statistics.median(ts) for label, ts in times.items()}
+            med = rounds(columns, args.rounds, f"{name} m={m}{' owned' if owned else ''}")
             cells = " | ".join(f"{label} {us:.1f} ({med['bf16'] / us:.3f}x)" for label, us in med.items())
             vs = (
                 "".join(f" | {spec} / machete {med['machete'] / med[spec]:.3f}x" for spec in tilings)

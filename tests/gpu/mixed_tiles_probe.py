@@ -15,19 +15,18 @@ from __future__ import annotations
 
 import argparse
 import functools
-import statistics
 import sys
 from pathlib import Path
 
 import torch
-from triton.testing import do_bench_cudagraph
 
 from squeezeserve.kernels.ops import quant_matmul as qm
 from squeezeserve.kernels.ops import quant_matmul_gluon as qg
 from squeezeserve.kernels.ops.launch import cdiv
 
 sys.path.insert(0, str(Path(__file__).parent))
-from gluon_prefill_probe import cold_copies, cycle, machete, served_weights, tiling  # noqa: E402
+from cluster_probe import rounds  # noqa: E402
+from gluon_prefill_probe import cold_copies, machete, served_weights, tiling  # noqa: E402
 from prefill_tiling_probe import SHAPES  # noqa: E402
 
 WHOLE = "256:4:P132:c:t"  # (the whole output persistent in clusters, stored by TMA)
@@ -96,13 +95,7 @@ def main() -> None:
         }
         if args.machete:
             columns["machete"] = [lambda f=f, x=x: f(x) for f in machete(dense, args.group)]
-        times: dict[str, list[float]] = {c: [] for c in columns}
-        for r in range(args.rounds):
-            for label, calls in columns.items():
-                times[label].append(do_bench_cudagraph(cycle(calls), rep=60) * 1e3)
-            cells = " | ".join(f"{label} {ts[-1]:.1f}" for label, ts in times.items())
-            print(f"{name} m={m} round {r}: {cells}", flush=True)
-        med = {label: statistics.median(ts) for label, ts in times.items()}
+        med = rounds(columns, args.rounds, f"{name} m={m}")
         cells = " | ".join(f"{label} {us:.1f} ({med['bf16'] / us:.3f}x)" for label, us in med.items())
         print(f"{name} m={m} median: {cells} | mixed / rule {med['rule'] / med['mixed']:.3f}x", flush=True)
 
