@@ -796,7 +796,8 @@ def gluon_tiles(m: int, n_out: int, k_in: int, sms: int) -> dict:
     256-row tile would be at most half full, 128-row tiles stream-K where the weight streams from DRAM
     (GLUON_NARROW_MAX_M; NOTES.md, "twenty-first session"); at 513-640 rows past one wave, 128-row tiles too
     (GLUON_THIRD_TILE_MAX_M). Outputs whose last wave of 256-row tiles is mostly idle run their full waves
-    (but one, where 6144 wide or more) a tile a program, the rest stream-K (GLUON_DP_LAST_WAVE). 256-row tiles
+    (but one, where 6144 wide or more) a tile a program, the rest stream-K (GLUON_DP_LAST_WAVE), or that
+    wave's columns in a second launch on 128-row tiles (GLUON_TAIL: ``narrow_tail``). 256-row tiles
     a tile a program run in clusters of two sharing x's tiles where the weight's 128-row tiles pair up
     (GLUON_CLUSTER): persistent, a program an SM, where they are more than a wave (GLUON_PERSISTENT), else a
     tile a program where K >= GLUON_CLUSTER_MIN_K."""
