@@ -837,18 +837,20 @@ def gluon_tiles(m: int, n_out: int, k_in: int, sms: int) -> dict:
         # shared stream-K (GLUON_DP_*), or that wave's columns on 128-row tiles (GLUON_TAIL)
         tail = narrow_tail(m, n_out, k_in, sms)
         if tail:
-            pairs = sms - sms % 2
-            return {"block_m": 256, "stages": GLUON_PERSISTENT_STAGES, "programs": pairs, "persistent": True,
-                    "cluster": 2, "tma_store": True, "narrow_tail": tail}  # fmt: skip
+            return _persistent_pairs(sms) | {"narrow_tail": tail}
         return cfg | {"programs": sms, "dp_waves": -1 if n_out >= GLUON_DP_MIN_N else tiles // sms}
     if block_m == 256 and cdiv(n_out, 128) % 2 == 0 and GLUON_CLUSTER == "on":
         if GLUON_PERSISTENT == "on" and tiles > sms:  # (GLUON_PERSISTENT's comment)
-            pairs = sms - sms % 2
-            return {"block_m": 256, "stages": GLUON_PERSISTENT_STAGES, "programs": pairs, "persistent": True,
-                    "cluster": 2, "tma_store": True}  # fmt: skip
+            return _persistent_pairs(sms)
         if k_in >= GLUON_CLUSTER_MIN_K:
             return cfg | {"cluster": 2}  # (GLUON_CLUSTER's comment)
     return cfg
+
+
+def _persistent_pairs(sms: int) -> dict:
+    """256-row tiles persistent in clusters of two, one program an SM (an even count), stored by TMA."""
+    return {"block_m": 256, "stages": GLUON_PERSISTENT_STAGES, "programs": sms - sms % 2, "persistent": True,
+            "cluster": 2, "tma_store": True}  # fmt: skip
 
 
 def narrow_tail(m: int, n_out: int, k_in: int, sms: int) -> int:
