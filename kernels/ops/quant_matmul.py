@@ -201,6 +201,12 @@ GEMV_BLOCK_K = 512  # the FMA kernel's K tile where groups align to it (g32_prob
 # g32 and g64 with zero points stay on the FMA kernel: 16.7 / 30.1 / 17.7 against 17.9 / 30.0 / 18.0, and
 # 18.2 / 29.8 / 17.8 against 18.4 / 31.0 / 19.8).
 OWNED_FMA_MAX_GROUP = 64
+# And symmetric g32 (scales by TMA too) on the Gluon decode where the weight holds at least this many values.
+# One row, us, FMA kernel / Gluon decode (owned_one_row_probe.py): H200, 28672 x 4096 29.0 / 25.7, 14336^2
+# 47.3 / 38.3 (Marlin 40.8 in bench_quant_matmul's run), 14336 x 4096 16.0 / 16.3
+# (results/owned_one_row_probe_h200_2026-11-28.log); H100 30.1 / 30.0 at 28672 x 4096, 48.8 / 47.5 at 14336^2
+# (results/owned_one_row_probe_h100_2026-11-28.log), 16.5 / 17.8 at 14336 x 4096.
+OWNED_ROW_GLUON_MIN_WEIGHT = 1 << 26
 # Row split: past ROW_SPLIT_TILE rows, a remainder of at most SKINNY_MAX_M rows over whole tiles costs the
 # prefill GEMMs a tile row of their own (256-row tiles: 288 rows cost what 512 do), so those rows run as a
 # decode into the output's last rows ("auto": on Hopper, for the weights where that was measured faster:
@@ -1095,9 +1101,11 @@ def _standard(qweight, zeros, groups):
 
 def _owned_row_on_fma(x2, qweight, scales, zeros, group_size) -> bool:
     """Whether one row of owned weights runs on the FMA kernel: groups up to OWNED_FMA_MAX_GROUP, but not g32
-    with zero points where the Gluon decode runs it (its scales by TMA: OWNED_FMA_MAX_GROUP's comment)."""
+    where the Gluon decode runs it (its scales by TMA) with zero points or on OWNED_ROW_GLUON_MIN_WEIGHT
+    values (OWNED_FMA_MAX_GROUP's comment)."""
+    large = qweight.shape[0] * x2.shape[1] >= OWNED_ROW_GLUON_MIN_WEIGHT
     gluon = (
-        zeros is not None
+        (zeros is not None or large)
         and group_size * 8 == GLUON_DECODE_BLOCK_K
         and _gluon_runs(x2, qweight, scales, zeros, group_size, 4, GLUON_DECODE_BLOCK_K)
     )
@@ -1115,9 +1123,9 @@ def _quant_matmul_owned(
     """x @ dequantize(W).T for the owned weights: int4 words in quant_layout.to_owned_order's order and zero
     points as to_owned_zeros lays them out, which the Gluon kernel, the FMA kernel and the dequantize kernel
     read (the vLLM method repacks to them, at load, the layers vllm_ops.owned_shape takes, on Hopper): one
-    row of small groups on the FMA kernel (OWNED_FMA_MAX_GROUP, but g32 with zero points), the Gluon decode
-    up to SKINNY_MAX_M rows, the Gluon GEMM up to gluon_prefill_max_m, dequantize + cuBLAS past it or where
-    the Gluon kernel does not run; the reference on CPU. ``pdl`` as quant_matmul's."""
+    row of small groups on the FMA kernel (OWNED_FMA_MAX_GROUP, but g32 with zero points or large), the
+    Gluon decode up to SKINNY_MAX_M rows, the Gluon GEMM up to gluon_prefill_max_m, dequantize + cuBLAS past
+    it or where the Gluon kernel does not run; the reference on CPU. ``pdl`` as quant_matmul's."""
     check_inputs(x, qweight, scales, zeros, group_size, 4, owned=True)
     block = quant_layout.OWNED_BLOCK
     if x.shape[-1] % block or group_size % block:

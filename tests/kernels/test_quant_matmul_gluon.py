@@ -1154,23 +1154,25 @@ import torch
 from squeezeserve.kernels.ops import launch
 from squeezeserve.kernels.ops import quant_matmul as qm
 
-n, k = 14336, 4096
-for g, zeros in ((32, True), (32, False), (64, True), (128, True)):
+k = 4096
+cases = ((14336, 32, True), (14336, 32, False), (28672, 32, False), (14336, 64, True), (14336, 128, True))
+for n, g, zeros in cases:
     qw, sc = torch.zeros(n, k // 8, dtype=torch.int32), torch.zeros(n, k // g, dtype=torch.bfloat16)
     zp = torch.zeros(n, -(-k // g // 8), dtype=torch.int32) if zeros else None
     with launch.capture(sms=132, wgmma=True) as launches:
         qm._quant_matmul_owned(torch.empty(1, k, dtype=torch.bfloat16), qw, sc, zp, g)
     kernels = [kernel.__name__ for kernel, *_ in launches]
-    print(json.dumps({"case": f"g{g}" + (" zp" if zeros else ""), "kernels": kernels}))
+    print(json.dumps({"case": f"{n} g{g}" + (" zp" if zeros else ""), "kernels": kernels}))
 """
 
 
-def test_one_owned_row_takes_the_gluon_decode_at_g32_with_zero_points(run_compiled):
-    # One row: the FMA kernel up to groups of 64, but g32 with zero points on the Gluon decode, whose scales
-    # come by TMA (H100: 18.8 / 32.1 / 19.1 against 19.9 / 35.4 / 20.4 us; quant_matmul.OWNED_FMA_MAX_GROUP).
+def test_one_owned_row_takes_the_gluon_decode_at_g32_with_zero_points_or_large(run_compiled):
+    # One row: the FMA kernel up to groups of 64, but g32 on the Gluon decode, whose scales come by TMA, with
+    # zero points (H100: 18.8 / 32.1 / 19.1 against 19.9 / 35.4 / 20.4 us) or from 2^26 values (H200 28672 x
+    # 4096 25.7 against 29.0; quant_matmul.OWNED_FMA_MAX_GROUP, OWNED_ROW_GLUON_MIN_WEIGHT).
     r = run_compiled(["-c", _OWNED_ONE_ROW])
-    want = {"g32 zp": "_wgmma_kernel", "g32": "_gemv_int4_kernel", "g64 zp": "_gemv_int4_kernel",
-            "g128 zp": "_wgmma_kernel"}  # fmt: skip
+    want = {"14336 g32 zp": "_wgmma_kernel", "14336 g32": "_gemv_int4_kernel", "28672 g32": "_wgmma_kernel",
+            "14336 g64 zp": "_gemv_int4_kernel", "14336 g128 zp": "_wgmma_kernel"}  # fmt: skip
     assert {case: one["kernels"] for case, one in r.items()} == {case: [k] for case, k in want.items()}, r
 
 
