@@ -248,8 +248,12 @@ def cases() -> dict:
             512, 4096, 14336, 128),
         "quant_matmul 1536x6144x4096 int4 g128 (Gluon whole waves, then stream-K, 256-row tiles)": lambda: qm(
             1536, 6144, 4096, 128),
+        # (GLUON_HALF_TILES: 64-row weight tiles, one a program, on one warpgroup)
+        "quant_matmul 128x6144x4096 int4 g128 zp (Gluon 64-row weight tiles)": lambda: qm(
+            128, 6144, 4096, 128, zeros=True),
         # thread-owned words: one row of g32 on the FMA kernel, the Gluon decode, the dequantize kernel
-        "quant_matmul_owned 1x28672x4096 int4 g32 (FMA kernel)": lambda: owned(1, 28672, 4096, 32),
+        "quant_matmul_owned 1x14336x4096 int4 g32 (FMA kernel)": lambda: owned(1, 14336, 4096, 32),
+        "quant_matmul_owned 1x28672x4096 int4 g32 (Gluon decode)": lambda: owned(1, 28672, 4096, 32),
         "quant_matmul_owned 1x28672x4096 int4 g32 zp (Gluon decode)": lambda: owned(1, 28672, 4096, 32, True),
         "quant_matmul_owned 16x28672x4096 int4 g128 (Gluon decode)": lambda: owned(16, 28672, 4096, 128),
         "quant_matmul_owned 16x14336x4096 int4 g32 zp (Gluon decode)": lambda: owned(

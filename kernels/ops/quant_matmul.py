@@ -705,6 +705,23 @@ if GLUON_TAIL not in ("on", "off"):
     raise ValueError(f"SQUEEZESERVE_GLUON_TAIL must be on or off, got {GLUON_TAIL!r}")
 GLUON_TAIL_MIN_N, GLUON_TAIL_MIN_WAVE = 14336, 0.2
 GLUON_TAIL_TILES = {"block_m": 128, "stages": 6}
+# SQUEEZESERVE_GLUON_HALF_TILES=off: up to 128 rows, outputs whose 128-row weight tiles fill under half the
+# SMs share them stream-K (for A/B runs). On (the default), at GLUON_HALF_TILES_MIN_M to 128 rows, where K
+# is under GLUON_CLUSTER_MIN_K and 64-row weight tiles fill at least half the SMs and at most a wave, each
+# program takes a whole tile of 64 weight rows on one warpgroup: twice the tiles, no parts to meet in the
+# workspace (x is read by twice the programs). H200, g128, 128 rows, us (tests/gpu/prefill_tiling_probe.py,
+# results/prefill_tiling_probe_h200_2026-11-28_half_tiles.log): qkv (6144 x 4096, 96 tiles) 18.9 against
+# stream-K's 27.6 and Machete's 23.2 (..._item2_machete.log). It lost where 64-row tiles are under half the
+# SMs (down_proj, 64 tiles: 56.6 against stream-K's 39.3) and past a wave (14336 x 4096 36.0 against 30.7 on
+# 112 tiles of 128). A tile a program's time grows with K, stream-K's cost past its share (about 16 us in
+# both, by these figures) does not, so a deep K would need more than half the SMs' worth of tiles: short K
+# only (measured at 4096). Fewer rows in the 128-row x tile cost it time (rows, us against stream-K, qkv: 65
+# 29.9 / 25.8, 72 27.0 / 25.1, 80 22.4 / 24.3, 88 20.8 / 24.3, 112 19.4 / 26.3; 8192 x 4096: 65 34.3 / 30.4,
+# 96 24.1 / 28.0; not profiled), so from 80 rows.
+GLUON_HALF_TILES_MIN_M = 80
+GLUON_HALF_TILES = os.environ.get("SQUEEZESERVE_GLUON_HALF_TILES", "on")
+if GLUON_HALF_TILES not in ("on", "off"):
+    raise ValueError(f"SQUEEZESERVE_GLUON_HALF_TILES must be on or off, got {GLUON_HALF_TILES!r}")
 
 
 def gluon_decode_tiles(m: int, sms: int) -> dict:
@@ -792,21 +809,22 @@ GLUON_THIRD_TILE_MAX_M = _rows_setting("SQUEEZESERVE_GLUON_THIRD_TILE_MAX_M", 64
 
 
 def gluon_tiles(m: int, n_out: int, k_in: int, sms: int) -> dict:
-    """The Gluon prefill GEMM's tiling (gluon_prefill_probe.py, H100; NOTES.md, "tenth session" and
-    "eleventh session"). 128 rows a tile (one wgmma of 128) and 6 stages up to 128 rows; past that 256 rows
-    and 4 stages (the most that fit), unless that leaves over half the SMs idle where K is short (512 rows of
-    4096^2: 0.73x bf16 on 128-row tiles, 0.58x on 256). One program a tile while the tiles fill at least half
-    the SMs (their parts' meeting in the workspace cost more than the idle SMs: 512 rows of 14336^2 stream-K
-    371 us against 335 a tile a program); fewer share all (tile, K unit) pairs among one program an SM
-    (stream-K: 128 rows of 4096 x 14336 40.9 us against the Triton GEMM's 44.5). At 257-384 rows, where a
+    """The Gluon prefill GEMM's tiling (gluon_prefill_probe.py, H100; NOTES.md, "tenth session" and "eleventh
+    session"). 128 rows a tile (one wgmma of 128) and 6 stages up to 128 rows; past that 256 rows and 4 stages
+    (the most that fit), unless that leaves over half the SMs idle where K is short (512 rows of 4096^2: 0.73x
+    bf16 on 128-row tiles, 0.58x on 256). One program a tile while the tiles fill at least half the SMs (their
+    parts' meeting in the workspace cost more than the idle SMs: 512 rows of 14336^2 stream-K 371 us against
+    335 a tile a program); fewer share all (tile, K unit) pairs among one program an SM (stream-K: 128 rows of
+    4096 x 14336 40.9 us against the Triton GEMM's 44.5), but at 80-128 rows tiles of 64 weight rows a program
+    where K is short and those fill half the SMs to a wave (GLUON_HALF_TILES). At 257-384 rows, where a
     256-row tile would be at most half full, 128-row tiles stream-K where the weight streams from DRAM
     (GLUON_NARROW_MAX_M; NOTES.md, "twenty-first session"); at 513-640 rows past one wave, 128-row tiles too
     (GLUON_THIRD_TILE_MAX_M). Outputs whose last wave of 256-row tiles is mostly idle run their full waves
     (but one, where 6144 wide or more) a tile a program, the rest stream-K (GLUON_DP_LAST_WAVE), or that
-    wave's columns in a second launch on 128-row tiles (GLUON_TAIL: ``narrow_tail``). 256-row tiles
-    a tile a program run in clusters of two sharing x's tiles where the weight's 128-row tiles pair up
-    (GLUON_CLUSTER): persistent, a program an SM, where they are more than a wave (GLUON_PERSISTENT), else a
-    tile a program where K >= GLUON_CLUSTER_MIN_K."""
+    wave's columns in a second launch on 128-row tiles (GLUON_TAIL: ``narrow_tail``). 256-row tiles a tile a
+    program run in clusters of two sharing x's tiles where the weight's 128-row tiles pair up (GLUON_CLUSTER):
+    persistent, a program an SM, where they are more than a wave (GLUON_PERSISTENT), else a tile a program
+    where K >= GLUON_CLUSTER_MIN_K."""
     block_m = 128
     if m > 128 and (cdiv(n_out, 128) * cdiv(m, 256) >= sms // 2 or cdiv(k_in, 64) >= 128):
         block_m = 256
@@ -830,6 +848,11 @@ def gluon_tiles(m: int, n_out: int, k_in: int, sms: int) -> dict:
             return cfg | {"programs": sms, "dp_waves": -1}
         return cfg
     cfg = {"block_m": block_m, "stages": 6 if block_m == 128 else 4}
+    half_tiles = cdiv(n_out, 64) * cdiv(m, block_m)
+    short_k = k_in < GLUON_CLUSTER_MIN_K
+    half_rows = GLUON_HALF_TILES_MIN_M <= m <= 128
+    if stream_k and half_rows and short_k and sms // 2 <= half_tiles <= sms and GLUON_HALF_TILES == "on":
+        return cfg | {"block_n": 64, "num_warps": 4}  # (GLUON_HALF_TILES)
     if stream_k:
         return cfg | {"programs": sms}
     tiles = cdiv(n_out, 128) * cdiv(m, block_m)

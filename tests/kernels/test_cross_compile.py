@@ -48,7 +48,9 @@ EXPECTED = {
     "quant_matmul 1536x6144x4096 int4 g128 (Gluon whole waves, then stream-K, 256-row tiles)": [
         "_wgmma_kernel"
     ],
-    "quant_matmul_owned 1x28672x4096 int4 g32 (FMA kernel)": ["_gemv_int4_kernel"],
+    "quant_matmul 128x6144x4096 int4 g128 zp (Gluon 64-row weight tiles)": ["_wgmma_kernel"],
+    "quant_matmul_owned 1x14336x4096 int4 g32 (FMA kernel)": ["_gemv_int4_kernel"],
+    "quant_matmul_owned 1x28672x4096 int4 g32 (Gluon decode)": ["_wgmma_kernel"],
     "quant_matmul_owned 1x28672x4096 int4 g32 zp (Gluon decode)": ["_wgmma_kernel"],
     "quant_matmul_owned 16x28672x4096 int4 g128 (Gluon decode)": ["_wgmma_kernel"],
     "quant_matmul_owned 16x14336x4096 int4 g32 zp (Gluon decode)": ["_wgmma_kernel"],

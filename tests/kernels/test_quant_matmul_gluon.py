@@ -73,6 +73,14 @@ def test_gluon_tiles_measured_choices():
     # under half the SMs' worth of tiles: stream-K over one program an SM
     assert qm.gluon_tiles(512, 4096, 14336, 132) == {"block_m": 256, "stages": 4, "programs": 132}
     assert qm.gluon_tiles(128, 4096, 14336, 114) == {"block_m": 128, "stages": 6, "programs": 114}
+    # up to 128 rows, where 64-row weight tiles fill half the SMs to a wave: those, a program each (H200;
+    # quant_matmul.GLUON_HALF_TILES): qkv's 96; not down_proj's 64 (under half) nor 14336 x 4096's 224
+    half = {"block_m": 128, "stages": 6, "block_n": 64, "num_warps": 4}
+    assert qm.gluon_tiles(128, 6144, 4096, 132) == qm.gluon_tiles(80, 8192, 4096, 132) == half
+    assert qm.gluon_tiles(79, 6144, 4096, 132) == {"block_m": 128, "stages": 6, "programs": 132}  # few rows
+    assert qm.gluon_tiles(128, 4096, 14336, 132) == {"block_m": 128, "stages": 6, "programs": 132}
+    assert qm.gluon_tiles(128, 14336, 4096, 132) == {"block_m": 128, "stages": 6}
+    assert qm.gluon_tiles(256, 4096, 4096, 132) == {"block_m": 128, "stages": 6, "programs": 132}
     assert qm.gluon_tiles(2048, 4096, 4096, 132) == PERSIST
     # 257-384 rows, where 256-row tiles pad by half: 128-row tiles stream-K where the weight comes from DRAM
     # (gate_up, 58.7 MB of words; down_proj, already stream-K), 256 rows where it stays in the L2 or the
@@ -308,6 +316,7 @@ def test_a_cluster_kernel_compiled_without_the_pass_is_refused_before_it_launche
         ("SQUEEZESERVE_GLUON_CLUSTER", "2048, 4096, 14336", "'cluster': 2"),
         ("SQUEEZESERVE_GLUON_PERSISTENT", "2048, 14336, 4096", "'persistent': True"),
         ("SQUEEZESERVE_GLUON_TAIL", "512, 28672, 4096", "'narrow_tail': 26"),
+        ("SQUEEZESERVE_GLUON_HALF_TILES", "128, 6144, 4096", "'block_n': 64"),
     ],
 )
 def test_gluon_cluster_settings_turn_them_off_and_refuse_a_bad_value(name, shape, mark):
@@ -520,12 +529,15 @@ def test_gluon_prefill_is_dequantize_then_matmul(m, n, k, group, zeros, dtype, m
         (560, 28672, 4096, True, {"block_m": 128, "programs": 132, "dp_waves": -1}),  # gate_up
         (1100, 4096, 14336, True, {"block_m": 256, "programs": 132, "dp_waves": 1}),  # down_proj
         (2100, 4096, 4096, False, {"block_m": 256, "programs": 132, "dp_waves": 2}),  # o_proj
+        (100, 6144, 4096, True, {"block_n": 64, "num_warps": 4}),  # qkv: 64-row weight tiles, one a program
+        (128, 8192, 4160, False, {"block_n": 64, "num_warps": 4}),  # (K ends inside a tile)
     ],
 )
 def test_the_rules_mid_row_tilings_give_dequantize_then_matmul(m, n, k, zeros, tiling):
-    # The tilings gluon_tiles takes at mid-size prompts (128-row tiles at 513-640 rows, whole waves before
-    # stream-K on 4096-wide outputs), on packed words and on owned ones (as the vLLM method repacks the
-    # 8B model's gate_up and down_proj), with zero points too; the workspace's tiles cleaned up after.
+    # The tilings gluon_tiles takes at mid-size prompts (64-row weight tiles up to 128 rows, 128-row tiles at
+    # 513-640 rows, whole waves before stream-K on 4096-wide outputs), on packed words and on owned ones (as
+    # the vLLM method repacks the 8B model's gate_up and down_proj), with zero points too; the workspace's
+    # tiles cleaned up after.
     group, dtype = 128, torch.bfloat16
     assert tiling.items() <= qm.gluon_tiles(m, n, k, 132).items()
     x, qw, sc, zp, ref = _through_quant_matmul(qm._gluon_prefill, m, n, k, group, zeros, dtype)
