@@ -445,7 +445,7 @@ def _rows(
     m, n_out, k_in = x2.shape[0], qweight.shape[0], x2.shape[1]
     if m > SKINNY_MAX_M and not owned:
         if _gluon_prefill(x2, qweight, scales, zeros, group_size, bits):
-            cfg = gluon_tiles(m, n_out, k_in, sm_count(x2.device))
+            cfg = gluon_tiles(m, n_out, k_in, sm_count(x2.device), group_size)
             y = _gluon(x2, qweight, scales, zeros, group_size, cfg, out)
             if y is not None:
                 return y
@@ -719,6 +719,8 @@ GLUON_TAIL_TILES = {"block_m": 128, "stages": 6}
 # 29.9 / 25.8, 72 27.0 / 25.1, 80 22.4 / 24.3, 88 20.8 / 24.3, 112 19.4 / 26.3; 8192 x 4096: 65 34.3 / 30.4,
 # 96 24.1 / 28.0; not profiled), so from 80 rows.
 GLUON_HALF_TILES_MIN_M = 80
+# (groups of 128 and more: smaller groups' scales on these tiles have not yet run on the GPU)
+GLUON_HALF_TILES_MIN_GROUP = 128
 GLUON_HALF_TILES = os.environ.get("SQUEEZESERVE_GLUON_HALF_TILES", "on")
 if GLUON_HALF_TILES not in ("on", "off"):
     raise ValueError(f"SQUEEZESERVE_GLUON_HALF_TILES must be on or off, got {GLUON_HALF_TILES!r}")
@@ -808,7 +810,7 @@ GLUON_THIRD_TILE_MIN_M = 513
 GLUON_THIRD_TILE_MAX_M = _rows_setting("SQUEEZESERVE_GLUON_THIRD_TILE_MAX_M", 640)
 
 
-def gluon_tiles(m: int, n_out: int, k_in: int, sms: int) -> dict:
+def gluon_tiles(m: int, n_out: int, k_in: int, sms: int, group_size: int = 128) -> dict:
     """The Gluon prefill GEMM's tiling (gluon_prefill_probe.py, H100; NOTES.md, "tenth session" and "eleventh
     session"). 128 rows a tile (one wgmma of 128) and 6 stages up to 128 rows; past that 256 rows and 4 stages
     (the most that fit), unless that leaves over half the SMs idle where K is short (512 rows of 4096^2: 0.73x
@@ -850,7 +852,7 @@ def gluon_tiles(m: int, n_out: int, k_in: int, sms: int) -> dict:
     cfg = {"block_m": block_m, "stages": 6 if block_m == 128 else 4}
     half_tiles = cdiv(n_out, 64) * cdiv(m, block_m)
     short_k = k_in < GLUON_CLUSTER_MIN_K
-    half_rows = GLUON_HALF_TILES_MIN_M <= m <= 128
+    half_rows = GLUON_HALF_TILES_MIN_M <= m <= 128 and group_size >= GLUON_HALF_TILES_MIN_GROUP
     if stream_k and half_rows and short_k and sms // 2 <= half_tiles <= sms and GLUON_HALF_TILES == "on":
         return cfg | {"block_n": 64, "num_warps": 4}  # (GLUON_HALF_TILES)
     if stream_k:
@@ -1171,7 +1173,7 @@ def _quant_matmul_owned(
     elif SKINNY_MAX_M < m <= gluon_prefill_max_m(k_in, group_size, True, zeros is not None) and _gluon_runs(
         x2, qweight, scales, zeros, group_size, 4, 64
     ):
-        cfg = gluon_tiles(m, n_out, k_in, sm_count(x2.device))
+        cfg = gluon_tiles(m, n_out, k_in, sm_count(x2.device), group_size)
         y = _gluon(x2, qweight, scales, zeros, group_size, cfg | {"owned": True})
     if y is None:
         slice_rows = _slice_rows(x2, qweight, scales, zeros)

@@ -53,7 +53,7 @@ def main() -> None:
                 cfg = qm.gluon_decode_tiles(m, args.sms)
                 auto = qm.gluon_decode_in_auto(m, n, k, args.group, args.zeros)
             else:
-                cfg = qm.gluon_tiles(m, n, k, args.sms)
+                cfg = qm.gluon_tiles(m, n, k, args.sms, args.group)
                 cfg.pop("narrow_tail", None)  # (GLUON_TAIL's second launch: the first launch's tiling here)
                 auto = qm.gluon_in_auto(m, n, k, args.group, args.zeros)
             x = torch.zeros(m, k, dtype=dtype)

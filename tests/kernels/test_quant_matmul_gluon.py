@@ -78,6 +78,7 @@ def test_gluon_tiles_measured_choices():
     half = {"block_m": 128, "stages": 6, "block_n": 64, "num_warps": 4}
     assert qm.gluon_tiles(128, 6144, 4096, 132) == qm.gluon_tiles(80, 8192, 4096, 132) == half
     assert qm.gluon_tiles(79, 6144, 4096, 132) == {"block_m": 128, "stages": 6, "programs": 132}  # few rows
+    assert qm.gluon_tiles(128, 6144, 4096, 132, 32) == {"block_m": 128, "stages": 6, "programs": 132}  # g32
     assert qm.gluon_tiles(128, 4096, 14336, 132) == {"block_m": 128, "stages": 6, "programs": 132}
     assert qm.gluon_tiles(128, 14336, 4096, 132) == {"block_m": 128, "stages": 6}
     assert qm.gluon_tiles(256, 4096, 4096, 132) == {"block_m": 128, "stages": 6, "programs": 132}
