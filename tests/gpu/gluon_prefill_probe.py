@@ -16,7 +16,9 @@ sharing x's tiles (``launch_args``' ``cluster``); a last ``r``: each warpgroup f
 (``launch_args``' ``wg_release``); a last ``t``: each tile's sum goes out by a TMA store (``tma_store``);
 ``pNwW`` first runs W waves of whole tiles a program (``launch_args``'
 ``dp_waves``: a negative W, all the full waves but -W), then shares the rest; ``PN``: N programs each taking
-a wave's tile whole at a time (``launch_args``' ``persistent``).
+a wave's tile whole at a time (``launch_args``' ``persistent``); a number SPLIT ``SoO``: K split S ways with
+registers capped for O programs an SM (``launch_args``' ``occupancy``; e.g. ``1o2``, a tile a program, two
+an SM).
 Tilings run through ``prefill()`` (parts of tiles meet in a zeroed fp32 output, then a cast: slower than
 quant_matmul's workspace at many rows).
 """
@@ -153,7 +155,8 @@ def tiling(spec: str) -> dict:
         programs, _, waves = split[1:].partition("w")
         dp = {"dp_waves": int(waves)} if waves else {}
         return out | {"programs": int(programs), "occupancy": max(1, int(programs) // 132)} | dp
-    return out | {"split": int(split)}
+    split, _, occupancy = split.partition("o")
+    return out | {"split": int(split)} | ({"occupancy": int(occupancy)} if occupancy else {})
 
 
 def machete(dense, group):
