@@ -204,8 +204,9 @@ OWNED_FMA_MAX_GROUP = 64
 # And symmetric g32 (scales by TMA too) on the Gluon decode where the weight holds at least this many values.
 # One row, us, FMA kernel / Gluon decode (owned_one_row_probe.py): H200, 28672 x 4096 29.0 / 25.7, 14336^2
 # 47.3 / 38.3 (Marlin 40.8 in bench_quant_matmul's run), 14336 x 4096 16.0 / 16.3
-# (results/owned_one_row_probe_h200_2026-11-28.log); H100 30.1 / 30.0 at 28672 x 4096, 48.8 / 47.5 at 14336^2
-# (results/owned_one_row_probe_h100_2026-11-28.log), 16.5 / 17.8 at 14336 x 4096.
+# (results/owned_one_row_probe_h200_2026-11-28.log); H100 30.1 / 30.0 at 28672 x 4096
+# (..._h100_2026-11-26_zeros.log), 48.8 / 47.5 at 14336^2 and 16.5 / 17.8 at 14336 x 4096
+# (..._h100_2026-11-28.log).
 OWNED_ROW_GLUON_MIN_WEIGHT = 1 << 26
 # Row split: past ROW_SPLIT_TILE rows, a remainder of at most SKINNY_MAX_M rows over whole tiles costs the
 # prefill GEMMs a tile row of their own (256-row tiles: 288 rows cost what 512 do), so those rows run as a
@@ -850,11 +851,15 @@ def gluon_tiles(m: int, n_out: int, k_in: int, sms: int, group_size: int = 128) 
             return cfg | {"programs": sms, "dp_waves": -1}
         return cfg
     cfg = {"block_m": block_m, "stages": 6 if block_m == 128 else 4}
-    half_tiles = cdiv(n_out, 64) * cdiv(m, block_m)
-    short_k = k_in < GLUON_CLUSTER_MIN_K
-    half_rows = GLUON_HALF_TILES_MIN_M <= m <= 128 and group_size >= GLUON_HALF_TILES_MIN_GROUP
-    if stream_k and half_rows and short_k and sms // 2 <= half_tiles <= sms and GLUON_HALF_TILES == "on":
-        return cfg | {"block_n": 64, "num_warps": 4}  # (GLUON_HALF_TILES)
+    if (
+        stream_k
+        and GLUON_HALF_TILES == "on"
+        and GLUON_HALF_TILES_MIN_M <= m <= 128
+        and k_in < GLUON_CLUSTER_MIN_K
+        and group_size >= GLUON_HALF_TILES_MIN_GROUP
+        and sms // 2 <= cdiv(n_out, 64) * cdiv(m, block_m) <= sms
+    ):  # 64-row weight tiles, one a program (GLUON_HALF_TILES)
+        return cfg | {"block_n": 64, "num_warps": 4}
     if stream_k:
         return cfg | {"programs": sms}
     tiles = cdiv(n_out, 128) * cdiv(m, block_m)
