@@ -251,13 +251,22 @@ def cases() -> dict:
         # (GLUON_HALF_TILES: 64-row weight tiles, one a program, on one warpgroup)
         "quant_matmul 128x6144x4096 int4 g128 zp (Gluon 64-row weight tiles)": lambda: qm(
             128, 6144, 4096, 128, zeros=True),
+        "quant_matmul 112x6144x4096 int4 g32 zp (Gluon 64-row weight tiles)": lambda: qm(
+            112, 6144, 4096, 32, zeros=True),
         # thread-owned words: one row of g32 on the FMA kernel, the Gluon decode, the dequantize kernel
         "quant_matmul_owned 1x14336x4096 int4 g32 (FMA kernel)": lambda: owned(1, 14336, 4096, 32),
         "quant_matmul_owned 1x28672x4096 int4 g32 (Gluon decode)": lambda: owned(1, 28672, 4096, 32),
         "quant_matmul_owned 1x28672x4096 int4 g32 zp (Gluon decode)": lambda: owned(1, 28672, 4096, 32, True),
         "quant_matmul_owned 16x28672x4096 int4 g128 (Gluon decode)": lambda: owned(16, 28672, 4096, 128),
-        "quant_matmul_owned 16x14336x4096 int4 g32 zp (Gluon decode)": lambda: owned(
+        # (GLUON_DECODE_WHOLE_*: a tile a program where 64-row tiles nearly fill two programs an SM)
+        "quant_matmul_owned 16x14336x4096 int4 g32 zp (Gluon decode, a tile a program)": lambda: owned(
             16, 14336, 4096, 32, True
+        ),
+        "quant_matmul_owned 8x14336x4096 int4 g128 (Gluon decode, a tile a program)": lambda: owned(
+            8, 14336, 4096, 128
+        ),
+        "quant_matmul_owned 8x28672x4096 int4 g32 zp (Gluon decode, a tile a program, four an SM)": (
+            lambda: owned(8, 28672, 4096, 32, True)
         ),
         "quant_matmul_owned 512x28672x4096 int4 g128 (Gluon persistent in clusters, a 128-row tail)": (
             lambda: owned(512, 28672, 4096, 128)

@@ -460,7 +460,7 @@ def _rows(
             return dequantize_matmul(x2, qweight, scales, zeros, k_in, group_size, bits, slice_rows, out)
         return _prefill(x2, qweight, scales, zeros, zero_arg, group_size, bits, out)
     if not owned and _gluon_decode(x2, qweight, scales, zeros, group_size, bits):
-        cfg = gluon_decode_tiles(m, sm_count(x2.device))
+        cfg = gluon_decode_tiles(m, sm_count(x2.device), n_out, k_in)
         y = _gluon(x2, qweight, scales, zeros, group_size, cfg, out, pdl)
         if y is not None:
             return y
@@ -720,14 +720,37 @@ GLUON_TAIL_TILES = {"block_m": 128, "stages": 6}
 # 29.9 / 25.8, 72 27.0 / 25.1, 80 22.4 / 24.3, 88 20.8 / 24.3, 112 19.4 / 26.3; 8192 x 4096: 65 34.3 / 30.4,
 # 96 24.1 / 28.0; not profiled), so from 80 rows.
 GLUON_HALF_TILES_MIN_M = 80
-# (groups of 128 and more: smaller groups' scales on these tiles have not yet run on the GPU)
-GLUON_HALF_TILES_MIN_GROUP = 128
+# Groups under 128 (four or eight scale rows a 256-deep tile) from 104 rows: qkv and 8192 x 4096, zero points
+# and not, g32 and g64 (results/prefill_tiling_probe_h200_2026-11-28_half_tiles_groups.log), us against
+# stream-K at 128 rows 19.8-29.2 / 28.9-34.2, at 104 24.2-29.2 / 26.1-30.5 (qkv g32 zero points level: 29.2 /
+# 29.0); at 80-88 rows mixed (qkv g32 zero points 29.2 / 27.4 at 88, 8192 x 4096 g64 33.2 / 30.5 at 80).
+GLUON_HALF_TILES_MIN_M_SMALL_GROUP = 104
 GLUON_HALF_TILES = os.environ.get("SQUEEZESERVE_GLUON_HALF_TILES", "on")
 if GLUON_HALF_TILES not in ("on", "off"):
     raise ValueError(f"SQUEEZESERVE_GLUON_HALF_TILES must be on or off, got {GLUON_HALF_TILES!r}")
 
 
-def gluon_decode_tiles(m: int, sms: int) -> dict:
+# Up to 32 rows, where the 64-row weight tiles fill at least GLUON_DECODE_WHOLE_MIN_FILL of the stream-K
+# decode's two programs an SM (and no more) and K is at most GLUON_DECODE_WHOLE_MAX_K, each program takes a
+# whole tile, two an SM: stream-K split nearly every tile of the 14336-wide outputs (224 tiles in 264 slots)
+# in two parts that meet in the workspace. Up to GLUON_DECODE_WHOLE_FOUR_MAX_M rows the same with four an SM
+# on a 3-stage ring (gate_up's 448 tiles in 528 slots; more rows spill past the 128 registers a thread that
+# leaves). H200, K 4096, owned words as served, 1 / 4 / 8 rows, us against stream-K
+# (tests/gpu/prefill_tiling_probe.py, results/prefill_tiling_probe_h200_2026-11-28_decode_whole.log):
+# 14336 x 4096 g128 zero points 16.2 / 16.5 / 16.5 against 17.5 / 17.9 / 17.9 (16 and 32 rows 16.5 / 17.0
+# against 18.7 / 19.7; g32 14.6-15.6 against 16.0-18.2), gate_up g128 25.5 / 25.3 / 25.4 against 27.2 /
+# 27.6 / 27.4 (four an SM at 16 and 32 rows: 35.2 and 45.2 against 28.5 and 30.9). Where K is deep
+# stream-K's balance wins (14336^2, two an SM: 46.5 / 46.7 / 46.8 against 44.2 / 45.2 / 45.4).
+# SQUEEZESERVE_GLUON_DECODE_WHOLE=off: stream-K at every decode row count, as before (for A/B runs).
+GLUON_DECODE_WHOLE_MIN_FILL = 0.75
+GLUON_DECODE_WHOLE_MAX_K = 4096
+GLUON_DECODE_WHOLE_FOUR_MAX_M = 8
+GLUON_DECODE_WHOLE = os.environ.get("SQUEEZESERVE_GLUON_DECODE_WHOLE", "on")
+if GLUON_DECODE_WHOLE not in ("on", "off"):
+    raise ValueError(f"SQUEEZESERVE_GLUON_DECODE_WHOLE must be on or off, got {GLUON_DECODE_WHOLE!r}")
+
+
+def gluon_decode_tiles(m: int, sms: int, n_out: int = 0, k_in: int = 0) -> dict:
     """The stream-K decode's tiling (gluon_prefill_probe.py, H100; NOTES.md, "eleventh session"): the
     smallest wgmma N that holds the rows (8, 16, 32), 64 weight rows a program of one warpgroup, two
     programs an SM; 64 rows: 128 weight rows a program of two warpgroups, one an SM (14336^2: 77.8 us against
@@ -739,8 +762,16 @@ def gluon_decode_tiles(m: int, sms: int) -> dict:
     if m > 32:
         wide = {"block_m": 64, "block_n": 128, "num_warps": 8, "programs": sms}
         return wide | {"wg_release": WG_RELEASE == "on"} | deep
-    return {"block_m": max(8, next_power_of_2(m)), "block_n": 64, "num_warps": 4, "programs": 2 * sms,
-            "occupancy": 2} | deep  # fmt: skip
+    cfg = {"block_m": max(8, next_power_of_2(m)), "block_n": 64, "num_warps": 4, "occupancy": 2} | deep
+    tiles = cdiv(n_out, 64)
+    for occupancy in (2, 4) if m <= GLUON_DECODE_WHOLE_FOUR_MAX_M else (2,):  # (GLUON_DECODE_WHOLE_*)
+        if (
+            GLUON_DECODE_WHOLE == "on"
+            and 0 < k_in <= GLUON_DECODE_WHOLE_MAX_K
+            and GLUON_DECODE_WHOLE_MIN_FILL <= tiles / (occupancy * sms) <= 1
+        ):
+            return cfg | {"split": 1, "occupancy": occupancy, "stages": 4 if occupancy == 2 else 3}
+    return cfg | {"programs": 2 * sms}
 
 
 def gluon_prefill_max_m(k_in: int, group_size: int, owned: bool = False, zeros: bool = False) -> int:
@@ -854,9 +885,8 @@ def gluon_tiles(m: int, n_out: int, k_in: int, sms: int, group_size: int = 128) 
     if (
         stream_k
         and GLUON_HALF_TILES == "on"
-        and GLUON_HALF_TILES_MIN_M <= m <= 128
+        and (GLUON_HALF_TILES_MIN_M if group_size >= 128 else GLUON_HALF_TILES_MIN_M_SMALL_GROUP) <= m <= 128
         and k_in < GLUON_CLUSTER_MIN_K
-        and group_size >= GLUON_HALF_TILES_MIN_GROUP
         and sms // 2 <= cdiv(n_out, 64) * cdiv(m, block_m) <= sms
     ):  # 64-row weight tiles, one a program (GLUON_HALF_TILES)
         return cfg | {"block_n": 64, "num_warps": 4}
@@ -1173,7 +1203,7 @@ def _quant_matmul_owned(
         zero_arg = zeros.contiguous() if zeros is not None else qweight
         y = _rows(x2, qweight, scales, zeros, zero_arg, group_size, 4, None, owned=True)
     elif m <= SKINNY_MAX_M and _gluon_runs(x2, qweight, scales, zeros, group_size, 4, GLUON_DECODE_BLOCK_K):
-        cfg = gluon_decode_tiles(m, sm_count(x2.device))
+        cfg = gluon_decode_tiles(m, sm_count(x2.device), n_out, k_in)
         y = _gluon(x2, qweight, scales, zeros, group_size, cfg | {"owned": True}, pdl=pdl)
     elif SKINNY_MAX_M < m <= gluon_prefill_max_m(k_in, group_size, True, zeros is not None) and _gluon_runs(
         x2, qweight, scales, zeros, group_size, 4, 64

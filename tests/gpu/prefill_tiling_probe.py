@@ -103,12 +103,12 @@ def main() -> None:
                         fma_row = m == 1 and qm._owned_row_on_fma(x, qw, sc, zp, args.group)
                         gluon = not fma_row if owned else qm.gluon_decode_in_auto(
                             m, n, k, args.group, args.zeros)  # fmt: skip
-                        chosen = decode_rule(m, 132) if gluon else "(not the Gluon kernel)"
+                        chosen = decode_rule(m, 132, n, k) if gluon else "(not the Gluon kernel)"
                     else:
                         most = qm.gluon_prefill_max_m(k, args.group, True, args.zeros)
                         gluon = m <= most if owned else qm.gluon_in_auto(m, n, k, args.group, args.zeros)
                         gluon = gluon or m <= args.gluon_max_m
-                        chosen = rule(m, n, k, 132) if gluon else "(not the Gluon kernel)"
+                        chosen = rule(m, n, k, 132, args.group) if gluon else "(not the Gluon kernel)"
                     label = f"{spec} {chosen}" if ruled else spec
                     row.append(f"{label} {t_q * 1e3:.1f} ({t_bf16 / t_q:.2f}x)")
                     add(name, m, spec, t_q * 1e3)

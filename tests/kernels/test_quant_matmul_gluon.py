@@ -78,7 +78,9 @@ def test_gluon_tiles_measured_choices():
     half = {"block_m": 128, "stages": 6, "block_n": 64, "num_warps": 4}
     assert qm.gluon_tiles(128, 6144, 4096, 132) == qm.gluon_tiles(80, 8192, 4096, 132) == half
     assert qm.gluon_tiles(79, 6144, 4096, 132) == {"block_m": 128, "stages": 6, "programs": 132}  # few rows
-    assert qm.gluon_tiles(128, 6144, 4096, 132, 32) == {"block_m": 128, "stages": 6, "programs": 132}  # g32
+    # groups under 128 from 104 rows (GLUON_HALF_TILES_MIN_M_SMALL_GROUP)
+    assert qm.gluon_tiles(103, 6144, 4096, 132, 32) == {"block_m": 128, "stages": 6, "programs": 132}
+    assert qm.gluon_tiles(104, 6144, 4096, 132, 32) == qm.gluon_tiles(128, 8192, 4096, 132, 64) == half
     assert qm.gluon_tiles(128, 4096, 14336, 132) == {"block_m": 128, "stages": 6, "programs": 132}
     assert qm.gluon_tiles(128, 14336, 4096, 132) == {"block_m": 128, "stages": 6}
     assert qm.gluon_tiles(256, 4096, 4096, 132) == {"block_m": 128, "stages": 6, "programs": 132}
@@ -312,16 +314,17 @@ def test_a_cluster_kernel_compiled_without_the_pass_is_refused_before_it_launche
 
 
 @pytest.mark.parametrize(
-    ("name", "shape", "mark"),
+    ("name", "call", "mark"),
     [
-        ("SQUEEZESERVE_GLUON_CLUSTER", "2048, 4096, 14336", "'cluster': 2"),
-        ("SQUEEZESERVE_GLUON_PERSISTENT", "2048, 14336, 4096", "'persistent': True"),
-        ("SQUEEZESERVE_GLUON_TAIL", "512, 28672, 4096", "'narrow_tail': 26"),
-        ("SQUEEZESERVE_GLUON_HALF_TILES", "128, 6144, 4096", "'block_n': 64"),
+        ("SQUEEZESERVE_GLUON_CLUSTER", "gluon_tiles(2048, 4096, 14336, 132)", "'cluster': 2"),
+        ("SQUEEZESERVE_GLUON_PERSISTENT", "gluon_tiles(2048, 14336, 4096, 132)", "'persistent': True"),
+        ("SQUEEZESERVE_GLUON_TAIL", "gluon_tiles(512, 28672, 4096, 132)", "'narrow_tail': 26"),
+        ("SQUEEZESERVE_GLUON_HALF_TILES", "gluon_tiles(128, 6144, 4096, 132)", "'block_n': 64"),
+        ("SQUEEZESERVE_GLUON_DECODE_WHOLE", "gluon_decode_tiles(8, 132, 28672, 4096)", "'split': 1"),
     ],
 )
-def test_gluon_cluster_settings_turn_them_off_and_refuse_a_bad_value(name, shape, mark):
-    code = f"from squeezeserve.kernels.ops import quant_matmul as q; print(q.gluon_tiles({shape}, 132))"
+def test_gluon_cluster_settings_turn_them_off_and_refuse_a_bad_value(name, call, mark):
+    code = f"from squeezeserve.kernels.ops import quant_matmul as q; print(q.{call})"
     env = {k: v for k, v in os.environ.items() if not k.startswith("SQUEEZESERVE_")}
 
     def run(value: str) -> subprocess.CompletedProcess:
@@ -550,6 +553,28 @@ def test_the_rules_mid_row_tilings_give_dequantize_then_matmul(m, n, k, zeros, t
 
 @needs_hopper
 @pytest.mark.parametrize(
+    ("m", "n", "k", "group", "zeros", "dtype"),
+    [
+        (128, 6144, 4096, 32, True, torch.bfloat16),  # qkv, 8 groups a 256-deep tile, zero points
+        (96, 6144, 4096, 64, False, torch.bfloat16),
+        (100, 8192, 4160, 32, True, torch.float16),  # K ends inside a tile
+        (80, 8192, 4096, 64, True, torch.float16),
+    ],
+)
+def test_64_row_weight_tiles_at_groups_under_128(monkeypatch, m, n, k, group, zeros, dtype):
+    # GLUON_HALF_TILES' tiles with groups of 32 and 64 (the rule's from GLUON_HALF_TILES_MIN_M_SMALL_GROUP
+    # rows; here from 80): the tiling taken, the product on packed and owned words, the workspace unused.
+    monkeypatch.setattr(qm, "GLUON_HALF_TILES_MIN_M_SMALL_GROUP", 80)
+    assert {"block_n": 64, "num_warps": 4}.items() <= qm.gluon_tiles(m, n, k, 132, group).items()
+    x, qw, sc, zp, ref = _through_quant_matmul(qm._gluon_prefill, m, n, k, group, zeros, dtype)
+    owned_zp = ql.to_owned_zeros(zp, n) if zeros else None
+    y = qm.quant_matmul_owned(x, ql.to_owned_order(qw), sc, owned_zp, group).float()
+    assert ((y - ref).norm() / ref.norm()).item() < 2e-3
+    assert all(not t.any() for t in qm.workspace_buffers())
+
+
+@needs_hopper
+@pytest.mark.parametrize(
     ("m", "n", "k", "zeros"),
     [
         (3344, 6144, 4096, False),  # qkv: whole waves, then stream-K (its warm-up row)
@@ -690,6 +715,25 @@ def test_gluon_decode_measured_choices():
     # its two warpgroups free their stages each for itself; a one-warpgroup program has no other to wait for
     assert wide["wg_release"] and not qm.gluon_decode_tiles(32, 132).get("wg_release")
 
+    # a tile a program, two an SM, where the 64-row tiles fill 3/4 of those slots to all and K is short
+    # (GLUON_DECODE_WHOLE_*: 14336-wide outputs, 224 tiles in 264 slots); up to 8 rows four an SM on three
+    # stages (gate_up's 448 in 528); stream-K elsewhere
+    def whole(m, occupancy, stages):
+        shared = {k: v for k, v in qm.gluon_decode_tiles(m, 132).items() if k != "programs"}
+        return shared | {"split": 1, "occupancy": occupancy, "stages": stages}
+
+    for m in (1, 8, 16, 32):
+        assert qm.gluon_decode_tiles(m, 132, 14336, 4096) == whole(m, 2, 4), m
+    for m in (1, 8):
+        assert qm.gluon_decode_tiles(m, 132, 28672, 4096) == whole(m, 4, 3), m
+    assert qm.gluon_decode_tiles(9, 132, 28672, 4096)["programs"] == 264  # (four an SM would spill)
+    assert qm.gluon_decode_tiles(64, 132, 14336, 4096)["programs"] == 132  # (the 64-row tiling)
+    assert qm.gluon_decode_tiles(8, 132, 14336, 14336)["programs"] == 264  # deep K
+    assert qm.gluon_decode_tiles(16, 132, 12672, 4096)["split"] == 1  # 198 tiles: 3/4 of 264
+    assert qm.gluon_decode_tiles(16, 132, 12608, 4096)["programs"] == 264  # 197
+    assert qm.gluon_decode_tiles(16, 132, 16960, 4096)["programs"] == 264  # 265 tiles: past two an SM
+    assert qm.gluon_decode_tiles(8, 132, 16960, 4096)["programs"] == 264  # and under 3/4 of four
+
 
 def test_groups_a_deep_tile_takes():
     # 256-deep decode tiles: one group (g256 and up), two (g128), or four or eight of whole words (g64, g32)
@@ -736,6 +780,30 @@ def test_cpu_decode_never_takes_it(monkeypatch):
 def test_gluon_decode_is_dequantize_then_matmul(m, n, k, group, zeros, dtype, monkeypatch):
     monkeypatch.setattr(qm, "DECODE", "gluon")
     _through_quant_matmul(qm._gluon_decode, m, n, k, group, zeros, dtype)
+    assert all(not t.any() for t in qm.workspace_buffers())
+
+
+@needs_hopper
+@pytest.mark.parametrize(
+    ("m", "n", "k", "group", "zeros", "dtype"),
+    [
+        (4, 14336, 4096, 128, True, torch.bfloat16),  # the 8B model's 14336-wide outputs: 224 tiles
+        (16, 14336, 4096, 32, False, torch.float16),
+        (32, 12680, 3840, 32, True, torch.bfloat16),  # an N tail (199 tiles), an odd count of K tiles
+        (1, 28672, 4096, 128, False, torch.bfloat16),  # gate_up: four programs an SM
+        (8, 28000, 4096, 32, True, torch.float16),  # (438 tiles, an N tail)
+    ],
+)
+def test_a_decode_of_a_tile_a_program_on_packed_and_owned_words(m, n, k, group, zeros, dtype, monkeypatch):
+    # GLUON_DECODE_WHOLE_*: the decode's tiling a tile a program (two or four an SM), through quant_matmul on
+    # packed words and quant_matmul_owned on owned ones, launched plainly and as a programmatic dependent.
+    monkeypatch.setattr(qm, "DECODE", "gluon")
+    assert qm.gluon_decode_tiles(m, 132, n, k)["split"] == 1
+    x, qw, sc, zp, ref = _through_quant_matmul(qm._gluon_decode, m, n, k, group, zeros, dtype)
+    owned = (ql.to_owned_order(qw), sc, ql.to_owned_zeros(zp, n) if zeros else None)
+    for y in (qm._quant_matmul(x, qw, sc, zp, group, 4, True), qm.quant_matmul_owned(x, *owned, group),
+              qm._quant_matmul_owned(x, *owned, group, True)):  # fmt: skip
+        assert ((y.float() - ref).norm() / ref.norm()).item() < 2e-3
     assert all(not t.any() for t in qm.workspace_buffers())
 
 
