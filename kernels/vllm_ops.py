@@ -357,15 +357,15 @@ def own_weights(layer: torch.nn.Module) -> None:
 # running server stalls every sequence in flight (vLLM's JIT monitor logged one in synth run 23, and the Gluon
 # GEMM in runs 45-46). Each kernel of quant_matmul compiles on its first call with a given launch key
 # (launch.specialization_key: its tiling's constexprs, and whether each int argument, such as the row count,
-# is 1 or a multiple of 16). These row counts reach every key that the row counts to 2064 reach at the 8B
-# model's shapes and the bundled model's, g128 and g32 with zero points, and to 4112 at the 8B model's g128
-# weights with K = 4096 (the Gluon GEMM to GLUON_PREFILL_MAX_M_SLICED rows: 3329 / 3344 rows, qkv's tiling
+# is 1 or a multiple of 16). These row counts reach every key that the row counts to 4112 reach at the 8B
+# model's shapes and the bundled model's, g128 and g32 with zero points (the Gluon GEMM to
+# GLUON_PREFILL_MAX_M_SLICED rows at the 8B model's g128 weights with K = 4096: 3329 / 3344 rows, qkv's tiling
 # with whole waves before stream-K; 4097 the dequantize kernel past it), on packed words and, for the layers
 # the method repacks (owned_shape), on owned words (9 rows: their Gluon decode's 16-row tile, which packed g32
-# words with zero points leave to the Triton kernels below 17 rows), on an H100's 132 SMs (replayed under
-# launch.capture once, and to 640 rows, 4112 at those K = 4096 weights, in tests/kernels/test_vllm_ops.py; the
-# bounds that count SMs move on other GPUs): both sides of each bound of the rules (the Gluon decode's tiles,
-# the row split, the Gluon prefill's 128- and 256-row tiles and stream-K, the Triton GEMM's K splits,
+# words with zero points leave to the Triton kernels below 17 rows), on an H100's or H200's 132 SMs (replayed
+# under launch.capture, in tests/kernels/test_vllm_ops.py; the bounds that count SMs move on other GPUs):
+# both sides of each bound of the rules (the Gluon decode's tiles, the row split, the Gluon prefill's 128- and
+# 256-row tiles and stream-K, the Triton GEMM's K splits,
 # dequantize + cuBLAS past 2048 or 4096, whose kernels take no row count; 641 / 656 rows: past the 128-row
 # tiles of GLUON_THIRD_TILE_MAX_M; 1025 / 1040: 4096-wide outputs' first, 1281 / 1296 qkv's, tilings with
 # whole waves before stream-K, gluon_tiles' GLUON_DP_LAST_WAVE), a multiple of 16 and not. Decode sizes are

@@ -1134,10 +1134,12 @@ def dequantize_matmul(
     reused buffer, each slice's product written into its columns of the output (``out`` where given).
     ``owned``: the owned weights (quant_layout.to_owned_order's words, to_owned_zeros' zero points)."""
     n_out = qweight.shape[0]
+    product = not launch.capturing()  # (launch.capture computes nothing: cuBLAS's products neither)
     if not slice_rows or slice_rows >= n_out:
-        return torch.matmul(
-            x2, dequantize(qweight, scales, zeros, k_in, group_size, bits, x2.dtype, owned=owned).t(), out=out
-        )
+        w = dequantize(qweight, scales, zeros, k_in, group_size, bits, x2.dtype, owned=owned)
+        if not product:
+            return out if out is not None else x2.new_empty((x2.shape[0], n_out))
+        return torch.matmul(x2, w.t(), out=out)
     # (zero points packed along N: a slice starts on a whole word; the owned ones are a row's own)
     per_word = 1 if owned else 32 // bits
     if slice_rows % per_word:
@@ -1149,7 +1151,8 @@ def dequantize_matmul(
         z = zeros[start // per_word : cdiv(end, per_word)] if zeros is not None else None
         w = dequantize(qweight[start:end], scales[start:end], z, k_in, group_size, bits, x2.dtype,
                        buffer[: end - start], owned)  # fmt: skip
-        torch.matmul(x2, w.t(), out=y[:, start:end])
+        if product:
+            torch.matmul(x2, w.t(), out=y[:, start:end])
     return y
 
 

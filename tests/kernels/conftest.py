@@ -91,15 +91,13 @@ def check():
 
 @pytest.fixture(scope="session")
 def run_compiled():
-    """``run_compiled(args, timeout=900)``: ``python args...`` in a process without Triton's interpreter
-    (this one runs it; its kernels cannot be compiled), as ``{case: result}`` from the JSON lines it prints
-    (each with a ``case`` key)."""
+    """``run_compiled(args)``: ``python args...`` in a process without Triton's interpreter (this one runs
+    it; its kernels cannot be compiled), as ``{case: result}`` from the JSON lines it prints (each with a
+    ``case`` key)."""
 
-    def run(args: list[str], timeout: float = 900) -> dict:
+    def run(args: list[str]) -> dict:
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-        done = subprocess.run(
-            [sys.executable, *args], capture_output=True, text=True, env=env, timeout=timeout
-        )
+        done = subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, timeout=900)
         results = {}
         for line in done.stdout.splitlines():
             if line.startswith("{"):

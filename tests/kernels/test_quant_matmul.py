@@ -351,6 +351,38 @@ def test_sliced_dequantize_matmul_is_the_whole_product(slice_rows, symmetric, de
         qm.dequantize_matmul(x, *packed, k, group, 4, 12)
 
 
+_CAPTURED_DEQUANTIZE = """
+import json
+import torch
+from squeezeserve.kernels import quant_layout as ql
+from squeezeserve.kernels.ops import launch
+from squeezeserve.kernels.ops import quant_matmul as qm
+
+n, k, group = 64, 256, 32
+t = ql.pack_weight(torch.randn(n, k), 4, group, False)
+packed = (t["weight_packed"], t["weight_scale"].bfloat16(), t["weight_zero_point"])
+x = torch.randn(5, k, dtype=torch.bfloat16)
+for slice_rows in (0, 16):
+    out = torch.full((5, n), 7.0, dtype=torch.bfloat16)
+    with launch.capture(sms=132, wgmma=True) as launches:
+        y = qm.dequantize_matmul(x, *packed, k, group, 4, slice_rows, out)
+        fresh = qm.dequantize_matmul(x, *packed, k, group, 4, slice_rows)
+    print(json.dumps({"case": slice_rows, "kernels": [f.__name__ for f, _, _, _ in launches],
+                      "same": y.data_ptr() == out.data_ptr(), "untouched": bool((out == 7).all()),
+                      "shape": list(fresh.shape)}))
+"""
+
+
+def test_dequantize_matmul_under_capture_launches_the_dequantize_and_computes_no_product(run_compiled):
+    # launch.capture computes nothing (its kernels' launches are collected, not run): nor does cuBLAS's
+    # product after them, whole or a slice at a time; the output is the one given or one allocated.
+    results = run_compiled(["-c", _CAPTURED_DEQUANTIZE])
+    assert results[0]["kernels"] == ["_dequantize_kernel"] * 2
+    assert results[16]["kernels"] == ["_dequantize_kernel"] * 8  # (four slices, twice)
+    for r in results.values():
+        assert r["same"] and r["untouched"] and r["shape"] == [5, 64], r
+
+
 def test_dequantize_path_slices_the_weight_from_its_row_count(device, monkeypatch):
     # quant_matmul's dequantize + cuBLAS slices W from DEQUANT_SLICE_MIN_M rows of x (fewer: one slice), on
     # eager calls, over reductions shallower than DEQUANT_SLICE_MAX_K.
