@@ -734,13 +734,13 @@ if GLUON_HALF_TILES not in ("on", "off"):
 # decode's two programs an SM (and no more) and K is at most GLUON_DECODE_WHOLE_MAX_K, each program takes a
 # whole tile, two an SM: stream-K split nearly every tile of the 14336-wide outputs (224 tiles in 264 slots)
 # in two parts that meet in the workspace. Up to GLUON_DECODE_WHOLE_FOUR_MAX_M rows the same with four an SM
-# on a 3-stage ring (gate_up's 448 tiles in 528 slots; more rows spill past the 128 registers a thread that
-# leaves). H200, K 4096, owned words as served, 1 / 4 / 8 rows, us against stream-K
+# on a 3-stage ring (gate_up's 448 tiles in 528 slots; at more rows, with the 128 registers a thread that
+# leaves, it lost: not profiled). H200, K 4096, owned words as served, 1 / 4 / 8 rows, us against stream-K
 # (tests/gpu/prefill_tiling_probe.py, results/prefill_tiling_probe_h200_2026-11-28_decode_whole.log):
 # 14336 x 4096 g128 zero points 16.2 / 16.5 / 16.5 against 17.5 / 17.9 / 17.9 (16 and 32 rows 16.5 / 17.0
-# against 18.7 / 19.7; g32 14.6-15.6 against 16.0-18.2), gate_up g128 25.5 / 25.3 / 25.4 against 27.2 /
-# 27.6 / 27.4 (four an SM at 16 and 32 rows: 35.2 and 45.2 against 28.5 and 30.9). Where K is deep
-# stream-K's balance wins (14336^2, two an SM: 46.5 / 46.7 / 46.8 against 44.2 / 45.2 / 45.4).
+# against 18.7 / 19.7; g32 at 2-32 rows 14.6-15.6 against 15.9-18.2), gate_up g128 25.5 / 25.3 / 25.4
+# against 27.2 / 27.6 / 27.4 (four an SM at 16 and 32 rows: 35.2 and 45.2 against 28.5 and 30.9). Where K is
+# deep stream-K's balance wins (14336^2, two an SM: 46.5 / 46.7 / 46.8 against 44.2 / 45.2 / 45.4).
 # SQUEEZESERVE_GLUON_DECODE_WHOLE=off: stream-K at every decode row count, as before (for A/B runs).
 GLUON_DECODE_WHOLE_MIN_FILL = 0.75
 GLUON_DECODE_WHOLE_MAX_K = 4096
@@ -757,7 +757,8 @@ def gluon_decode_tiles(m: int, sms: int, n_out: int = 0, k_in: int = 0) -> dict:
     118.1 on 32-row tiles twice), each warpgroup freeing its ring stages itself (``wg_release``: the two no
     longer meet at a barrier every K tile; H100, prefill_tiling_probe.py, NOTES.md, thirty-first session:
     14336^2 at 64 / 48 / 33 rows 71.1 / 68.3 / 64.0 us against 76.3 / 74.3 / 71.6, the 8B layer's four GEMMs
-    99.4 / 95.0 / 101.1 against 104.3 / 100.0 / 104.3)."""
+    99.4 / 95.0 / 101.1 against 104.3 / 100.0 / 104.3). Given the weight's ``n_out`` x ``k_in`` (0: not
+    known, stream-K), up to 32 rows a tile a program where GLUON_DECODE_WHOLE_* say."""
     deep = {"block_k": GLUON_DECODE_BLOCK_K, "stages": 4}
     if m > 32:
         wide = {"block_m": 64, "block_n": 128, "num_warps": 8, "programs": sms}
