@@ -265,9 +265,6 @@ def cases() -> dict:
         "quant_matmul_owned 8x14336x4096 int4 g128 (Gluon decode, a tile a program)": lambda: owned(
             8, 14336, 4096, 128
         ),
-        "quant_matmul_owned 8x28672x4096 int4 g32 zp (Gluon decode, a tile a program, four an SM)": (
-            lambda: owned(8, 28672, 4096, 32, True)
-        ),
         "quant_matmul_owned 512x28672x4096 int4 g128 (Gluon persistent in clusters, a 128-row tail)": (
             lambda: owned(512, 28672, 4096, 128)
         ),

@@ -733,18 +733,18 @@ if GLUON_HALF_TILES not in ("on", "off"):
 # Up to 32 rows, where the 64-row weight tiles fill at least GLUON_DECODE_WHOLE_MIN_FILL of the stream-K
 # decode's two programs an SM (and no more) and K is at most GLUON_DECODE_WHOLE_MAX_K, each program takes a
 # whole tile, two an SM: stream-K split nearly every tile of the 14336-wide outputs (224 tiles in 264 slots)
-# in two parts that meet in the workspace. Up to GLUON_DECODE_WHOLE_FOUR_MAX_M rows the same with four an SM
-# on a 3-stage ring (gate_up's 448 tiles in 528 slots; at more rows, with the 128 registers a thread that
-# leaves, it lost: not profiled). H200, K 4096, owned words as served, 1 / 4 / 8 rows, us against stream-K
-# (tests/gpu/prefill_tiling_probe.py, results/prefill_tiling_probe_h200_2026-11-28_decode_whole.log):
+# in two parts that meet in the workspace. H200, K 4096, owned words as served, 1 / 4 / 8 rows, us against
+# stream-K (tests/gpu/prefill_tiling_probe.py, results/prefill_tiling_probe_h200_2026-11-28_decode_whole.log):
 # 14336 x 4096 g128 zero points 16.2 / 16.5 / 16.5 against 17.5 / 17.9 / 17.9 (16 and 32 rows 16.5 / 17.0
-# against 18.7 / 19.7; g32 at 2-32 rows 14.6-15.6 against 15.9-18.2), gate_up g128 25.5 / 25.3 / 25.4
-# against 27.2 / 27.6 / 27.4 (four an SM at 16 and 32 rows: 35.2 and 45.2 against 28.5 and 30.9). Where K is
-# deep stream-K's balance wins (14336^2, two an SM: 46.5 / 46.7 / 46.8 against 44.2 / 45.2 / 45.4).
+# against 18.7 / 19.7; g32 at 2-32 rows 14.6-15.6 against 15.9-18.2). Where K is deep stream-K's balance
+# wins (14336^2: 46.5 / 46.7 / 46.8 against 44.2 / 45.2 / 45.4). Four programs an SM on a 3-stage ring, a
+# tile each, beat stream-K at 1-8 rows of gate_up (448 tiles in 528 slots: g128 25.3-25.5 against 27.0-27.4
+# us, Triton 3.6) but are left out: with the 128 registers a thread that leaves, Triton 3.9's ptxas waits for
+# every wgmma group after each (the products no longer overlap: test_cross_compile's pipelining check), and
+# at 16-32 rows they lost (35.2 and 45.2 against 28.5 and 30.9).
 # SQUEEZESERVE_GLUON_DECODE_WHOLE=off: stream-K at every decode row count, as before (for A/B runs).
 GLUON_DECODE_WHOLE_MIN_FILL = 0.75
 GLUON_DECODE_WHOLE_MAX_K = 4096
-GLUON_DECODE_WHOLE_FOUR_MAX_M = 8
 GLUON_DECODE_WHOLE = os.environ.get("SQUEEZESERVE_GLUON_DECODE_WHOLE", "on")
 if GLUON_DECODE_WHOLE not in ("on", "off"):
     raise ValueError(f"SQUEEZESERVE_GLUON_DECODE_WHOLE must be on or off, got {GLUON_DECODE_WHOLE!r}")
@@ -764,14 +764,12 @@ def gluon_decode_tiles(m: int, sms: int, n_out: int = 0, k_in: int = 0) -> dict:
         wide = {"block_m": 64, "block_n": 128, "num_warps": 8, "programs": sms}
         return wide | {"wg_release": WG_RELEASE == "on"} | deep
     cfg = {"block_m": max(8, next_power_of_2(m)), "block_n": 64, "num_warps": 4, "occupancy": 2} | deep
-    tiles = cdiv(n_out, 64)
-    for occupancy in (2, 4) if m <= GLUON_DECODE_WHOLE_FOUR_MAX_M else (2,):  # (GLUON_DECODE_WHOLE_*)
-        if (
-            GLUON_DECODE_WHOLE == "on"
-            and 0 < k_in <= GLUON_DECODE_WHOLE_MAX_K
-            and GLUON_DECODE_WHOLE_MIN_FILL <= tiles / (occupancy * sms) <= 1
-        ):
-            return cfg | {"split": 1, "occupancy": occupancy, "stages": 4 if occupancy == 2 else 3}
+    if (
+        GLUON_DECODE_WHOLE == "on"
+        and 0 < k_in <= GLUON_DECODE_WHOLE_MAX_K
+        and GLUON_DECODE_WHOLE_MIN_FILL <= cdiv(n_out, 64) / (2 * sms) <= 1
+    ):  # a tile a program (GLUON_DECODE_WHOLE_*)
+        return cfg | {"split": 1}
     return cfg | {"programs": 2 * sms}
 
 

@@ -56,9 +56,6 @@ EXPECTED = {
     "quant_matmul_owned 16x28672x4096 int4 g128 (Gluon decode)": ["_wgmma_kernel"],
     "quant_matmul_owned 16x14336x4096 int4 g32 zp (Gluon decode, a tile a program)": ["_wgmma_kernel"],
     "quant_matmul_owned 8x14336x4096 int4 g128 (Gluon decode, a tile a program)": ["_wgmma_kernel"],
-    "quant_matmul_owned 8x28672x4096 int4 g32 zp (Gluon decode, a tile a program, four an SM)": [
-        "_wgmma_kernel"
-    ],
     # (GLUON_TAIL: two launches, the 256-row tiles persistent in clusters, then the last columns on 128 rows)
     "quant_matmul_owned 512x28672x4096 int4 g128 (Gluon persistent in clusters, a 128-row tail)": [
         "_wgmma_kernel",

@@ -320,7 +320,7 @@ def test_a_cluster_kernel_compiled_without_the_pass_is_refused_before_it_launche
         ("SQUEEZESERVE_GLUON_PERSISTENT", "gluon_tiles(2048, 14336, 4096, 132)", "'persistent': True"),
         ("SQUEEZESERVE_GLUON_TAIL", "gluon_tiles(512, 28672, 4096, 132)", "'narrow_tail': 26"),
         ("SQUEEZESERVE_GLUON_HALF_TILES", "gluon_tiles(128, 6144, 4096, 132)", "'block_n': 64"),
-        ("SQUEEZESERVE_GLUON_DECODE_WHOLE", "gluon_decode_tiles(8, 132, 28672, 4096)", "'split': 1"),
+        ("SQUEEZESERVE_GLUON_DECODE_WHOLE", "gluon_decode_tiles(8, 132, 14336, 4096)", "'split': 1"),
     ],
 )
 def test_gluon_cluster_settings_turn_them_off_and_refuse_a_bad_value(name, call, mark):
@@ -716,23 +716,16 @@ def test_gluon_decode_measured_choices():
     assert wide["wg_release"] and not qm.gluon_decode_tiles(32, 132).get("wg_release")
 
     # a tile a program, two an SM, where the 64-row tiles fill 3/4 of those slots to all and K is short
-    # (GLUON_DECODE_WHOLE_*: 14336-wide outputs, 224 tiles in 264 slots); up to 8 rows four an SM on three
-    # stages (gate_up's 448 in 528); stream-K elsewhere
-    def whole(m, occupancy, stages):
-        shared = {k: v for k, v in qm.gluon_decode_tiles(m, 132).items() if k != "programs"}
-        return shared | {"split": 1, "occupancy": occupancy, "stages": stages}
-
+    # (GLUON_DECODE_WHOLE_*: 14336-wide outputs, 224 tiles in 264 slots); stream-K elsewhere
     for m in (1, 8, 16, 32):
-        assert qm.gluon_decode_tiles(m, 132, 14336, 4096) == whole(m, 2, 4), m
-    for m in (1, 8):
-        assert qm.gluon_decode_tiles(m, 132, 28672, 4096) == whole(m, 4, 3), m
-    assert qm.gluon_decode_tiles(9, 132, 28672, 4096)["programs"] == 264  # (four an SM would spill)
+        shared = {k: v for k, v in qm.gluon_decode_tiles(m, 132).items() if k != "programs"}
+        assert qm.gluon_decode_tiles(m, 132, 14336, 4096) == shared | {"split": 1}, m
     assert qm.gluon_decode_tiles(64, 132, 14336, 4096)["programs"] == 132  # (the 64-row tiling)
     assert qm.gluon_decode_tiles(8, 132, 14336, 14336)["programs"] == 264  # deep K
     assert qm.gluon_decode_tiles(16, 132, 12672, 4096)["split"] == 1  # 198 tiles: 3/4 of 264
     assert qm.gluon_decode_tiles(16, 132, 12608, 4096)["programs"] == 264  # 197
     assert qm.gluon_decode_tiles(16, 132, 16960, 4096)["programs"] == 264  # 265 tiles: past two an SM
-    assert qm.gluon_decode_tiles(8, 132, 16960, 4096)["programs"] == 264  # and under 3/4 of four
+    assert qm.gluon_decode_tiles(1, 132, 28672, 4096)["programs"] == 264  # gate_up's 448 (not four an SM)
 
 
 def test_groups_a_deep_tile_takes():
@@ -790,13 +783,12 @@ def test_gluon_decode_is_dequantize_then_matmul(m, n, k, group, zeros, dtype, mo
         (4, 14336, 4096, 128, True, torch.bfloat16),  # the 8B model's 14336-wide outputs: 224 tiles
         (16, 14336, 4096, 32, False, torch.float16),
         (32, 12680, 3840, 32, True, torch.bfloat16),  # an N tail (199 tiles), an odd count of K tiles
-        (1, 28672, 4096, 128, False, torch.bfloat16),  # gate_up: four programs an SM
-        (8, 28000, 4096, 32, True, torch.float16),  # (438 tiles, an N tail)
+        (1, 14336, 4096, 128, False, torch.bfloat16),
     ],
 )
 def test_a_decode_of_a_tile_a_program_on_packed_and_owned_words(m, n, k, group, zeros, dtype, monkeypatch):
-    # GLUON_DECODE_WHOLE_*: the decode's tiling a tile a program (two or four an SM), through quant_matmul on
-    # packed words and quant_matmul_owned on owned ones, launched plainly and as a programmatic dependent.
+    # GLUON_DECODE_WHOLE_*: the decode's tiling a tile a program, two an SM, through quant_matmul on packed
+    # words and quant_matmul_owned on owned ones, launched plainly and as a programmatic dependent.
     monkeypatch.setattr(qm, "DECODE", "gluon")
     assert qm.gluon_decode_tiles(m, 132, n, k)["split"] == 1
     x, qw, sc, zp, ref = _through_quant_matmul(qm._gluon_decode, m, n, k, group, zeros, dtype)
