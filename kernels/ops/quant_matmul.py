@@ -722,7 +722,7 @@ GLUON_TAIL_TILES = {"block_m": 128, "stages": 6}
 GLUON_HALF_TILES_MIN_M = 80
 # Groups under 128 (four or eight scale rows a 256-deep tile) from 104 rows: qkv and 8192 x 4096, zero points
 # and not, g32 and g64 (results/prefill_tiling_probe_h200_2026-11-28_half_tiles_groups.log), us against
-# stream-K at 128 rows 19.8-29.2 / 28.9-34.2, at 104 24.2-29.2 / 26.1-30.5 (qkv g32 zero points level: 29.2 /
+# stream-K at 128 rows 19.8-29.2 / 28.9-34.2, at 104 20.3-29.2 / 26.1-30.5 (qkv g32 zero points level: 29.2 /
 # 29.0); at 80-88 rows mixed (qkv g32 zero points 29.2 / 27.4 at 88, 8192 x 4096 g64 33.2 / 30.5 at 80).
 GLUON_HALF_TILES_MIN_M_SMALL_GROUP = 104
 GLUON_HALF_TILES = os.environ.get("SQUEEZESERVE_GLUON_HALF_TILES", "on")
