@@ -241,9 +241,9 @@ def cases() -> dict:
             512, 14336, 4096, 32, zeros=True),
         "quant_matmul 2048x28672x4096 int4 g64 fp16 (Gluon prefill)": lambda: qm(
             2048, 28672, 4096, 64, dtype=torch.float16),
-        "quant_matmul 128x4096x14336 int4 g128 (Gluon stream-K)": lambda: qm(128, 4096, 14336, 128),
-        "quant_matmul 128x4096x14336 int4 g128 zp (Gluon stream-K)": lambda: qm(
-            128, 4096, 14336, 128, zeros=True),
+        "quant_matmul 100x4096x14336 int4 g128 (Gluon stream-K)": lambda: qm(100, 4096, 14336, 128),
+        "quant_matmul 100x4096x14336 int4 g128 zp (Gluon stream-K)": lambda: qm(
+            100, 4096, 14336, 128, zeros=True),
         "quant_matmul 512x4096x14336 int4 g128 (Gluon stream-K, 256-row tiles)": lambda: qm(
             512, 4096, 14336, 128),
         "quant_matmul 1536x6144x4096 int4 g128 (Gluon whole waves, then stream-K, 256-row tiles)": lambda: qm(
@@ -253,6 +253,9 @@ def cases() -> dict:
             128, 6144, 4096, 128, zeros=True),
         "quant_matmul 112x6144x4096 int4 g32 zp (Gluon 64-row weight tiles)": lambda: qm(
             112, 6144, 4096, 32, zeros=True),
+        # (where K is deep: each 64-row tile's K in two parts, a program each)
+        "quant_matmul 128x4096x14336 int4 g128 zp (Gluon 64-row weight tiles, K in two parts)": lambda: qm(
+            128, 4096, 14336, 128, zeros=True),
         # thread-owned words: one row of g32 on the FMA kernel, the Gluon decode, the dequantize kernel
         "quant_matmul_owned 1x14336x4096 int4 g32 (FMA kernel)": lambda: owned(1, 14336, 4096, 32),
         "quant_matmul_owned 1x28672x4096 int4 g32 (Gluon decode)": lambda: owned(1, 28672, 4096, 32),

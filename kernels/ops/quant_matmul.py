@@ -725,6 +725,18 @@ GLUON_HALF_TILES_MIN_M = 80
 # stream-K at 128 rows 19.8-29.2 / 28.9-34.2, at 104 20.3-29.2 / 26.1-30.5 (qkv g32 zero points level: 29.2 /
 # 29.0); at 80-88 rows mixed (qkv g32 zero points 29.2 / 27.4 at 88, 8192 x 4096 g64 33.2 / 30.5 at 80).
 GLUON_HALF_TILES_MIN_M_SMALL_GROUP = 104
+# Where K is deep (GLUON_CLUSTER_MIN_K and more), at GLUON_HALF_TILES_DEEP_MIN_M to 128 rows, groups of 128
+# and more: where twice the 64-row weight tiles fill half the SMs to a wave, each tile's K split in two (a
+# program a part, the two meeting once in the workspace) in place of stream-K over one program an SM. H200,
+# down_proj (4096 x 14336, 64 tiles: 128 programs), owned words, us against stream-K, runs on two leases, the
+# last the rule as landed against SQUEEZESERVE_GLUON_HALF_TILES=off
+# (results/prefill_tiling_probe_h200_2026-11-28_down_k_split.log): 128 rows 36.9-38.5 / 39.2-40.5 (five runs;
+# Machete 36.1 in ..._item2_machete.log), zero points 40.3 / 41.9 and 43.2 / 45.8; 112 rows 36.4-36.6 /
+# 38.0-38.9, zero points 39.9 / 41.0-41.3; 120 rows 37.4 / 38.6, zero points 41.8 / 43.1. Not at 96 rows
+# (37.2-37.6 against 35.1-36.7) nor 80 (40.8-48.9 against 34.2-35.2), nor groups of 32 (46.7 against 45.7 at
+# 128 rows). Eight stages 37.9-38.1 and four parts on two programs an SM (128 registers, spilling) 37.8: not
+# taken.
+GLUON_HALF_TILES_DEEP_MIN_M = 112
 GLUON_HALF_TILES = os.environ.get("SQUEEZESERVE_GLUON_HALF_TILES", "on")
 if GLUON_HALF_TILES not in ("on", "off"):
     raise ValueError(f"SQUEEZESERVE_GLUON_HALF_TILES must be on or off, got {GLUON_HALF_TILES!r}")
@@ -849,7 +861,8 @@ def gluon_tiles(m: int, n_out: int, k_in: int, sms: int, group_size: int = 128) 
     parts' meeting in the workspace cost more than the idle SMs: 512 rows of 14336^2 stream-K 371 us against
     335 a tile a program); fewer share all (tile, K unit) pairs among one program an SM (stream-K: 128 rows of
     4096 x 14336 40.9 us against the Triton GEMM's 44.5), but at 80-128 rows tiles of 64 weight rows a program
-    where K is short and those fill half the SMs to a wave (GLUON_HALF_TILES). At 257-384 rows, where a
+    where K is short and those fill half the SMs to a wave (GLUON_HALF_TILES), where K is deep at 112-128 rows
+    those tiles' K in two parts where twice the tiles fill half the SMs to a wave. At 257-384 rows, where a
     256-row tile would be at most half full, 128-row tiles stream-K where the weight streams from DRAM
     (GLUON_NARROW_MAX_M; NOTES.md, "twenty-first session"); at 513-640 rows past one wave, 128-row tiles too
     (GLUON_THIRD_TILE_MAX_M). Outputs whose last wave of 256-row tiles is mostly idle run their full waves
@@ -881,14 +894,22 @@ def gluon_tiles(m: int, n_out: int, k_in: int, sms: int, group_size: int = 128) 
             return cfg | {"programs": sms, "dp_waves": -1}
         return cfg
     cfg = {"block_m": block_m, "stages": 6 if block_m == 128 else 4}
-    if (
-        stream_k
-        and GLUON_HALF_TILES == "on"
-        and (GLUON_HALF_TILES_MIN_M if group_size >= 128 else GLUON_HALF_TILES_MIN_M_SMALL_GROUP) <= m <= 128
-        and k_in < GLUON_CLUSTER_MIN_K
-        and sms // 2 <= cdiv(n_out, 64) * cdiv(m, block_m) <= sms
-    ):  # 64-row weight tiles, one a program (GLUON_HALF_TILES)
-        return cfg | {"block_n": 64, "num_warps": 4}
+    half = {"block_n": 64, "num_warps": 4}  # 64-row weight tiles on one warpgroup (GLUON_HALF_TILES)
+    tiles64 = cdiv(n_out, 64) * cdiv(m, block_m)
+    if stream_k and GLUON_HALF_TILES == "on" and m <= 128:
+        if (
+            k_in < GLUON_CLUSTER_MIN_K
+            and m >= (GLUON_HALF_TILES_MIN_M if group_size >= 128 else GLUON_HALF_TILES_MIN_M_SMALL_GROUP)
+            and sms // 2 <= tiles64 <= sms
+        ):  # short K: one a program
+            return cfg | half
+        if (
+            k_in >= GLUON_CLUSTER_MIN_K
+            and group_size >= 128
+            and m >= GLUON_HALF_TILES_DEEP_MIN_M
+            and sms // 2 <= 2 * tiles64 <= sms
+        ):  # deep K: each tile's K in two parts, one a program
+            return cfg | half | {"split": 2}
     if stream_k:
         return cfg | {"programs": sms}
     tiles = cdiv(n_out, 128) * cdiv(m, block_m)

@@ -42,14 +42,15 @@ EXPECTED = {
     "quant_matmul 512x14336x4096 int4 g128 zp (Gluon prefill)": ["_wgmma_kernel"],
     "quant_matmul 512x14336x4096 int4 g32 zp (Gluon prefill)": ["_wgmma_kernel"],
     "quant_matmul 2048x28672x4096 int4 g64 fp16 (Gluon prefill)": ["_wgmma_kernel"],
-    "quant_matmul 128x4096x14336 int4 g128 (Gluon stream-K)": ["_wgmma_kernel"],
-    "quant_matmul 128x4096x14336 int4 g128 zp (Gluon stream-K)": ["_wgmma_kernel"],
+    "quant_matmul 100x4096x14336 int4 g128 (Gluon stream-K)": ["_wgmma_kernel"],
+    "quant_matmul 100x4096x14336 int4 g128 zp (Gluon stream-K)": ["_wgmma_kernel"],
     "quant_matmul 512x4096x14336 int4 g128 (Gluon stream-K, 256-row tiles)": ["_wgmma_kernel"],
     "quant_matmul 1536x6144x4096 int4 g128 (Gluon whole waves, then stream-K, 256-row tiles)": [
         "_wgmma_kernel"
     ],
     "quant_matmul 128x6144x4096 int4 g128 zp (Gluon 64-row weight tiles)": ["_wgmma_kernel"],
     "quant_matmul 112x6144x4096 int4 g32 zp (Gluon 64-row weight tiles)": ["_wgmma_kernel"],
+    "quant_matmul 128x4096x14336 int4 g128 zp (Gluon 64-row weight tiles, K in two parts)": ["_wgmma_kernel"],
     "quant_matmul_owned 1x14336x4096 int4 g32 (FMA kernel)": ["_gemv_int4_kernel"],
     "quant_matmul_owned 1x28672x4096 int4 g32 (Gluon decode)": ["_wgmma_kernel"],
     "quant_matmul_owned 1x28672x4096 int4 g32 zp (Gluon decode)": ["_wgmma_kernel"],
@@ -107,6 +108,8 @@ EXPECTED = {
 SPILLS = {
     "quant_matmul 32x14336x14336 int4 g32 zp (Gluon decode, 8 groups a tile)": (13, 6),
     "quant_matmul 64x14336x14336 int4 g32 (Gluon decode, 8 groups a tile)": (47, 30),
+    # (in the parts' meeting, after the K loop: results/tests_h200_2026-11-28_down_k_split.log)
+    "quant_matmul 128x4096x14336 int4 g128 zp (Gluon 64-row weight tiles, K in two parts)": (12, 0),
 }
 
 

@@ -276,7 +276,8 @@ CASES = [
     # the Gluon kernel (TMA descriptors: tensor maps encoded for each call's addresses)
     "quant_matmul 32x4096x14336 int4 g128 (Gluon decode)",
     "quant_matmul 256x6144x4096 int4 g128 zp (Gluon prefill)",
-    "quant_matmul 128x4096x14336 int4 g128 zp (Gluon stream-K)",
+    "quant_matmul 100x4096x14336 int4 g128 zp (Gluon stream-K)",
+    "quant_matmul 128x4096x14336 int4 g128 zp (Gluon 64-row weight tiles, K in two parts)",
     # clusters of two programs sharing x (ptx_cluster: the kernel's own clusters, num_ctas 2)
     "quant_matmul 1024x4096x8192 int4 g128 (Gluon in clusters)",
     "quant_matmul 2048x14336x4096 int4 g128 (Gluon persistent in clusters)",

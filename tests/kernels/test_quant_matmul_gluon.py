@@ -81,7 +81,18 @@ def test_gluon_tiles_measured_choices():
     # groups under 128 from 104 rows (GLUON_HALF_TILES_MIN_M_SMALL_GROUP)
     assert qm.gluon_tiles(103, 6144, 4096, 132, 32) == {"block_m": 128, "stages": 6, "programs": 132}
     assert qm.gluon_tiles(104, 6144, 4096, 132, 32) == qm.gluon_tiles(128, 8192, 4096, 132, 64) == half
-    assert qm.gluon_tiles(128, 4096, 14336, 132) == {"block_m": 128, "stages": 6, "programs": 132}
+    # where K is deep, at 112-128 rows of groups of 128 and more, where twice the 64-row tiles fill half the
+    # SMs to a wave: each tile's K in two parts (GLUON_HALF_TILES_DEEP_MIN_M): down_proj's 64 tiles
+    assert (
+        qm.gluon_tiles(128, 4096, 14336, 132)
+        == qm.gluon_tiles(112, 4096, 8192, 132, 256)
+        == half | {"split": 2}
+    )
+    sk = {"block_m": 128, "stages": 6, "programs": 132}
+    assert qm.gluon_tiles(111, 4096, 14336, 132) == qm.gluon_tiles(128, 4096, 14336, 132, 32) == sk
+    assert qm.gluon_tiles(128, 4096, 8191, 132) == sk  # (short K: 64 tiles under half the SMs)
+    assert qm.gluon_tiles(128, 2048, 14336, 132) == sk  # 64 programs: under half the SMs
+    assert qm.gluon_tiles(128, 8192, 14336, 132) == sk  # 256 programs: past a wave
     assert qm.gluon_tiles(128, 14336, 4096, 132) == {"block_m": 128, "stages": 6}
     assert qm.gluon_tiles(256, 4096, 4096, 132) == {"block_m": 128, "stages": 6, "programs": 132}
     assert qm.gluon_tiles(2048, 4096, 4096, 132) == PERSIST
@@ -535,6 +546,8 @@ def test_gluon_prefill_is_dequantize_then_matmul(m, n, k, group, zeros, dtype, m
         (2100, 4096, 4096, False, {"block_m": 256, "programs": 132, "dp_waves": 2}),  # o_proj
         (100, 6144, 4096, True, {"block_n": 64, "num_warps": 4}),  # qkv: 64-row weight tiles, one a program
         (128, 8192, 4160, False, {"block_n": 64, "num_warps": 4}),  # (K ends inside a tile)
+        (120, 4096, 14336, True, {"block_n": 64, "split": 2}),  # down_proj: K in two parts
+        (128, 4096, 14368, False, {"block_n": 64, "split": 2}),  # (K ends inside a tile)
     ],
 )
 def test_the_rules_mid_row_tilings_give_dequantize_then_matmul(m, n, k, zeros, tiling):
