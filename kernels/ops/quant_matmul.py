@@ -728,14 +728,14 @@ GLUON_HALF_TILES_MIN_M_SMALL_GROUP = 104
 # Where K is deep (GLUON_CLUSTER_MIN_K and more), at GLUON_HALF_TILES_DEEP_MIN_M to 128 rows, groups of 128
 # and more: where twice the 64-row weight tiles fill half the SMs to a wave, each tile's K split in two (a
 # program a part, the two meeting once in the workspace) in place of stream-K over one program an SM. H200,
-# down_proj (4096 x 14336, 64 tiles: 128 programs), owned words, us against stream-K, runs on two leases, the
-# last the rule as landed against SQUEEZESERVE_GLUON_HALF_TILES=off
-# (results/prefill_tiling_probe_h200_2026-11-28_down_k_split.log): 128 rows 36.9-38.5 / 39.2-40.5 (five runs;
-# Machete 36.1 in ..._item2_machete.log), zero points 40.3 / 41.9 and 43.2 / 45.8; 112 rows 36.4-36.6 /
-# 38.0-38.9, zero points 39.9 / 41.0-41.3; 120 rows 37.4 / 38.6, zero points 41.8 / 43.1. Not at 96 rows
-# (37.2-37.6 against 35.1-36.7) nor 80 (40.8-48.9 against 34.2-35.2), nor groups of 32 (46.7 against 45.7 at
-# 128 rows). Eight stages 37.9-38.1 and four parts on two programs an SM (128 registers, spilling) 37.8: not
-# taken.
+# down_proj (4096 x 14336, 64 tiles: 128 programs), owned words, us against stream-K, runs on three leases,
+# the last two the rule as landed against SQUEEZESERVE_GLUON_HALF_TILES=off
+# (results/prefill_tiling_probe_h200_2026-11-28_down_k_split.log, ..._down_k_split_machete.log): 128 rows
+# 36.9-38.5 / 39.2-40.8 (seven runs; Machete 36.4-36.6 beside the last two, ours 37.7-38.0 there), zero points
+# 40.3 / 41.9 and 43.2 / 45.8; 112 rows 36.4-36.6 / 37.9-38.9 (Machete 36.4-36.5), zero points 39.9 /
+# 41.0-41.3; 120 rows 37.0-37.4 / 38.3-38.6, zero points 41.8 / 43.1. Not at 96 rows (37.2-37.6 against
+# 35.1-36.7) nor 80 (40.8-48.9 against 34.2-35.2), nor groups of 32 (46.7 against 45.7 at 128 rows). Eight
+# stages 37.9-38.1 and four parts on two programs an SM (128 registers, spilling) 37.8: not taken.
 GLUON_HALF_TILES_DEEP_MIN_M = 112
 GLUON_HALF_TILES = os.environ.get("SQUEEZESERVE_GLUON_HALF_TILES", "on")
 if GLUON_HALF_TILES not in ("on", "off"):
