@@ -636,7 +636,13 @@ def gluon_decode_in_auto(m: int, n_out: int, k_in: int, group_size: int = 128, z
 
 
 # SQUEEZESERVE_WG_RELEASE=off: the 64-row decode's warpgroups free their stages as Gluon writes it, after a
-# barrier of both (for A/B runs of a server; gluon_decode_tiles).
+# barrier of both (for A/B runs of a server; gluon_decode_tiles). On (the default), each warpgroup frees its
+# own (kernels/ops/ptx_release.py), there and in the prefill GEMM's 128-row tiles a tile a program up to 128
+# rows (groups of 128 and more; gluon_tiles). H200, 128 rows, owned words, us, two runs against the same
+# tiling with the barrier (results/prefill_tiling_probe_h200_2026-11-28_prefill_wg_release.log): 14336 x 4096
+# 29.3-29.5 / 31.0-31.4, gate_up 59.6-60.4 / 63.2-63.3, 14336^2 99.5-101.2 / 101.9-103.5 (Machete 29.4, 57.6,
+# 92.5 in ..._down_k_split_machete.log). 256-row tiles at 512 rows: level (qkv 45.5-46.2 / 45.1-45.6, 14336^2
+# 321.7-327.1 / 321.2-327.2).
 WG_RELEASE = os.environ.get("SQUEEZESERVE_WG_RELEASE", "on")
 if WG_RELEASE not in ("on", "off"):
     raise ValueError(f"SQUEEZESERVE_WG_RELEASE must be on or off, got {WG_RELEASE!r}")
@@ -912,6 +918,10 @@ def gluon_tiles(m: int, n_out: int, k_in: int, sms: int, group_size: int = 128) 
             return cfg | half | {"split": 2}
     if stream_k:
         return cfg | {"programs": sms}
+    if (
+        m <= 128 and group_size >= 128
+    ):  # 128-row tiles a program: each warpgroup frees its stages (WG_RELEASE)
+        return cfg | {"wg_release": WG_RELEASE == "on"}
     tiles = cdiv(n_out, 128) * cdiv(m, block_m)
     last = tiles % sms  # tiles in the last, partial wave
     if (

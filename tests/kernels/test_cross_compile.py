@@ -230,15 +230,16 @@ def test_summary_reads_sass():
     _check_pipelined(s)
 
 
-TWO_WARPGROUP_DECODES = sorted(
+TWO_WARPGROUP_RELEASES = sorted(
     c for c in EXPECTED if c.startswith("quant_matmul 64x") and "Gluon decode" in c
-)
+) + ["quant_matmul 128x14336x14336 int4 g128 (Gluon prefill)"]
 
 
-@pytest.mark.parametrize("case", TWO_WARPGROUP_DECODES)
-def test_two_warpgroup_decode_loops_hold_no_barrier(compiled, case):
-    # The 64-row decode's two warpgroups free their ring stages each for itself (ptx_release's pass): its K
-    # loop has no CTA barrier left, and its products are still pipelined (NOTES.md, thirty-first session).
+@pytest.mark.parametrize("case", TWO_WARPGROUP_RELEASES)
+def test_two_warpgroup_loops_hold_no_barrier(compiled, case):
+    # The 64-row decode's and the 128-row prefill tiles' two warpgroups free their ring stages each for
+    # itself (ptx_release's pass): the K loop has no CTA barrier left, and its products are still pipelined
+    # (NOTES.md, thirty-first and thirty-ninth sessions).
     (one,) = compiled[case]["launches"]
     assert one["constexprs"]["RELEASES"] == 2, one["constexprs"]
     assert one["summary"]["loop_barriers"] == 0, one["summary"]

@@ -66,7 +66,10 @@ def test_gluon_tiles_measured_choices():
     # tile a program run in clusters of two sharing x's tiles where K is deep, the weight's 128-row tiles are
     # even in number and they are a wave or less (test_gluon_tiles_pair_programs_where_the_weight_tiles_pair)
     pair = {"block_m": 256, "stages": 4, "cluster": 2}
-    assert qm.gluon_tiles(128, 14336, 14336, 132) == {"block_m": 128, "stages": 6}  # 112 tiles: one each
+    # 112 tiles: one each, each warpgroup freeing its own stages (WG_RELEASE; groups of 128 and more)
+    own = {"block_m": 128, "stages": 6, "wg_release": True}
+    assert qm.gluon_tiles(128, 14336, 14336, 132) == qm.gluon_tiles(65, 28672, 4096, 132, 256) == own
+    assert qm.gluon_tiles(128, 28672, 4096, 132, 32) == {"block_m": 128, "stages": 6}
     assert qm.gluon_tiles(256, 14336, 14336, 132) == pair
     assert qm.gluon_tiles(512, 4096, 4096, 132) == {"block_m": 128, "stages": 6}  # 256-row tiles: 64 programs
     assert qm.gluon_tiles(512, 6144, 4096, 132) == {"block_m": 256, "stages": 4}  # one wave: 96 tiles
@@ -93,7 +96,7 @@ def test_gluon_tiles_measured_choices():
     assert qm.gluon_tiles(128, 4096, 8191, 132) == sk  # (short K: 64 tiles under half the SMs)
     assert qm.gluon_tiles(128, 2048, 14336, 132) == sk  # 64 programs: under half the SMs
     assert qm.gluon_tiles(128, 8192, 14336, 132) == sk  # 256 programs: past a wave
-    assert qm.gluon_tiles(128, 14336, 4096, 132) == {"block_m": 128, "stages": 6}
+    assert qm.gluon_tiles(128, 14336, 4096, 132) == own
     assert qm.gluon_tiles(256, 4096, 4096, 132) == {"block_m": 128, "stages": 6, "programs": 132}
     assert qm.gluon_tiles(2048, 4096, 4096, 132) == PERSIST
     # 257-384 rows, where 256-row tiles pad by half: 128-row tiles stream-K where the weight comes from DRAM
@@ -448,10 +451,12 @@ def test_prompt_row_settings_take_an_ab_value_and_refuse_a_bad_one(name, shown, 
 
 
 def test_wg_release_setting_turns_it_off_and_refuses_a_bad_value():
-    # SQUEEZESERVE_WG_RELEASE=off: the 64-row decode frees its stages after a barrier of both warpgroups, as
-    # before the thirty-first session (A/B runs of a server); anything but on / off stops the import.
+    # SQUEEZESERVE_WG_RELEASE=off: the 64-row decode and the 128-row prefill tiles free their stages after a
+    # barrier of both warpgroups, as before the thirty-first session (A/B runs of a server); anything but on /
+    # off stops the import.
     code = "from squeezeserve.kernels.ops import quant_matmul as qm\n"
-    code += "print(qm.gluon_decode_tiles(64, 132)['wg_release'])"
+    code += "print(qm.gluon_decode_tiles(64, 132)['wg_release'],"
+    code += " qm.gluon_tiles(128, 14336, 4096, 132)['wg_release'])"
     env = {k: v for k, v in os.environ.items() if not k.startswith("SQUEEZESERVE_")}
 
     def run(value: str) -> subprocess.CompletedProcess:
@@ -462,7 +467,7 @@ def test_wg_release_setting_turns_it_off_and_refuses_a_bad_value():
 
     for value, seen in (("on", "True"), ("off", "False")):
         r = run(value)
-        assert r.returncode == 0 and r.stdout.split() == [seen], r.stderr[-2000:]
+        assert r.returncode == 0 and r.stdout.split() == [seen, seen], r.stderr[-2000:]
     refused = run("0")
     assert refused.returncode != 0 and "SQUEEZESERVE_WG_RELEASE must be on or off, got '0'" in refused.stderr
 
@@ -548,6 +553,8 @@ def test_gluon_prefill_is_dequantize_then_matmul(m, n, k, group, zeros, dtype, m
         (128, 8192, 4160, False, {"block_n": 64, "num_warps": 4}),  # (K ends inside a tile)
         (120, 4096, 14336, True, {"block_n": 64, "split": 2}),  # down_proj: K in two parts
         (128, 4096, 14368, False, {"block_n": 64, "split": 2}),  # (K ends inside a tile)
+        (128, 14336, 4096, True, {"block_m": 128, "wg_release": True}),  # each warpgroup frees its stages
+        (100, 14336, 4160, False, {"block_m": 128, "wg_release": True}),  # (K ends inside a tile)
     ],
 )
 def test_the_rules_mid_row_tilings_give_dequantize_then_matmul(m, n, k, zeros, tiling):
