@@ -557,10 +557,11 @@ def _cluster_off(reason: str) -> None:
 
 
 def _wg_release_off(reason: str) -> None:
-    """From now on the 64-row decode frees its stages as Gluon writes it (WG_RELEASE "off")."""
+    """From now on the 64-row decode and the 128-row prefill tiles free their stages as Gluon writes it
+    (WG_RELEASE "off")."""
     global WG_RELEASE
     WG_RELEASE = "off"
-    log.warning("quant_matmul: the decode's per-warpgroup stage release is off (%s)", reason)
+    log.warning("quant_matmul: the per-warpgroup stage release is off (%s)", reason)
 
 
 def _gluon_off(reason: str) -> None:
@@ -918,9 +919,8 @@ def gluon_tiles(m: int, n_out: int, k_in: int, sms: int, group_size: int = 128) 
             return cfg | half | {"split": 2}
     if stream_k:
         return cfg | {"programs": sms}
-    if (
-        m <= 128 and group_size >= 128
-    ):  # 128-row tiles a program: each warpgroup frees its stages (WG_RELEASE)
+    if m <= 128 and group_size >= 128:
+        # 128-row tiles a tile a program: each warpgroup frees its own stages (WG_RELEASE)
         return cfg | {"wg_release": WG_RELEASE == "on"}
     tiles = cdiv(n_out, 128) * cdiv(m, block_m)
     last = tiles % sms  # tiles in the last, partial wave
