@@ -218,7 +218,7 @@ def cases() -> dict:
         "quant_matmul 64x4096x4096 int4 g32 zp fp16": lambda: qm(
             64, 4096, 4096, 32, zeros=True, dtype=torch.float16),
         "quant_matmul 8x4096x4096 int8 per channel": lambda: qm(8, 4096, 4096, 4096, bits=8),
-        "quant_matmul 256x4096x4096 int4 g128": lambda: qm(256, 4096, 4096, 128),
+        "quant_matmul 256x4096x4096 int4 g64": lambda: qm(256, 4096, 4096, 64),
         "quant_matmul 256x6144x4096 int4 g128 zp (Gluon prefill)": lambda: qm(
             256, 6144, 4096, 128, zeros=True),
         "quant_matmul 512x4096x14336 int4 g32": lambda: qm(512, 4096, 14336, 32),
@@ -256,6 +256,9 @@ def cases() -> dict:
         # (where K is deep: each 64-row tile's K in two parts, a program each)
         "quant_matmul 128x4096x14336 int4 g128 zp (Gluon 64-row weight tiles, K in two parts)": lambda: qm(
             128, 4096, 14336, 128, zeros=True),
+        # (o_proj: 64 such tiles, a quarter of the SMs' worth and more, where K is short and 128 deep)
+        "quant_matmul 128x4096x4096 int4 g128 (Gluon 64-row weight tiles, o_proj)": lambda: qm(
+            128, 4096, 4096, 128),
         # thread-owned words: one row of g32 on the FMA kernel, the Gluon decode, the dequantize kernel
         "quant_matmul_owned 1x14336x4096 int4 g32 (FMA kernel)": lambda: owned(1, 14336, 4096, 32),
         "quant_matmul_owned 1x28672x4096 int4 g32 (Gluon decode)": lambda: owned(1, 28672, 4096, 32),

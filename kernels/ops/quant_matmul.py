@@ -106,8 +106,10 @@ PREFILL = "auto"
 # 34.6 against 60.4 with zero points, g32 40.3 against 49.5; 128 rows 29.0 against 30.1), and, with zero
 # points in groups of 64 or more, outputs of TRITON_PREFILL_MIN_N_ANY from 129 rows (256 x 4096^2 32.6
 # against 40.4, 256 x 4096 x 14336 74.9 against 88.0): the Triton GEMM is slow with zero points (NOTES.md,
-# "thirteenth session"; results/gluon_prefill_probe_h100_2026-11-25_256rows.log). "gluon" forces it
-# wherever it takes the inputs.
+# "thirteenth session"; results/gluon_prefill_probe_h100_2026-11-25_256rows.log). Short reductions of
+# TRITON_PREFILL_MIN_N_ANY in groups of 128 or more take it at GLUON_HALF_TILES_MIN_M to
+# GLUON_DEEP_K_HALF_MAX_M rows too, on 64-row weight tiles 128 deep (GLUON_DEEP_K: o_proj at 128 rows 17.8 us
+# against the Triton GEMM's 20.6-21.4). "gluon" forces it wherever it takes the inputs.
 # Where dequantize + cuBLAS would run in slices (K under DEQUANT_SLICE_MAX_K), groups of 64 or more take the
 # Gluon GEMM further, to GLUON_PREFILL_MAX_M_SLICED rows: vLLM runs prompt steps past its CUDA graphs
 # eagerly, and the slices' host time (a dequantize launch and a cuBLAS call each, 50-130 us a slice) is the
@@ -639,10 +641,11 @@ def gluon_decode_in_auto(m: int, n_out: int, k_in: int, group_size: int = 128, z
 # SQUEEZESERVE_WG_RELEASE=off: the 64-row decode's warpgroups free their stages as Gluon writes it, after a
 # barrier of both (for A/B runs of a server; gluon_decode_tiles). On (the default), each warpgroup frees its
 # own (kernels/ops/ptx_release.py), there and in the prefill GEMM's 128-row tiles a tile a program up to 128
-# rows (groups of 128 and more; gluon_tiles). H200, 128 rows, owned words, us, two runs against the same
-# tiling with the barrier (results/prefill_tiling_probe_h200_2026-11-28_prefill_wg_release.log): 14336 x 4096
-# 29.3-29.5 / 31.0-31.4, gate_up 59.6-60.4 / 63.2-63.3, 14336^2 99.5-101.2 / 101.9-103.5 (Machete 29.4, 57.6,
-# 92.5 in ..._down_k_split_machete.log). 256-row tiles at 512 rows: level (qkv 45.5-46.2 / 45.1-45.6, 14336^2
+# rows, and 128 deep past it up to a wave (groups of 128 and more; gluon_tiles, GLUON_DEEP_K). H200, 128 rows,
+# owned words, us, two runs against the same tiling with the barrier
+# (results/prefill_tiling_probe_h200_2026-11-28_prefill_wg_release.log): 14336 x 4096 29.3-29.5 / 31.0-31.4,
+# gate_up 59.6-60.4 / 63.2-63.3, 14336^2 99.5-101.2 / 101.9-103.5 (Machete 29.4, 57.6, 92.5 in
+# ..._down_k_split_machete.log). 256-row tiles at 512 rows: level (qkv 45.5-46.2 / 45.1-45.6, 14336^2
 # 321.7-327.1 / 321.2-327.2).
 WG_RELEASE = os.environ.get("SQUEEZESERVE_WG_RELEASE", "on")
 if WG_RELEASE not in ("on", "off"):
@@ -749,6 +752,56 @@ if GLUON_HALF_TILES not in ("on", "off"):
     raise ValueError(f"SQUEEZESERVE_GLUON_HALF_TILES must be on or off, got {GLUON_HALF_TILES!r}")
 
 
+# SQUEEZESERVE_GLUON_DEEP_K=off: the prefill GEMM's tiles step through K 64 deep, as before (for A/B runs). On
+# (the default), in groups of 128 and more, the tilings a tile a program up to a wave take 128-deep K tiles
+# (half the ring's waits, stage releases and wgmma groups a product): 128-row tiles up to 128 rows
+# (GLUON_DEEP_K_STAGES stages, the most that fit), the 64-row weight tiles of GLUON_HALF_TILES (4 stages;
+# where K is deep, its two parts too), and past 128 rows 128-row tiles a tile a program where they are over
+# half a wave and at most one (qkv at 129-256 rows, o_proj at 257-512, down_proj at 385-512) or at 513-640
+# rows (GLUON_THIRD_TILE_*: qkv), each warpgroup freeing its own stages (WG_RELEASE). H200, g128, us against
+# the 64-deep tiling the rule took before, single samples (tests/gpu/prefill_tiling_probe.py,
+# results/prefill_tiling_probe_h200_2026-11-28_deep_k.log): 128 rows 14336^2 92.0 against 98.1, gate_up 52.2 /
+# 61.0, 14336 x 4096 26.7 / 32.8, qkv 17.7 / 18.9, down_proj 35.0 / 37.3; 512 rows o_proj 29.1 / 31.8,
+# down_proj 93.3 / 101.5; 96-112 rows 5-17% faster, 72 rows mixed (gate_up 63.0 / 66.0, 14336^2 101.9 / 100.5,
+# 14336 x 4096 30.7 / 30.2); qkv at 560 / 640 rows 57.6 / 59.1 against 61.9 / 64.4 (..._deep_k_tail.log).
+# Beside Machete, two interleaved rounds, us ours / Machete (..._deep_k_machete.log): 128 rows 14336^2 91.5,
+# 89.1 / 95.1, 94.1, gate_up 54.6, 54.8 / 58.4, 58.5, 14336 x 4096 27.9, 27.5 / 29.5, 29.9, down_proj 35.1,
+# 35.3 / 36.7, 36.7, qkv 17.9, 18.1 / 23.3, 23.3; 512 rows o_proj 29.8, 30.8 / 30.1, 30.3, down_proj 93.5,
+# 94.1 / 100.0, 100.9. Not taken: 256-row tiles 128 deep (3 stages) gained little (14336^2 at 512 rows 314.8 /
+# 319.4) and lost elsewhere (gate_up 191.5 / 177.3); stream-K 128 deep lost to a tile a program (14336^2 96.5,
+# 14336 x 4096 34.3); GLUON_TAIL's second launch 128 deep was level (gate_up at 448 / 512 rows 170.3 / 181.2
+# against 172.8 / 178.6, 14336 x 4096 at 896 / 1280 164.1 / 217.9 against 169.1 / 218.9).
+GLUON_DEEP_K = os.environ.get("SQUEEZESERVE_GLUON_DEEP_K", "on")
+if GLUON_DEEP_K not in ("on", "off"):
+    raise ValueError(f"SQUEEZESERVE_GLUON_DEEP_K must be on or off, got {GLUON_DEEP_K!r}")
+GLUON_DEEP_K_STAGES = 5
+# With 128-deep K tiles, the 64-row weight tiles of K up to GLUON_DEEP_K_HALF_MAX_K (as measured) run a tile
+# a program where they fill a quarter of the SMs to a wave, up to GLUON_DEEP_K_HALF_MAX_M rows (two rows of
+# 128-row x tiles), and take o_proj (4096 x 4096) there onto the Gluon GEMM (gluon_in_auto; it ran the Triton
+# prefill GEMM). H200, g128, us, the Gluon
+# GEMM forced, single samples beside Machete (results/prefill_tiling_probe_h200_2026-11-28_deep_k_o.log):
+# o_proj at 80 / 128 / 192 / 256 rows 18.2 / 17.8 / 24.6 / 18.2 against stream-K's 21.3 / 25.4 / 32.1 / 28.6,
+# the Triton GEMM's 20.6-21.4 at 128 and 29.0-32.4 at 192-256 (..._deep_k.log), Machete 22.1 / 21.9 / 22.2 /
+# 22.4; 3072 x 4096 (48 tiles) 17.9 / 17.8 / 20.5 / 18.1 against 18.9 / 23.3 / 27.3 / 27.3. 2048 x 4096 (32
+# tiles, under a quarter) lost at 80 rows (17.7 against 16.8).
+GLUON_DEEP_K_HALF_MAX_M, GLUON_DEEP_K_HALF_MAX_K = 256, 4096
+
+
+def _deep_whole(group_size: int) -> dict:
+    """Past 128 rows, 128-row tiles a tile a program: 128 deep on GLUON_DEEP_K_STAGES stages, each warpgroup
+    freeing its own (GLUON_DEEP_K); else nothing."""
+    deep = _deep_k(group_size, GLUON_DEEP_K_STAGES)
+    return deep | {"wg_release": WG_RELEASE == "on"} if deep else {}
+
+
+def _deep_k(group_size: int, stages: int) -> dict:
+    """128-deep K tiles on a ring of ``stages`` (GLUON_DEEP_K), for groups of whole 128s (a tile one group or
+    part of one, as quant_matmul_gluon.supported takes them); else nothing."""
+    if GLUON_DEEP_K == "on" and group_size >= 128 and group_size % 128 == 0:
+        return {"block_k": 128, "stages": stages}
+    return {}
+
+
 # Up to 32 rows, where the 64-row weight tiles fill at least GLUON_DECODE_WHOLE_MIN_FILL of the stream-K
 # decode's two programs an SM (and no more) and K is at most GLUON_DECODE_WHOLE_MAX_K, each program takes a
 # whole tile, two an SM: stream-K split nearly every tile of the 14336-wide outputs (224 tiles in 264 slots)
@@ -813,6 +866,10 @@ def gluon_in_auto(m: int, n_out: int, k_in: int, group_size: int, zeros: bool = 
         return True
     if group_size < 64:
         return False
+    if _deep_k(group_size, 4) and GLUON_HALF_TILES == "on" and k_in <= GLUON_DEEP_K_HALF_MAX_K:
+        # (o_proj's 64-row weight tiles, 128 deep, a program each: GLUON_DEEP_K)
+        if GLUON_HALF_TILES_MIN_M <= m <= GLUON_DEEP_K_HALF_MAX_M:
+            return True
     return (
         256 < m <= gluon_prefill_max_m(k_in, group_size)
         or (m <= 128 and k_in >= TRITON_PREFILL_MIN_K)
@@ -899,29 +956,35 @@ def gluon_tiles(m: int, n_out: int, k_in: int, sms: int, group_size: int = 128) 
         cfg = {"block_m": 128, "stages": 6}
         if 0 < tiles % sms <= GLUON_DP_LAST_WAVE * sms or n_out * k_in // 2 > GLUON_L2_BYTES:
             return cfg | {"programs": sms, "dp_waves": -1}
-        return cfg
+        return cfg | _deep_whole(group_size)  # (a tile a program: 128 deep, GLUON_DEEP_K)
     cfg = {"block_m": block_m, "stages": 6 if block_m == 128 else 4}
     half = {"block_n": 64, "num_warps": 4}  # 64-row weight tiles on one warpgroup (GLUON_HALF_TILES)
     tiles64 = cdiv(n_out, 64) * cdiv(m, block_m)
-    if stream_k and GLUON_HALF_TILES == "on" and m <= 128:
+    deep_half = _deep_k(group_size, 4)  # (128 deep, the 64-row tiles; where K is short, more take them)
+    wider = bool(deep_half) and k_in <= GLUON_DEEP_K_HALF_MAX_K  # (GLUON_DEEP_K_HALF_*)
+    if stream_k and GLUON_HALF_TILES == "on" and m <= (GLUON_DEEP_K_HALF_MAX_M if wider else 128):
         if (
             k_in < GLUON_CLUSTER_MIN_K
             and m >= (GLUON_HALF_TILES_MIN_M if group_size >= 128 else GLUON_HALF_TILES_MIN_M_SMALL_GROUP)
-            and sms // 2 <= tiles64 <= sms
+            and (sms // 4 if wider else sms // 2) <= tiles64 <= sms
         ):  # short K: one a program
-            return cfg | half
+            return cfg | half | deep_half
         if (
             k_in >= GLUON_CLUSTER_MIN_K
             and group_size >= 128
-            and m >= GLUON_HALF_TILES_DEEP_MIN_M
+            and GLUON_HALF_TILES_DEEP_MIN_M <= m <= 128
             and sms // 2 <= 2 * tiles64 <= sms
         ):  # deep K: each tile's K in two parts, one a program
-            return cfg | half | {"split": 2}
+            return cfg | half | {"split": 2} | deep_half
+    deep = _deep_k(group_size, GLUON_DEEP_K_STAGES)
+    tiles128 = cdiv(n_out, 128) * cdiv(m, 128)
+    if deep and m > 128 and sms // 2 < tiles128 <= sms:  # a wave of 128-row tiles, 128 deep (GLUON_DEEP_K)
+        return {"block_m": 128} | _deep_whole(group_size)
     if stream_k:
         return cfg | {"programs": sms}
     if m <= 128 and group_size >= 128:
-        # 128-row tiles a tile a program: each warpgroup frees its own stages (WG_RELEASE)
-        return cfg | {"wg_release": WG_RELEASE == "on"}
+        # 128-row tiles a tile a program: each warpgroup frees its own stages (WG_RELEASE), 128 deep
+        return cfg | {"wg_release": WG_RELEASE == "on"} | deep
     tiles = cdiv(n_out, 128) * cdiv(m, block_m)
     last = tiles % sms  # tiles in the last, partial wave
     if (

@@ -35,7 +35,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from gluon_prefill_probe import cold_copies, cycle, machete, served_weights, tiling  # noqa: E402
 
 SHAPES = {"gate_up": (28672, 4096), "down": (4096, 14336), "qkv": (6144, 4096), "o": (4096, 4096),
-          "14336x4096": (14336, 4096), "14336x14336": (14336, 14336), "8192x4096": (8192, 4096)}  # fmt: skip
+          "14336x4096": (14336, 4096), "14336x14336": (14336, 14336), "8192x4096": (8192, 4096),
+          "3072x4096": (3072, 4096), "2048x4096": (2048, 4096)}  # fmt: skip
 LAYER = ("qkv", "o", "gate_up", "down")  # the 8B model's four GEMMs a layer: summed where all are probed
 
 

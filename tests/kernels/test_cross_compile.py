@@ -28,7 +28,7 @@ EXPECTED = {
     "quant_matmul 16x4096x14336 int4 g32 zp": ["_skinny_kernel"],
     "quant_matmul 64x4096x4096 int4 g32 zp fp16": ["_skinny_kernel"],  # (symmetric g32 there: Gluon decode)
     "quant_matmul 8x4096x4096 int8 per channel": ["_skinny_kernel"],
-    "quant_matmul 256x4096x4096 int4 g128": ["_prefill_kernel"],
+    "quant_matmul 256x4096x4096 int4 g64": ["_prefill_kernel"],
     "quant_matmul 256x6144x4096 int4 g128 zp (Gluon prefill)": ["_wgmma_kernel"],
     "quant_matmul 512x4096x14336 int4 g32": ["_prefill_kernel"],
     "quant_matmul 4097x4096x1024 int4 g128 (dequantize, in slices)": ["_dequantize_kernel"],
@@ -51,6 +51,7 @@ EXPECTED = {
     "quant_matmul 128x6144x4096 int4 g128 zp (Gluon 64-row weight tiles)": ["_wgmma_kernel"],
     "quant_matmul 112x6144x4096 int4 g32 zp (Gluon 64-row weight tiles)": ["_wgmma_kernel"],
     "quant_matmul 128x4096x14336 int4 g128 zp (Gluon 64-row weight tiles, K in two parts)": ["_wgmma_kernel"],
+    "quant_matmul 128x4096x4096 int4 g128 (Gluon 64-row weight tiles, o_proj)": ["_wgmma_kernel"],
     "quant_matmul_owned 1x14336x4096 int4 g32 (FMA kernel)": ["_gemv_int4_kernel"],
     "quant_matmul_owned 1x28672x4096 int4 g32 (Gluon decode)": ["_wgmma_kernel"],
     "quant_matmul_owned 1x28672x4096 int4 g32 zp (Gluon decode)": ["_wgmma_kernel"],

@@ -66,20 +66,22 @@ def test_gluon_tiles_measured_choices():
     # tile a program run in clusters of two sharing x's tiles where K is deep, the weight's 128-row tiles are
     # even in number and they are a wave or less (test_gluon_tiles_pair_programs_where_the_weight_tiles_pair)
     pair = {"block_m": 256, "stages": 4, "cluster": 2}
-    # 112 tiles: one each, each warpgroup freeing its own stages (WG_RELEASE; groups of 128 and more)
-    own = {"block_m": 128, "stages": 6, "wg_release": True}
+    # 112 tiles: one each, each warpgroup freeing its own stages (WG_RELEASE), 128-deep K tiles
+    # (GLUON_DEEP_K; groups of 128 and more)
+    own = {"block_m": 128, "stages": 5, "wg_release": True, "block_k": 128}
     assert qm.gluon_tiles(128, 14336, 14336, 132) == qm.gluon_tiles(65, 28672, 4096, 132, 256) == own
     assert qm.gluon_tiles(128, 28672, 4096, 132, 32) == {"block_m": 128, "stages": 6}
     assert qm.gluon_tiles(256, 14336, 14336, 132) == pair
-    assert qm.gluon_tiles(512, 4096, 4096, 132) == {"block_m": 128, "stages": 6}  # 256-row tiles: 64 programs
+    assert qm.gluon_tiles(512, 4096, 4096, 132, 32) == {"block_m": 128, "stages": 6}  # 256-row tiles: 64
     assert qm.gluon_tiles(512, 6144, 4096, 132) == {"block_m": 256, "stages": 4}  # one wave: 96 tiles
     # under half the SMs' worth of tiles: stream-K over one program an SM
-    assert qm.gluon_tiles(512, 4096, 14336, 132) == {"block_m": 256, "stages": 4, "programs": 132}
+    assert qm.gluon_tiles(512, 4096, 14336, 132, 32) == {"block_m": 256, "stages": 4, "programs": 132}
     assert qm.gluon_tiles(128, 4096, 14336, 114) == {"block_m": 128, "stages": 6, "programs": 114}
     # up to 128 rows, where 64-row weight tiles fill half the SMs to a wave: those, a program each (H200;
     # quant_matmul.GLUON_HALF_TILES): qkv's 96; not down_proj's 64 (under half) nor 14336 x 4096's 224
     half = {"block_m": 128, "stages": 6, "block_n": 64, "num_warps": 4}
-    assert qm.gluon_tiles(128, 6144, 4096, 132) == qm.gluon_tiles(80, 8192, 4096, 132) == half
+    deep = {"stages": 4, "block_k": 128}  # (GLUON_DEEP_K, groups of 128 and more)
+    assert qm.gluon_tiles(128, 6144, 4096, 132) == qm.gluon_tiles(80, 8192, 4096, 132) == half | deep
     assert qm.gluon_tiles(79, 6144, 4096, 132) == {"block_m": 128, "stages": 6, "programs": 132}  # few rows
     # groups under 128 from 104 rows (GLUON_HALF_TILES_MIN_M_SMALL_GROUP)
     assert qm.gluon_tiles(103, 6144, 4096, 132, 32) == {"block_m": 128, "stages": 6, "programs": 132}
@@ -89,7 +91,7 @@ def test_gluon_tiles_measured_choices():
     assert (
         qm.gluon_tiles(128, 4096, 14336, 132)
         == qm.gluon_tiles(112, 4096, 8192, 132, 256)
-        == half | {"split": 2}
+        == half | {"split": 2} | deep
     )
     sk = {"block_m": 128, "stages": 6, "programs": 132}
     assert qm.gluon_tiles(111, 4096, 14336, 132) == qm.gluon_tiles(128, 4096, 14336, 132, 32) == sk
@@ -97,7 +99,7 @@ def test_gluon_tiles_measured_choices():
     assert qm.gluon_tiles(128, 2048, 14336, 132) == sk  # 64 programs: under half the SMs
     assert qm.gluon_tiles(128, 8192, 14336, 132) == sk  # 256 programs: past a wave
     assert qm.gluon_tiles(128, 14336, 4096, 132) == own
-    assert qm.gluon_tiles(256, 4096, 4096, 132) == {"block_m": 128, "stages": 6, "programs": 132}
+    assert qm.gluon_tiles(256, 4096, 4096, 132, 64) == {"block_m": 128, "stages": 6, "programs": 132}
     assert qm.gluon_tiles(2048, 4096, 4096, 132) == PERSIST
     # 257-384 rows, where 256-row tiles pad by half: 128-row tiles stream-K where the weight comes from DRAM
     # (gate_up, 58.7 MB of words; down_proj, already stream-K), 256 rows where it stays in the L2 or the
@@ -130,6 +132,42 @@ def test_gluon_tiles_measured_choices():
     assert qm.gluon_tiles(2048, 4096, 14336, 132) == PERSIST  # 256 tiles: 124
     assert qm.gluon_tiles(1100, 4096, 28672, 132) == PERSIST  # x 63 MB: past the L2
     assert qm.gluon_tiles(1024, 4096, 14336, 132) == pair  # 128 tiles: a wave
+
+
+def test_gluon_tiles_step_128_deep_where_a_program_takes_whole_tiles(monkeypatch):
+    # (prefill_tiling_probe.py on the H200: NOTES.md, fortieth session; quant_matmul.GLUON_DEEP_K) groups of
+    # 128 and more: the tilings a tile a program up to 128 rows, and past 128 rows 128-row tiles a tile a
+    # program where they are over half a wave and at most one, step through K 128 deep
+    wave = {"block_m": 128, "stages": 5, "block_k": 128, "wg_release": True}
+    assert qm.gluon_tiles(256, 6144, 4096, 132) == qm.gluon_tiles(129, 6144, 4096, 132) == wave  # qkv: 96
+    assert qm.gluon_tiles(512, 4096, 4096, 132) == qm.gluon_tiles(257, 4096, 4096, 132) == wave  # o_proj
+    assert qm.gluon_tiles(448, 4096, 14336, 132) == wave  # down_proj at 385-512 rows: 128 tiles
+    assert qm.gluon_tiles(600, 6144, 4096, 132) == wave  # qkv at 513-640 rows (GLUON_THIRD_TILE_*): 240 tiles
+    assert qm.gluon_tiles(65, 14336, 14336, 132, 256) == wave  # (a tile a program up to 128 rows)
+    # 64-row weight tiles where K is short, a program each: from a quarter of the SMs' worth to a wave, up to
+    # 256 rows (GLUON_DEEP_K_HALF_MAX_M): o_proj's 64 at 80-128 rows, 128 at 129-256
+    half = {"block_m": 128, "stages": 4, "block_n": 64, "num_warps": 4, "block_k": 128}
+    assert qm.gluon_tiles(128, 4096, 4096, 132) == qm.gluon_tiles(256, 4096, 4096, 132) == half
+    assert qm.gluon_tiles(80, 3072, 4096, 132) == half  # 48 tiles
+    assert qm.gluon_tiles(128, 2048, 4096, 132) == {"block_m": 128, "stages": 6, "programs": 132}  # 32 tiles
+    # not 128-row tiles at most half a wave (stream-K), past one, or 257-384 rows of down_proj (the narrow
+    # rule's stream-K first); not groups under 128
+    assert "block_k" not in qm.gluon_tiles(256, 14336, 4096, 132)  # 224 128-row tiles
+    assert "block_k" not in qm.gluon_tiles(640, 4096, 4096, 132)  # 160 tiles
+    assert qm.gluon_tiles(384, 4096, 14336, 132) == {"block_m": 128, "stages": 6, "programs": 132}
+    assert qm.gluon_tiles(128, 14336, 14336, 132, 64) == {"block_m": 128, "stages": 6}
+    assert qm.gluon_tiles(512, 4096, 4096, 132, 32) == {"block_m": 128, "stages": 6}
+    assert "block_k" not in qm.gluon_tiles(128, 14336, 14336, 132, 192)  # (a group across two 128-deep tiles)
+    x, qw = torch.zeros(128, 4096, dtype=torch.bfloat16), torch.zeros(4096, 512, dtype=torch.int32)
+    assert qg.supported(x, qw, torch.zeros(4096, 32, dtype=torch.bfloat16), 128, 4, 128)
+    assert not qg.supported(x, qw, torch.zeros(4096, 22, dtype=torch.bfloat16), 192, 4, 128)
+    monkeypatch.setattr(qm, "GLUON_DEEP_K", "off")  # (SQUEEZESERVE_GLUON_DEEP_K=off: 64 deep, as before)
+    assert qm.gluon_tiles(128, 14336, 14336, 132) == {"block_m": 128, "stages": 6, "wg_release": True}
+    assert qm.gluon_tiles(512, 4096, 4096, 132) == {"block_m": 128, "stages": 6}
+    half64 = {"block_m": 128, "stages": 6, "block_n": 64, "num_warps": 4}
+    assert qm.gluon_tiles(128, 6144, 4096, 132) == half64
+    assert qm.gluon_tiles(256, 4096, 4096, 132) == {"block_m": 128, "stages": 6, "programs": 132}
+    assert qm.gluon_tiles(448, 4096, 14336, 132) == {"block_m": 256, "stages": 4, "programs": 132}
 
 
 def test_gluon_tiles_pair_programs_where_the_weight_tiles_pair(monkeypatch):
@@ -335,6 +373,7 @@ def test_a_cluster_kernel_compiled_without_the_pass_is_refused_before_it_launche
         ("SQUEEZESERVE_GLUON_TAIL", "gluon_tiles(512, 28672, 4096, 132)", "'narrow_tail': 26"),
         ("SQUEEZESERVE_GLUON_HALF_TILES", "gluon_tiles(128, 6144, 4096, 132)", "'block_n': 64"),
         ("SQUEEZESERVE_GLUON_DECODE_WHOLE", "gluon_decode_tiles(8, 132, 14336, 4096)", "'split': 1"),
+        ("SQUEEZESERVE_GLUON_DEEP_K", "gluon_tiles(128, 14336, 14336, 132)", "'block_k': 128"),
     ],
 )
 def test_gluon_cluster_settings_turn_them_off_and_refuse_a_bad_value(name, call, mark):
@@ -382,8 +421,10 @@ def test_gluon_tiles_take_128_row_tiles_where_a_third_256_row_tile_is_at_most_ha
     # the L2 and the last wave is over 40% full (qkv), else whole waves but one, then the rest stream-K
     # (gate_up's words: 58.7 MB). NOTES.md, twenty-ninth session: qkv 63-65 us against 85-99, gate_up 266-274
     # against 292-379.
-    assert qm.gluon_tiles(513, 6144, 4096, 132) == {"block_m": 128, "stages": 6}  # 240 tiles: 108 last
-    assert qm.gluon_tiles(640, 6144, 4096, 132) == {"block_m": 128, "stages": 6}
+    # (128 deep in groups of 128 and more: GLUON_DEEP_K, fortieth session)
+    own = {"block_m": 128, "stages": 5, "block_k": 128, "wg_release": True}
+    assert qm.gluon_tiles(513, 6144, 4096, 132) == own  # 240 tiles: 108 last
+    assert qm.gluon_tiles(640, 6144, 4096, 132, 64) == {"block_m": 128, "stages": 6}
     sk = {"block_m": 128, "stages": 6, "programs": 132, "dp_waves": -1}
     assert qm.gluon_tiles(600, 28672, 4096, 132) == sk  # past the L2
     assert qm.gluon_tiles(600, 14336, 4096, 132) == sk  # 560 tiles: 32 in the last wave
@@ -406,15 +447,18 @@ def test_gluon_in_auto_measured_choices():
     assert not rule(4097, 28672, 4096, 128) and not rule(4097, 4096, 4096, 128)
     assert not rule(2049, 4096, 14336, 128) and not rule(1025, 28672, 4096, 32)
     assert rule(1024, 14336, 14336, 32) and not rule(2048, 14336, 14336, 32)
-    assert not rule(256, 4096, 4096, 128) and rule(512, 4096, 4096, 128)
-    assert rule(128, 4096, 14336, 128) and not rule(128, 4096, 4096, 128)  # short rows: only a deep K pays
+    assert rule(512, 4096, 4096, 128) and rule(128, 4096, 14336, 128)
+    assert not rule(256, 4096, 14336, 128) and not rule(128, 4096, 4096, 64)  # (the Triton GEMM)
+    # o_proj-wide short reductions in groups of 128 or more at 80-256 rows: 64-row weight tiles 128 deep, a
+    # program each (NOTES.md, fortieth session; GLUON_DEEP_K_HALF_MAX_M)
+    assert rule(80, 4096, 4096, 128) and rule(256, 4096, 4096, 128) and not rule(79, 4096, 4096, 128)
     assert not rule(512, 4096, 4096, 32)  # narrow with small groups: the paths before
     assert not rule(512, 2048, 2048, 128)  # the bundled model's widths: dequantize + cuBLAS
     # (NOTES.md, "thirteenth session") qkv-wide outputs up to 256 rows in any group; 4096 wide from 129 rows
     # with zero points in groups of 64 or more
     assert rule(256, 6144, 4096, 128) and rule(128, 6144, 4096, 32, True) and not rule(512, 6144, 4096, 32)
-    assert rule(256, 4096, 4096, 128, True) and rule(256, 4096, 14336, 128, True)
-    assert not rule(128, 4096, 4096, 128, True) and not rule(256, 4096, 4096, 32, True)
+    assert rule(256, 4096, 4096, 64, True) and rule(256, 4096, 14336, 128, True)
+    assert not rule(128, 4096, 4096, 64, True) and not rule(256, 4096, 4096, 32, True)
 
 
 @pytest.mark.parametrize(
@@ -545,16 +589,22 @@ def test_gluon_prefill_is_dequantize_then_matmul(m, n, k, group, zeros, dtype, m
 @pytest.mark.parametrize(
     ("m", "n", "k", "zeros", "tiling"),
     [
-        (600, 6144, 4096, False, {"block_m": 128, "stages": 6}),  # qkv: 128-row tiles, a tile a program
+        (600, 6144, 4096, False, {"block_m": 128, "block_k": 128}),  # qkv: 128-row tiles, a tile a program
         (560, 28672, 4096, True, {"block_m": 128, "programs": 132, "dp_waves": -1}),  # gate_up
         (1100, 4096, 14336, True, {"block_m": 256, "programs": 132, "dp_waves": 1}),  # down_proj
         (2100, 4096, 4096, False, {"block_m": 256, "programs": 132, "dp_waves": 2}),  # o_proj
-        (100, 6144, 4096, True, {"block_n": 64, "num_warps": 4}),  # qkv: 64-row weight tiles, one a program
-        (128, 8192, 4160, False, {"block_n": 64, "num_warps": 4}),  # (K ends inside a tile)
-        (120, 4096, 14336, True, {"block_n": 64, "split": 2}),  # down_proj: K in two parts
-        (128, 4096, 14368, False, {"block_n": 64, "split": 2}),  # (K ends inside a tile)
-        (128, 14336, 4096, True, {"block_m": 128, "wg_release": True}),  # each warpgroup frees its stages
-        (100, 14336, 4160, False, {"block_m": 128, "wg_release": True}),  # (K ends inside a tile)
+        # (GLUON_DEEP_K's 128-deep K tiles from here)
+        (100, 6144, 4096, True, {"block_n": 64, "num_warps": 4, "block_k": 128}),  # qkv: 64-row weight tiles
+        (128, 8192, 4160, False, {"block_n": 64, "num_warps": 4, "block_k": 128}),  # (K ends inside a tile)
+        (120, 4096, 14336, True, {"block_n": 64, "split": 2, "block_k": 128}),  # down_proj: K in two parts
+        (128, 4096, 14368, False, {"block_n": 64, "split": 2, "block_k": 128}),  # (K ends inside a tile)
+        (128, 14336, 4096, True, {"block_m": 128, "wg_release": True, "block_k": 128}),  # warpgroup releases
+        (100, 14336, 4160, False, {"block_m": 128, "wg_release": True, "block_k": 128}),  # (K ends in a tile)
+        (200, 6144, 4096, True, {"block_m": 128, "wg_release": True, "block_k": 128}),  # qkv: a wave, M tail
+        (480, 4096, 14336, False, {"block_m": 128, "wg_release": True, "block_k": 128}),  # down_proj: a wave
+        (300, 4096, 4160, True, {"block_m": 128, "wg_release": True, "block_k": 128}),  # (K ends in a tile)
+        (128, 4096, 4096, False, {"block_n": 64, "num_warps": 4, "block_k": 128}),  # o_proj: 64-row tiles
+        (200, 4096, 4096, True, {"block_n": 64, "num_warps": 4, "block_k": 128}),  # (two rows of x tiles)
     ],
 )
 def test_the_rules_mid_row_tilings_give_dequantize_then_matmul(m, n, k, zeros, tiling):
