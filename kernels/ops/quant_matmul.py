@@ -934,7 +934,9 @@ def gluon_tiles(m: int, n_out: int, k_in: int, sms: int, group_size: int = 128) 
     wave's columns in a second launch on 128-row tiles (GLUON_TAIL: ``narrow_tail``). 256-row tiles a tile a
     program run in clusters of two sharing x's tiles where the weight's 128-row tiles pair up (GLUON_CLUSTER):
     persistent, a program an SM, where they are more than a wave (GLUON_PERSISTENT), else a tile a program
-    where K >= GLUON_CLUSTER_MIN_K."""
+    where K >= GLUON_CLUSTER_MIN_K. In groups of whole 128s, the tilings a tile a program up to a wave step
+    through K 128 deep (GLUON_DEEP_K), and where K is short the 64-row weight tiles take more
+    (GLUON_DEEP_K_HALF_*)."""
     block_m = 128
     if m > 128 and (cdiv(n_out, 128) * cdiv(m, 256) >= sms // 2 or cdiv(k_in, 64) >= 128):
         block_m = 256
