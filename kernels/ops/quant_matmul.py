@@ -753,7 +753,7 @@ if GLUON_HALF_TILES not in ("on", "off"):
 
 
 # SQUEEZESERVE_GLUON_DEEP_K=off: the prefill GEMM's tiles step through K 64 deep, as before (for A/B runs). On
-# (the default), in groups of 128 and more, the tilings a tile a program up to a wave take 128-deep K tiles
+# (the default), in groups of whole 128s, the tilings a tile a program up to a wave take 128-deep K tiles
 # (half the ring's waits, stage releases and wgmma groups a product): 128-row tiles up to 128 rows
 # (GLUON_DEEP_K_STAGES stages, the most that fit), the 64-row weight tiles of GLUON_HALF_TILES (4 stages;
 # where K is deep, its two parts too), and past 128 rows 128-row tiles a tile a program where they are over
@@ -775,15 +775,15 @@ GLUON_DEEP_K = os.environ.get("SQUEEZESERVE_GLUON_DEEP_K", "on")
 if GLUON_DEEP_K not in ("on", "off"):
     raise ValueError(f"SQUEEZESERVE_GLUON_DEEP_K must be on or off, got {GLUON_DEEP_K!r}")
 GLUON_DEEP_K_STAGES = 5
-# With 128-deep K tiles, the 64-row weight tiles of K up to GLUON_DEEP_K_HALF_MAX_K (as measured) run a tile
-# a program where they fill a quarter of the SMs to a wave, up to GLUON_DEEP_K_HALF_MAX_M rows (two rows of
+# With 128-deep K tiles, the 64-row weight tiles of K up to GLUON_DEEP_K_HALF_MAX_K (as measured) run a tile a
+# program where they fill a quarter of the SMs to a wave, up to GLUON_DEEP_K_HALF_MAX_M rows (two rows of
 # 128-row x tiles), and take o_proj (4096 x 4096) there onto the Gluon GEMM (gluon_in_auto; it ran the Triton
-# prefill GEMM). H200, g128, us, the Gluon
-# GEMM forced, single samples beside Machete (results/prefill_tiling_probe_h200_2026-11-28_deep_k_o.log):
-# o_proj at 80 / 128 / 192 / 256 rows 18.2 / 17.8 / 24.6 / 18.2 against stream-K's 21.3 / 25.4 / 32.1 / 28.6,
-# the Triton GEMM's 20.6-21.4 at 128 and 29.0-32.4 at 192-256 (..._deep_k.log), Machete 22.1 / 21.9 / 22.2 /
-# 22.4; 3072 x 4096 (48 tiles) 17.9 / 17.8 / 20.5 / 18.1 against 18.9 / 23.3 / 27.3 / 27.3. 2048 x 4096 (32
-# tiles, under a quarter) lost at 80 rows (17.7 against 16.8).
+# prefill GEMM). H200, g128, us, the Gluon GEMM forced, single samples beside Machete
+# (results/prefill_tiling_probe_h200_2026-11-28_deep_k_o.log): o_proj at 80 / 128 / 192 / 256 rows 18.2 / 17.8
+# / 24.6 / 18.2 against stream-K's 21.3 / 25.4 / 32.1 / 28.6, the Triton GEMM's 20.6-21.4 at 128 and 29.0-32.4
+# at 192-256 (..._deep_k_machete.log, ..._deep_k.log), Machete 22.1 / 21.9 / 22.2 / 22.4; 3072 x 4096 (48
+# tiles) 17.9 / 17.8 / 20.5 / 18.1 against 18.9 / 23.3 / 27.3 / 27.3. 2048 x 4096 (32 tiles, under a quarter)
+# lost at 80 rows (17.7 against 16.8).
 GLUON_DEEP_K_HALF_MAX_M, GLUON_DEEP_K_HALF_MAX_K = 256, 4096
 
 
