@@ -866,10 +866,13 @@ def gluon_in_auto(m: int, n_out: int, k_in: int, group_size: int, zeros: bool = 
         return True
     if group_size < 64:
         return False
-    if _deep_k(group_size, 4) and GLUON_HALF_TILES == "on" and k_in <= GLUON_DEEP_K_HALF_MAX_K:
-        # (o_proj's 64-row weight tiles, 128 deep, a program each: GLUON_DEEP_K)
-        if GLUON_HALF_TILES_MIN_M <= m <= GLUON_DEEP_K_HALF_MAX_M:
-            return True
+    if (
+        _deep_k(group_size, 4)
+        and GLUON_HALF_TILES == "on"
+        and k_in <= GLUON_DEEP_K_HALF_MAX_K
+        and GLUON_HALF_TILES_MIN_M <= m <= GLUON_DEEP_K_HALF_MAX_M
+    ):  # (o_proj's 64-row weight tiles, 128 deep, a program each: GLUON_DEEP_K)
+        return True
     return (
         256 < m <= gluon_prefill_max_m(k_in, group_size)
         or (m <= 128 and k_in >= TRITON_PREFILL_MIN_K)
