@@ -241,11 +241,14 @@ def cases() -> dict:
             512, 14336, 4096, 32, zeros=True),
         "quant_matmul 2048x28672x4096 int4 g64 fp16 (Gluon prefill)": lambda: qm(
             2048, 28672, 4096, 64, dtype=torch.float16),
+        # (128-row tiles stream-K: each warpgroup frees its own stages, 128 deep in groups of 128, else 64)
         "quant_matmul 100x4096x14336 int4 g128 (Gluon stream-K)": lambda: qm(100, 4096, 14336, 128),
         "quant_matmul 100x4096x14336 int4 g128 zp (Gluon stream-K)": lambda: qm(
             100, 4096, 14336, 128, zeros=True),
-        "quant_matmul 512x4096x14336 int4 g128 (Gluon stream-K, 256-row tiles)": lambda: qm(
-            512, 4096, 14336, 128),
+        "quant_matmul_owned 100x4096x14336 int4 g32 zp (Gluon stream-K, 64 deep)": lambda: owned(
+            100, 4096, 14336, 32, True),
+        "quant_matmul 136x4096x14336 int4 g128 zp (Gluon stream-K, 256-row tiles)": lambda: qm(
+            136, 4096, 14336, 128, zeros=True),
         "quant_matmul 1536x6144x4096 int4 g128 (Gluon whole waves, then stream-K, 256-row tiles)": lambda: qm(
             1536, 6144, 4096, 128),
         # (GLUON_HALF_TILES: 64-row weight tiles, one a program, on one warpgroup)
@@ -276,6 +279,9 @@ def cases() -> dict:
         ),
         "quant_matmul 896x14336x4096 int4 g128 zp (Gluon persistent in clusters, a 128-row tail)": lambda: qm(
             896, 14336, 4096, 128, zeros=True
+        ),
+        "quant_matmul_owned 320x28672x4096 int4 g128 (Gluon stream-K, 128-row tiles)": (
+            lambda: owned(320, 28672, 4096, 128)
         ),
         "quant_matmul_owned 600x28672x4096 int4 g128 (Gluon whole waves, then stream-K, 128-row tiles)": (
             lambda: owned(600, 28672, 4096, 128)

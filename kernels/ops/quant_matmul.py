@@ -884,6 +884,33 @@ def gluon_in_auto(m: int, n_out: int, k_in: int, group_size: int, zeros: bool = 
 # where its weight (int4 bytes) streams from DRAM: past the H100's L2 (50 MB) or already split among programs.
 GLUON_NARROW_MAX_M = 384
 GLUON_L2_BYTES = 50 * 2**20
+# SQUEEZESERVE_GLUON_STREAM_K_RELEASE=off: the Gluon prefill GEMM's stream-K on 128-row tiles frees its stages
+# after a barrier of both warpgroups, 64 deep, and takes the narrow rule's rows as before (for A/B runs of a
+# server). On (the default, with WG_RELEASE), each warpgroup frees its own stages, 128 deep on
+# GLUON_STREAM_K_DEEP_STAGES stages in groups of whole 128s (GLUON_DEEP_K), and the narrow rule's 128-row
+# tiles stream-K take more rows: from GLUON_NARROW_MIN_M rows where 256-row tiles would already be stream-K
+# (down_proj), from GLUON_NARROW_L2_MIN_M where the weight stays in the L2 (qkv, 14336 x 4096). H200, owned
+# words as served (packed for qkv), g128, us, two interleaved rounds against the rule before
+# (tests/gpu/prefill_tiling_probe.py,
+# results/prefill_tiling_probe_h200_2026-11-29_stream_k_release_rounds.log): down_proj at 72 / 96 / 104 rows
+# 33.3-33.6 / 34.2-34.6 / 33.9-34.1 against 34.2-34.4 / 36.5-36.9 / 37.1-37.6; 320 rows down_proj 76.8-77.0
+# against 88.5, gate_up 156.9-161.4 against 169.8-175.4, 14336^2 265.2-269.3 against 294.5-302.5; 384 rows
+# 80.3-80.6 / 157.1-164.4 / 275.5-283.0 against 89.8-90.0 / 179.4-183.5 / 304.8-313.5; down_proj at 176 / 192
+# / 256 rows (256-row tiles before) 59.6 / 56.6-57.0 / 57.0-57.7 against 63.4-63.7 / 60.7-61.0 / 67.6-68.4
+# (level at 144-160, 61.2 against 59.2 at 136); qkv at 280 / 320 / 384 rows 40.1 / 40.1-40.3 / 41.8-42.0
+# against 46.2-46.9 / 44.0-44.2 / 45.9-47.2, 14336 x 4096 83.2-83.7 / 81.0-82.0 against 94.5-95.7 / 91.2-95.1
+# (at 264 / 272 rows 104.6-105.1 / 101.4-102.7 against 85.2-85.4 / 96.7-98.2: GLUON_NARROW_L2_MIN_M). Zero
+# points: down_proj at 96 / 320 rows 35.8 / 83.5-84.8 against 39.6-39.8 / 99.3-101.2; g32, 64 deep:
+# down_proj 37.0 / 92.3-93.7 against 41.5-41.7 / 102.6-105.0, gate_up at 320 rows 183.3-187.3 against
+# 201.5-212.5. Where the rule keeps 256-row tiles the 128-row stream-K lost: 129-256 rows of gate_up, 14336^2,
+# 14336 x 4096 and qkv (gate_up at 192 rows 119.1 against 92.6-95.1), 448-512 rows (14336^2 at 512
+# 357.3-372.7 against 316.5-327.3), and o_proj at 272-384 rows its 128-row tiles a tile a program (33.7-39.3
+# against 28.4-30.4).
+GLUON_STREAM_K_RELEASE = os.environ.get("SQUEEZESERVE_GLUON_STREAM_K_RELEASE", "on")
+if GLUON_STREAM_K_RELEASE not in ("on", "off"):
+    raise ValueError(f"SQUEEZESERVE_GLUON_STREAM_K_RELEASE must be on or off, got {GLUON_STREAM_K_RELEASE!r}")
+GLUON_STREAM_K_DEEP_STAGES = 4  # (40 KB a stage beside the stream-K epilogue's: 197 KB of shared memory)
+GLUON_NARROW_MIN_M, GLUON_NARROW_L2_MIN_M = 144, 280
 # gluon_tiles: 256-row tiles of outputs at least GLUON_DP_MIN_N wide whose last wave fills at most
 # GLUON_DP_LAST_WAVE of the SMs run their full waves but one a tile a program, then share the rest stream-K
 # (the last wave's idle SMs against parts of tiles meeting in the workspace), where x stays in the L2
@@ -944,14 +971,24 @@ def gluon_tiles(m: int, n_out: int, k_in: int, sms: int, group_size: int = 128) 
     if m > 128 and (cdiv(n_out, 128) * cdiv(m, 256) >= sms // 2 or cdiv(k_in, 64) >= 128):
         block_m = 256
     stream_k = cdiv(n_out, 128) * cdiv(m, block_m) < sms // 2
-    if block_m == 256 and 256 < m <= GLUON_NARROW_MAX_M and (stream_k or n_out * k_in // 2 > GLUON_L2_BYTES):
+    released = GLUON_STREAM_K_RELEASE == WG_RELEASE == "on"
+    if (
+        block_m == 256
+        and m <= GLUON_NARROW_MAX_M
+        and (
+            (m > 256 and (stream_k or n_out * k_in // 2 > GLUON_L2_BYTES))
+            or (released and (m >= GLUON_NARROW_MIN_M if stream_k else m >= GLUON_NARROW_L2_MIN_M))
+        )
+    ):
         # 257-384 rows: the second 256-row tile is at most half full. 128-row tiles shared stream-K take
         # the padding from 50% to 25% or none; where the weight streams from DRAM (past the L2, or split
         # among the programs already) that wins (tests/gpu/prefill_tiling_probe.py, H100: gate_up 320 / 384
         # rows 171.9 / 175.8 us against 242.7 / 207.8, down_proj 88.1 / 91.6 against 107.3 / 103.8). Where
-        # the tiles of one weight in the L2 meet it twice, 256 rows stay (320 rows of 14336 x 4096: 76.0
-        # against 96.6; 448 rows lose everywhere: NOTES.md, twenty-first session).
-        return {"block_m": 128, "stages": 6, "programs": sms}
+        # the tiles of one weight in the L2 meet it twice, 256 rows stayed (320 rows of 14336 x 4096: 76.0
+        # against 96.6; 448 rows lose everywhere: NOTES.md, twenty-first session) until each warpgroup freed
+        # its own stages, 128 deep: then from GLUON_NARROW_L2_MIN_M rows there, and from GLUON_NARROW_MIN_M
+        # where the 256-row tiles would be stream-K (GLUON_STREAM_K_RELEASE).
+        return _stream_k_128(sms, group_size)
     if (
         block_m == 256
         and GLUON_THIRD_TILE_MIN_M <= m <= GLUON_THIRD_TILE_MAX_M
@@ -986,7 +1023,7 @@ def gluon_tiles(m: int, n_out: int, k_in: int, sms: int, group_size: int = 128) 
     if deep and m > 128 and sms // 2 < tiles128 <= sms:  # a wave of 128-row tiles, 128 deep (GLUON_DEEP_K)
         return {"block_m": 128} | _deep_whole(group_size)
     if stream_k:
-        return cfg | {"programs": sms}
+        return _stream_k_128(sms, group_size) if block_m == 128 else cfg | {"programs": sms}
     if m <= 128 and group_size >= 128:
         # 128-row tiles a tile a program: each warpgroup frees its own stages (WG_RELEASE), 128 deep
         return cfg | {"wg_release": WG_RELEASE == "on"} | deep
@@ -1008,6 +1045,15 @@ def gluon_tiles(m: int, n_out: int, k_in: int, sms: int, group_size: int = 128) 
             return _persistent_pairs(sms)
         if k_in >= GLUON_CLUSTER_MIN_K:
             return cfg | {"cluster": 2}  # (GLUON_CLUSTER's comment)
+    return cfg
+
+
+def _stream_k_128(sms: int, group_size: int) -> dict:
+    """128-row tiles stream-K over one program an SM: each warpgroup freeing its own stages, 128 deep in
+    groups of whole 128s (GLUON_STREAM_K_RELEASE), else as before (6 stages, 64 deep)."""
+    cfg = {"block_m": 128, "stages": 6, "programs": sms}
+    if GLUON_STREAM_K_RELEASE == WG_RELEASE == "on":
+        cfg |= {"wg_release": True} | _deep_k(group_size, GLUON_STREAM_K_DEEP_STAGES)
     return cfg
 
 

@@ -44,7 +44,8 @@ EXPECTED = {
     "quant_matmul 2048x28672x4096 int4 g64 fp16 (Gluon prefill)": ["_wgmma_kernel"],
     "quant_matmul 100x4096x14336 int4 g128 (Gluon stream-K)": ["_wgmma_kernel"],
     "quant_matmul 100x4096x14336 int4 g128 zp (Gluon stream-K)": ["_wgmma_kernel"],
-    "quant_matmul 512x4096x14336 int4 g128 (Gluon stream-K, 256-row tiles)": ["_wgmma_kernel"],
+    "quant_matmul_owned 100x4096x14336 int4 g32 zp (Gluon stream-K, 64 deep)": ["_wgmma_kernel"],
+    "quant_matmul 136x4096x14336 int4 g128 zp (Gluon stream-K, 256-row tiles)": ["_wgmma_kernel"],
     "quant_matmul 1536x6144x4096 int4 g128 (Gluon whole waves, then stream-K, 256-row tiles)": [
         "_wgmma_kernel"
     ],
@@ -67,6 +68,7 @@ EXPECTED = {
         "_wgmma_kernel",
         "_wgmma_kernel",
     ],
+    "quant_matmul_owned 320x28672x4096 int4 g128 (Gluon stream-K, 128-row tiles)": ["_wgmma_kernel"],
     "quant_matmul_owned 600x28672x4096 int4 g128 (Gluon whole waves, then stream-K, 128-row tiles)": [
         "_wgmma_kernel"
     ],
@@ -233,14 +235,19 @@ def test_summary_reads_sass():
 
 TWO_WARPGROUP_RELEASES = sorted(
     c for c in EXPECTED if c.startswith("quant_matmul 64x") and "Gluon decode" in c
-) + ["quant_matmul 128x14336x14336 int4 g128 (Gluon prefill)"]
+) + [
+    "quant_matmul 128x14336x14336 int4 g128 (Gluon prefill)",
+    "quant_matmul 100x4096x14336 int4 g128 zp (Gluon stream-K)",
+    "quant_matmul_owned 100x4096x14336 int4 g32 zp (Gluon stream-K, 64 deep)",
+    "quant_matmul_owned 320x28672x4096 int4 g128 (Gluon stream-K, 128-row tiles)",
+]
 
 
 @pytest.mark.parametrize("case", TWO_WARPGROUP_RELEASES)
 def test_two_warpgroup_loops_hold_no_barrier(compiled, case):
     # The 64-row decode's and the 128-row prefill tiles' two warpgroups free their ring stages each for
     # itself (ptx_release's pass): the K loop has no CTA barrier left, and its products are still pipelined
-    # (NOTES.md, thirty-first and thirty-ninth sessions).
+    # (NOTES.md, thirty-first, thirty-ninth and forty-first sessions: stream-K's too).
     (one,) = compiled[case]["launches"]
     assert one["constexprs"]["RELEASES"] == 2, one["constexprs"]
     assert one["summary"]["loop_barriers"] == 0, one["summary"]

@@ -59,6 +59,10 @@ def test_cpu_calls_never_take_it(monkeypatch):
 
 # The rule's tiling where the 256-row tiles pair up and are more than a wave (quant_matmul.GLUON_PERSISTENT)
 PERSIST = {"block_m": 256, "stages": 4, "programs": 132, "persistent": True, "cluster": 2, "tma_store": True}
+# 128-row tiles stream-K over one program an SM, each warpgroup freeing its own stages: 128 deep in groups of
+# whole 128s, else 64 deep on 6 stages (quant_matmul.GLUON_STREAM_K_RELEASE)
+SK = {"block_m": 128, "stages": 4, "programs": 132, "wg_release": True, "block_k": 128}
+SK64 = {"block_m": 128, "stages": 6, "programs": 132, "wg_release": True}
 
 
 def test_gluon_tiles_measured_choices():
@@ -76,15 +80,15 @@ def test_gluon_tiles_measured_choices():
     assert qm.gluon_tiles(512, 6144, 4096, 132) == {"block_m": 256, "stages": 4}  # one wave: 96 tiles
     # under half the SMs' worth of tiles: stream-K over one program an SM
     assert qm.gluon_tiles(512, 4096, 14336, 132, 32) == {"block_m": 256, "stages": 4, "programs": 132}
-    assert qm.gluon_tiles(128, 4096, 14336, 114) == {"block_m": 128, "stages": 6, "programs": 114}
+    assert qm.gluon_tiles(128, 4096, 14336, 114) == SK | {"programs": 114}
     # up to 128 rows, where 64-row weight tiles fill half the SMs to a wave: those, a program each (H200;
     # quant_matmul.GLUON_HALF_TILES): qkv's 96; not down_proj's 64 (under half) nor 14336 x 4096's 224
     half = {"block_m": 128, "stages": 6, "block_n": 64, "num_warps": 4}
     deep = {"stages": 4, "block_k": 128}  # (GLUON_DEEP_K, groups of 128 and more)
     assert qm.gluon_tiles(128, 6144, 4096, 132) == qm.gluon_tiles(80, 8192, 4096, 132) == half | deep
-    assert qm.gluon_tiles(79, 6144, 4096, 132) == {"block_m": 128, "stages": 6, "programs": 132}  # few rows
+    assert qm.gluon_tiles(79, 6144, 4096, 132) == SK  # few rows
     # groups under 128 from 104 rows (GLUON_HALF_TILES_MIN_M_SMALL_GROUP)
-    assert qm.gluon_tiles(103, 6144, 4096, 132, 32) == {"block_m": 128, "stages": 6, "programs": 132}
+    assert qm.gluon_tiles(103, 6144, 4096, 132, 32) == SK64
     assert qm.gluon_tiles(104, 6144, 4096, 132, 32) == qm.gluon_tiles(128, 8192, 4096, 132, 64) == half
     # where K is deep, at 112-128 rows of groups of 128 and more, where twice the 64-row tiles fill half the
     # SMs to a wave: each tile's K in two parts (GLUON_HALF_TILES_DEEP_MIN_M): down_proj's 64 tiles
@@ -93,22 +97,21 @@ def test_gluon_tiles_measured_choices():
         == qm.gluon_tiles(112, 4096, 8192, 132, 256)
         == half | {"split": 2} | deep
     )
-    sk = {"block_m": 128, "stages": 6, "programs": 132}
-    assert qm.gluon_tiles(111, 4096, 14336, 132) == qm.gluon_tiles(128, 4096, 14336, 132, 32) == sk
-    assert qm.gluon_tiles(128, 4096, 8191, 132) == sk  # (short K: 64 tiles under half the SMs)
-    assert qm.gluon_tiles(128, 2048, 14336, 132) == sk  # 64 programs: under half the SMs
-    assert qm.gluon_tiles(128, 8192, 14336, 132) == sk  # 256 programs: past a wave
+    assert qm.gluon_tiles(111, 4096, 14336, 132) == SK and qm.gluon_tiles(128, 4096, 14336, 132, 32) == SK64
+    assert qm.gluon_tiles(128, 4096, 8191, 132) == SK  # (short K: 64 tiles under half the SMs)
+    assert qm.gluon_tiles(128, 2048, 14336, 132) == SK  # 64 programs: under half the SMs
+    assert qm.gluon_tiles(128, 8192, 14336, 132) == SK  # 256 programs: past a wave
     assert qm.gluon_tiles(128, 14336, 4096, 132) == own
-    assert qm.gluon_tiles(256, 4096, 4096, 132, 64) == {"block_m": 128, "stages": 6, "programs": 132}
+    assert qm.gluon_tiles(256, 4096, 4096, 132, 64) == SK64
     assert qm.gluon_tiles(2048, 4096, 4096, 132) == PERSIST
     # 257-384 rows, where 256-row tiles pad by half: 128-row tiles stream-K where the weight comes from DRAM
     # (gate_up, 58.7 MB of words; down_proj, already stream-K), 256 rows where it stays in the L2 or the
-    # padding is less (prefill_tiling_probe.py on the H100: NOTES.md, twenty-first session)
-    sk128 = {"block_m": 128, "stages": 6, "programs": 132}
-    assert qm.gluon_tiles(320, 28672, 4096, 132) == sk128
-    assert qm.gluon_tiles(257, 4096, 14336, 132) == sk128
-    assert qm.gluon_tiles(384, 4096, 14336, 132) == sk128
-    assert qm.gluon_tiles(320, 14336, 4096, 132) == PERSIST
+    # padding is less (prefill_tiling_probe.py on the H100: NOTES.md, twenty-first session), up to
+    # GLUON_NARROW_L2_MIN_M rows (test_gluon_tiles_stream_k_frees_stages_by_warpgroup)
+    assert qm.gluon_tiles(320, 28672, 4096, 132) == qm.gluon_tiles(257, 28672, 4096, 132) == SK
+    assert qm.gluon_tiles(257, 4096, 14336, 132) == SK
+    assert qm.gluon_tiles(384, 4096, 14336, 132) == SK
+    assert qm.gluon_tiles(272, 14336, 4096, 132) == PERSIST
     assert qm.gluon_tiles(256, 28672, 4096, 132) == PERSIST
     # 256-row tiles whose last wave is at most 40% full, of outputs 6144 wide or more, x in the L2: all full
     # waves but one a tile a program, then the rest stream-K (prefill_tiling_probe.py on the H100: NOTES.md,
@@ -149,12 +152,12 @@ def test_gluon_tiles_step_128_deep_where_a_program_takes_whole_tiles(monkeypatch
     half = {"block_m": 128, "stages": 4, "block_n": 64, "num_warps": 4, "block_k": 128}
     assert qm.gluon_tiles(128, 4096, 4096, 132) == qm.gluon_tiles(256, 4096, 4096, 132) == half
     assert qm.gluon_tiles(80, 3072, 4096, 132) == half  # 48 tiles
-    assert qm.gluon_tiles(128, 2048, 4096, 132) == {"block_m": 128, "stages": 6, "programs": 132}  # 32 tiles
+    assert qm.gluon_tiles(128, 2048, 4096, 132) == SK  # 32 tiles: stream-K (GLUON_STREAM_K_RELEASE)
     # not 128-row tiles at most half a wave (stream-K), past one, or 257-384 rows of down_proj (the narrow
     # rule's stream-K first); not groups under 128
     assert "block_k" not in qm.gluon_tiles(256, 14336, 4096, 132)  # 224 128-row tiles
     assert "block_k" not in qm.gluon_tiles(640, 4096, 4096, 132)  # 160 tiles
-    assert qm.gluon_tiles(384, 4096, 14336, 132) == {"block_m": 128, "stages": 6, "programs": 132}
+    assert qm.gluon_tiles(384, 4096, 14336, 132) == SK
     assert qm.gluon_tiles(128, 14336, 14336, 132, 64) == {"block_m": 128, "stages": 6}
     assert qm.gluon_tiles(512, 4096, 4096, 132, 32) == {"block_m": 128, "stages": 6}
     assert "block_k" not in qm.gluon_tiles(128, 14336, 14336, 132, 192)  # (a group across two 128-deep tiles)
@@ -166,8 +169,51 @@ def test_gluon_tiles_step_128_deep_where_a_program_takes_whole_tiles(monkeypatch
     assert qm.gluon_tiles(512, 4096, 4096, 132) == {"block_m": 128, "stages": 6}
     half64 = {"block_m": 128, "stages": 6, "block_n": 64, "num_warps": 4}
     assert qm.gluon_tiles(128, 6144, 4096, 132) == half64
-    assert qm.gluon_tiles(256, 4096, 4096, 132) == {"block_m": 128, "stages": 6, "programs": 132}
+    assert qm.gluon_tiles(256, 4096, 4096, 132) == SK64
     assert qm.gluon_tiles(448, 4096, 14336, 132) == {"block_m": 256, "stages": 4, "programs": 132}
+
+
+def test_gluon_tiles_stream_k_frees_stages_by_warpgroup(monkeypatch):
+    # (prefill_tiling_probe.py on the H200: NOTES.md, forty-first session;
+    # quant_matmul.GLUON_STREAM_K_RELEASE) 128-row tiles stream-K: each warpgroup frees its own stages, 128
+    # deep in groups of whole 128s: down_proj at 65-111 rows, qkv at 65-79, the narrow rule's 257-384 rows
+    assert qm.gluon_tiles(65, 4096, 14336, 132) == qm.gluon_tiles(111, 4096, 14336, 132, 256) == SK
+    assert qm.gluon_tiles(72, 6144, 4096, 132) == qm.gluon_tiles(320, 14336, 14336, 132) == SK
+    assert qm.gluon_tiles(96, 4096, 14336, 132, 32) == qm.gluon_tiles(320, 28672, 4096, 132, 64) == SK64
+    # the narrow rule takes more rows: where 256-row tiles would be stream-K (down_proj) from
+    # GLUON_NARROW_MIN_M, where the weight stays in the L2 (qkv, 14336 x 4096) from GLUON_NARROW_L2_MIN_M
+    assert qm.gluon_tiles(143, 4096, 14336, 132) == {"block_m": 256, "stages": 4, "programs": 132}
+    assert qm.gluon_tiles(144, 4096, 14336, 132) == qm.gluon_tiles(256, 4096, 14336, 132) == SK
+    assert qm.gluon_tiles(279, 14336, 4096, 132) == PERSIST and qm.gluon_tiles(280, 14336, 4096, 132) == SK
+    assert qm.gluon_tiles(279, 6144, 4096, 132) == {"block_m": 256, "stages": 4}
+    assert qm.gluon_tiles(280, 6144, 4096, 132) == qm.gluon_tiles(384, 6144, 4096, 132) == SK
+    # not where 256-row tiles a tile a program stay (129-256 rows of the wide outputs, 385 rows on), nor
+    # o_proj's 128-row tiles a tile a program, nor the third-tile rule's whole waves
+    assert qm.gluon_tiles(192, 28672, 4096, 132) == PERSIST
+    assert qm.gluon_tiles(192, 14336, 14336, 132) == {"block_m": 256, "stages": 4, "cluster": 2}
+    assert qm.gluon_tiles(385, 6144, 4096, 132) == {"block_m": 256, "stages": 4}
+    assert qm.gluon_tiles(320, 4096, 4096, 132) == {
+        "block_m": 128,
+        "block_k": 128,
+        "stages": 5,
+        "wg_release": True,
+    }
+    assert qm.gluon_tiles(600, 28672, 4096, 132) == {
+        "block_m": 128,
+        "stages": 6,
+        "programs": 132,
+        "dp_waves": -1,
+    }
+    before = {"block_m": 128, "stages": 6, "programs": 132}
+    for name in ("GLUON_STREAM_K_RELEASE", "WG_RELEASE"):  # (off: the rule before, for A/B runs)
+        monkeypatch.setattr(qm, name, "off")
+        assert qm.gluon_tiles(96, 4096, 14336, 132) == qm.gluon_tiles(320, 28672, 4096, 132) == before
+        assert qm.gluon_tiles(256, 4096, 14336, 132) == {"block_m": 256, "stages": 4, "programs": 132}
+        assert qm.gluon_tiles(320, 14336, 4096, 132) == PERSIST
+        assert qm.gluon_tiles(320, 6144, 4096, 132) == {"block_m": 256, "stages": 4}
+        monkeypatch.setattr(qm, name, "on")
+    monkeypatch.setattr(qm, "GLUON_DEEP_K", "off")  # (64 deep, the warpgroups' release kept)
+    assert qm.gluon_tiles(96, 4096, 14336, 132) == SK64
 
 
 def test_gluon_tiles_pair_programs_where_the_weight_tiles_pair(monkeypatch):
@@ -374,6 +420,7 @@ def test_a_cluster_kernel_compiled_without_the_pass_is_refused_before_it_launche
         ("SQUEEZESERVE_GLUON_HALF_TILES", "gluon_tiles(128, 6144, 4096, 132)", "'block_n': 64"),
         ("SQUEEZESERVE_GLUON_DECODE_WHOLE", "gluon_decode_tiles(8, 132, 14336, 4096)", "'split': 1"),
         ("SQUEEZESERVE_GLUON_DEEP_K", "gluon_tiles(128, 14336, 14336, 132)", "'block_k': 128"),
+        ("SQUEEZESERVE_GLUON_STREAM_K_RELEASE", "gluon_tiles(96, 4096, 14336, 132)", "'wg_release': True"),
     ],
 )
 def test_gluon_cluster_settings_turn_them_off_and_refuse_a_bad_value(name, call, mark):
@@ -605,6 +652,13 @@ def test_gluon_prefill_is_dequantize_then_matmul(m, n, k, group, zeros, dtype, m
         (300, 4096, 4160, True, {"block_m": 128, "wg_release": True, "block_k": 128}),  # (K ends in a tile)
         (128, 4096, 4096, False, {"block_n": 64, "num_warps": 4, "block_k": 128}),  # o_proj: 64-row tiles
         (200, 4096, 4096, True, {"block_n": 64, "num_warps": 4, "block_k": 128}),  # (two rows of x tiles)
+        # (GLUON_STREAM_K_RELEASE: 128-row tiles stream-K, each warpgroup freeing its own stages, 128 deep)
+        (96, 4096, 14336, True, SK),  # down_proj
+        (72, 6144, 4160, False, SK),  # qkv (K ends in a tile)
+        (200, 4096, 14336, True, SK),  # down_proj at 144-256 rows: an M tail (packed: zero points)
+        (320, 28672, 4096, True, SK),  # gate_up: past the L2
+        (300, 14336, 4096, False, SK),  # in the L2, from GLUON_NARROW_L2_MIN_M rows
+        (280, 6144, 4160, True, SK),  # qkv (K ends in a tile)
     ],
 )
 def test_the_rules_mid_row_tilings_give_dequantize_then_matmul(m, n, k, zeros, tiling):
