@@ -641,7 +641,8 @@ def gluon_decode_in_auto(m: int, n_out: int, k_in: int, group_size: int = 128, z
 # SQUEEZESERVE_WG_RELEASE=off: the 64-row decode's warpgroups free their stages as Gluon writes it, after a
 # barrier of both (for A/B runs of a server; gluon_decode_tiles). On (the default), each warpgroup frees its
 # own (kernels/ops/ptx_release.py), there and in the prefill GEMM's 128-row tiles a tile a program up to 128
-# rows, and 128 deep past it up to a wave (groups of 128 and more; gluon_tiles, GLUON_DEEP_K). H200, 128 rows,
+# rows, and 128 deep past it up to a wave (groups of 128 and more; gluon_tiles, GLUON_DEEP_K), and its 128-row
+# tiles stream-K (GLUON_STREAM_K_RELEASE). H200, 128 rows,
 # owned words, us, two runs against the same tiling with the barrier
 # (results/prefill_tiling_probe_h200_2026-11-28_prefill_wg_release.log): 14336 x 4096 29.3-29.5 / 31.0-31.4,
 # gate_up 59.6-60.4 / 63.2-63.3, 14336^2 99.5-101.2 / 101.9-103.5 (Machete 29.4, 57.6, 92.5 in
@@ -897,15 +898,15 @@ GLUON_L2_BYTES = 50 * 2**20
 # against 88.5, gate_up 156.9-161.4 against 169.8-175.4, 14336^2 265.2-269.3 against 294.5-302.5; 384 rows
 # 80.3-80.6 / 157.1-164.4 / 275.5-283.0 against 89.8-90.0 / 179.4-183.5 / 304.8-313.5; down_proj at 176 / 192
 # / 256 rows (256-row tiles before) 59.6 / 56.6-57.0 / 57.0-57.7 against 63.4-63.7 / 60.7-61.0 / 67.6-68.4
-# (level at 144-160, 61.2 against 59.2 at 136); qkv at 280 / 320 / 384 rows 40.1 / 40.1-40.3 / 41.8-42.0
-# against 46.2-46.9 / 44.0-44.2 / 45.9-47.2, 14336 x 4096 83.2-83.7 / 81.0-82.0 against 94.5-95.7 / 91.2-95.1
-# (at 264 / 272 rows 104.6-105.1 / 101.4-102.7 against 85.2-85.4 / 96.7-98.2: GLUON_NARROW_L2_MIN_M). Zero
-# points: down_proj at 96 / 320 rows 35.8 / 83.5-84.8 against 39.6-39.8 / 99.3-101.2; g32, 64 deep:
-# down_proj 37.0 / 92.3-93.7 against 41.5-41.7 / 102.6-105.0, gate_up at 320 rows 183.3-187.3 against
-# 201.5-212.5. Where the rule keeps 256-row tiles the 128-row stream-K lost: 129-256 rows of gate_up, 14336^2,
-# 14336 x 4096 and qkv (gate_up at 192 rows 119.1 against 92.6-95.1), 448-512 rows (14336^2 at 512
-# 357.3-372.7 against 316.5-327.3), and o_proj at 272-384 rows its 128-row tiles a tile a program (33.7-39.3
-# against 28.4-30.4).
+# (level at 144-160 rows; at 136 60.9-61.6 against 58.5-59.9); qkv at 280 / 320 / 384 rows 40.1 / 40.1-40.3 /
+# 41.8-42.0 against 46.2-46.9 / 44.0-44.2 / 45.9-47.2, 14336 x 4096 at 320 / 384 rows 83.2-83.7 / 81.0-82.0
+# against 94.5-95.7 / 91.2-95.1 (at 264 / 272 rows 104.6-105.1 / 101.4-102.7 against 85.2-85.4 / 96.7-98.2:
+# GLUON_NARROW_L2_MIN_M). Zero points: down_proj at 96 / 320 rows 35.8 / 83.5-84.8 against 39.6-39.8 /
+# 99.3-101.2; g32, 64 deep: down_proj 37.0 / 92.3-93.7 against 41.5-41.7 / 102.6-105.0, gate_up at 320 rows
+# 183.3-187.3 against 201.5-212.5. Where the rule keeps 256-row tiles the 128-row stream-K lost: 129-256 rows
+# of gate_up, 14336^2, 14336 x 4096 and qkv (gate_up at 192 rows 119.1 against 92.6-95.1), 448-512 rows
+# (14336^2 at 512 357.3-372.7 against 316.5-327.3), and o_proj at 272-384 rows its 128-row tiles a tile a
+# program (33.7-39.3 against 28.4-30.4).
 GLUON_STREAM_K_RELEASE = os.environ.get("SQUEEZESERVE_GLUON_STREAM_K_RELEASE", "on")
 if GLUON_STREAM_K_RELEASE not in ("on", "off"):
     raise ValueError(f"SQUEEZESERVE_GLUON_STREAM_K_RELEASE must be on or off, got {GLUON_STREAM_K_RELEASE!r}")
@@ -966,7 +967,9 @@ def gluon_tiles(m: int, n_out: int, k_in: int, sms: int, group_size: int = 128) 
     persistent, a program an SM, where they are more than a wave (GLUON_PERSISTENT), else a tile a program
     where K >= GLUON_CLUSTER_MIN_K. In groups of whole 128s, the tilings a tile a program up to a wave step
     through K 128 deep (GLUON_DEEP_K), and where K is short the 64-row weight tiles take more
-    (GLUON_DEEP_K_HALF_*)."""
+    (GLUON_DEEP_K_HALF_*). Stream-K on 128-row tiles frees its stages by warpgroup, 128 deep in such groups,
+    and the narrow rule's 128-row tiles take 144-384 rows where 256-row tiles would be stream-K and 280-384
+    where the weight stays in the L2 (GLUON_STREAM_K_RELEASE)."""
     block_m = 128
     if m > 128 and (cdiv(n_out, 128) * cdiv(m, 256) >= sms // 2 or cdiv(k_in, 64) >= 128):
         block_m = 256
