@@ -153,8 +153,8 @@ def test_gluon_tiles_step_128_deep_where_a_program_takes_whole_tiles(monkeypatch
     assert qm.gluon_tiles(128, 4096, 4096, 132) == qm.gluon_tiles(256, 4096, 4096, 132) == half
     assert qm.gluon_tiles(80, 3072, 4096, 132) == half  # 48 tiles
     assert qm.gluon_tiles(128, 2048, 4096, 132) == SK  # 32 tiles: stream-K (GLUON_STREAM_K_RELEASE)
-    # not 128-row tiles at most half a wave (stream-K), past one, or 257-384 rows of down_proj (the narrow
-    # rule's stream-K first); not groups under 128
+    # not 128-row tiles a tile a program past a wave; not groups under 128 (stream-K's 128-row tiles, 128
+    # deep too: test_gluon_tiles_stream_k_frees_stages_by_warpgroup)
     assert "block_k" not in qm.gluon_tiles(256, 14336, 4096, 132)  # 224 128-row tiles
     assert "block_k" not in qm.gluon_tiles(640, 4096, 4096, 132)  # 160 tiles
     assert qm.gluon_tiles(384, 4096, 14336, 132) == SK
@@ -192,18 +192,10 @@ def test_gluon_tiles_stream_k_frees_stages_by_warpgroup(monkeypatch):
     assert qm.gluon_tiles(192, 28672, 4096, 132) == PERSIST
     assert qm.gluon_tiles(192, 14336, 14336, 132) == {"block_m": 256, "stages": 4, "cluster": 2}
     assert qm.gluon_tiles(385, 6144, 4096, 132) == {"block_m": 256, "stages": 4}
-    assert qm.gluon_tiles(320, 4096, 4096, 132) == {
-        "block_m": 128,
-        "block_k": 128,
-        "stages": 5,
-        "wg_release": True,
-    }
-    assert qm.gluon_tiles(600, 28672, 4096, 132) == {
-        "block_m": 128,
-        "stages": 6,
-        "programs": 132,
-        "dp_waves": -1,
-    }
+    wave = {"block_m": 128, "block_k": 128, "stages": 5, "wg_release": True}
+    assert qm.gluon_tiles(320, 4096, 4096, 132) == wave
+    waves_then_sk = {"block_m": 128, "stages": 6, "programs": 132, "dp_waves": -1}
+    assert qm.gluon_tiles(600, 28672, 4096, 132) == waves_then_sk
     before = {"block_m": 128, "stages": 6, "programs": 132}
     for name in ("GLUON_STREAM_K_RELEASE", "WG_RELEASE"):  # (off: the rule before, for A/B runs)
         monkeypatch.setattr(qm, name, "off")
