@@ -991,7 +991,7 @@ def gluon_tiles(m: int, n_out: int, k_in: int, sms: int, group_size: int = 128) 
         # against 96.6; 448 rows lose everywhere: NOTES.md, twenty-first session) until each warpgroup freed
         # its own stages, 128 deep: then from GLUON_NARROW_L2_MIN_M rows there, and from GLUON_NARROW_MIN_M
         # where the 256-row tiles would be stream-K (GLUON_STREAM_K_RELEASE).
-        return _stream_k_128(sms, group_size)
+        return _stream_k_128(sms, group_size, released)
     if (
         block_m == 256
         and GLUON_THIRD_TILE_MIN_M <= m <= GLUON_THIRD_TILE_MAX_M
@@ -1026,7 +1026,7 @@ def gluon_tiles(m: int, n_out: int, k_in: int, sms: int, group_size: int = 128) 
     if deep and m > 128 and sms // 2 < tiles128 <= sms:  # a wave of 128-row tiles, 128 deep (GLUON_DEEP_K)
         return {"block_m": 128} | _deep_whole(group_size)
     if stream_k:
-        return _stream_k_128(sms, group_size) if block_m == 128 else cfg | {"programs": sms}
+        return _stream_k_128(sms, group_size, released) if block_m == 128 else cfg | {"programs": sms}
     if m <= 128 and group_size >= 128:
         # 128-row tiles a tile a program: each warpgroup frees its own stages (WG_RELEASE), 128 deep
         return cfg | {"wg_release": WG_RELEASE == "on"} | deep
@@ -1051,11 +1051,12 @@ def gluon_tiles(m: int, n_out: int, k_in: int, sms: int, group_size: int = 128) 
     return cfg
 
 
-def _stream_k_128(sms: int, group_size: int) -> dict:
-    """128-row tiles stream-K over one program an SM: each warpgroup freeing its own stages, 128 deep in
-    groups of whole 128s (GLUON_STREAM_K_RELEASE), else as before (6 stages, 64 deep)."""
+def _stream_k_128(sms: int, group_size: int, released: bool) -> dict:
+    """128-row tiles stream-K over one program an SM: where ``released`` (GLUON_STREAM_K_RELEASE and
+    WG_RELEASE on), each warpgroup freeing its own stages, 128 deep in groups of whole 128s; else as before (6
+    stages, 64 deep)."""
     cfg = {"block_m": 128, "stages": 6, "programs": sms}
-    if GLUON_STREAM_K_RELEASE == WG_RELEASE == "on":
+    if released:
         cfg |= {"wg_release": True} | _deep_k(group_size, GLUON_STREAM_K_DEEP_STAGES)
     return cfg
 
