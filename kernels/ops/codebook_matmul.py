@@ -24,7 +24,7 @@ import triton.language as tl
 from torch.library import triton_op
 
 from squeezeserve.kernels import codebook_layout, reference
-from squeezeserve.kernels.ops.launch import cdiv, sm_count, traceable
+from squeezeserve.kernels.ops.launch import cdiv, no_workspace, sm_count, traceable
 from squeezeserve.kernels.ops.quant_matmul import _workspace
 from squeezeserve.kernels.ops.quant_matmul_kernels import _load_tile, _unpack, _write_tile
 from squeezeserve.kernels.registry import direct_launches, eager, interpreting, use_reference
@@ -57,7 +57,8 @@ def _lookup_ptx(fp32: bool, fp16: bool) -> str:
                 lines.append(f"cvt.f32.f16 ${o + 1}, h1;")
             else:
                 lines += [f"shl.b32 ${o}, {reg}, 16;", f"and.b32 ${o + 1}, {reg}, 0xFFFF0000;"]
-    return "{\n.reg .b32 s, t, m, a, b, lo, hi, p, q;\n.reg .b16 h0, h1;\n" + "\n".join(lines) + "\n}"
+    # (one line: Inductor copies a traced kernel's source, and line breaks broke the string there)
+    return "{ .reg .b32 s, t, m, a, b, lo, hi, p, q; .reg .b16 h0, h1; " + " ".join(lines) + " }"
 
 
 _PTX_BF16_F32 = tl.constexpr(_lookup_ptx(True, False))
@@ -479,7 +480,7 @@ def launch(
     mode = 0 if split == 1 else cfg.get("mode", 2 if eager(x2, indices, codebook) else 1)
     y_dtype = torch.float32 if mode == 1 else x2.dtype
     y = (torch.zeros if mode == 1 else torch.empty)((m, n_out), dtype=y_dtype, device=x2.device)
-    ws, counts = _workspace(x2.device, m * n_out, grid[0] * grid[1]) if mode == 2 and m else (y, y)
+    ws, counts = _workspace(x2.device, m * n_out, grid[0] * grid[1]) if mode == 2 and m else no_workspace(y)
     if m > 1 and kind in ("lut", "fma"):
         raise ValueError(f"codebook_matmul: the {kind.upper()} kernel takes one row, got {m}")
     if m and lut:

@@ -18,7 +18,7 @@ from triton import knobs
 from triton.runtime.errors import OutOfResources
 from triton.runtime.jit import JITFunction
 
-from squeezeserve.kernels.registry import direct_launches, interpreting, triton_on_cpu
+from squeezeserve.kernels.registry import direct_launches, eager, interpreting, triton_on_cpu
 
 try:  # host-side TMA descriptors (Gluon's and Triton's), where this Triton has them
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as _GluonDescriptor
@@ -41,6 +41,34 @@ def cdiv(a: int, b: int) -> int:
 
 def next_power_of_2(n: int) -> int:
     return 1 << (n - 1).bit_length() if n > 0 else 0
+
+
+def traced(*tensors: torch.Tensor | None) -> bool:
+    """Whether torch is tracing a launch on ``tensors`` (torch.compile's decomposition of a triton_op): it
+    goes through ``wrap_triton`` (:func:`traceable`) and the call is not an eager one (registry.eager). Such
+    a kernel is launched by torch.compile's code, never as anything's programmatic dependent: it leaves out
+    launch_dependents (:func:`launches_dependents`), whose inline PTX keeps torch from telling which
+    arguments the kernel writes (torch then copies every argument, the weights too, each call)."""
+    return is_wrap_triton_enabled() and not eager(*tensors)
+
+
+def lets_dependents_start(x: torch.Tensor) -> bool:
+    """A forward kernel's ``LAUNCH_DEPENDENTS`` for a launch on ``x``: :func:`launches_dependents` on its
+    device, but not where the launch is :func:`traced`."""
+    return launches_dependents(x.device) and not traced(x)
+
+
+def no_workspace(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The workspace and count arguments of a launch whose split parts never meet there (one part a tile,
+    or fp32 atomics into y): ``y`` again on eager calls; where torch may be tracing the launch, empty
+    tensors of their own. torch.compile gives a kernel whose writes its analysis of the kernel cannot follow
+    (inline PTX: the prefill GEMM's wgmma waits, the codebook kernels' lookups) a clone of each argument,
+    and takes an argument passed more than once back from its last clone: a ``y`` passed as the workspace
+    too came back unwritten (every output wrong under torch.compile on the H200: NOTES.md, forty-second
+    session)."""
+    if is_wrap_triton_enabled():
+        return y.new_empty(0, dtype=torch.float32), y.new_empty(0, dtype=torch.int32)
+    return y, y
 
 
 def traceable(kernel: triton.JITFunction):
@@ -337,7 +365,8 @@ def launches_dependents(device: torch.device) -> bool:
     ``griddepcontrol.launch_dependents`` first (their ``LAUNCH_DEPENDENTS``): a kernel launched after one of
     them as its programmatic dependent (vllm_ops.PDL_AFTER) may then start while it runs. CUDA
     compute capability 9.0 and up (the PTX instruction's least), compiled kernels (not the interpreter);
-    while :func:`capture` runs, a Hopper target's. Without such a dependent the instruction does nothing."""
+    while :func:`capture` runs, a Hopper target's. Without such a dependent the instruction does nothing.
+    Launch sites take :func:`traced` launches out."""
     if recording.target is not None:
         return recording.target[1]
     if interpreting() or device.type != "cuda":

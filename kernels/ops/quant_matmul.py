@@ -29,8 +29,9 @@ from squeezeserve.kernels.ops import launch
 from squeezeserve.kernels.ops.launch import (
     Workspace,
     cdiv,
-    launches_dependents,
+    lets_dependents_start,
     next_power_of_2,
+    no_workspace,
     sm_count,
     traceable,
     wgmma,
@@ -493,7 +494,7 @@ def _rows(
     # launch (the workspace is state outside the op's inputs): then in a zeroed fp32 y, cast afterwards.
     mode = 0 if split == 1 else (2 if eager(x2, qweight, scales, zeros) else 1)
     y = _output(m, n_out, x2, mode, out)
-    ws, counts = _workspace(x2.device, m * n_out, grid[0] * grid[1]) if mode == 2 and m else (y, y)
+    ws, counts = _workspace(x2.device, m * n_out, grid[0] * grid[1]) if mode == 2 and m else no_workspace(y)
     if m:
         args = (
             x2, qweight, scales, zero_arg, y, ws, counts, m, n_out, k_in,
@@ -502,7 +503,7 @@ def _rows(
         )  # fmt: skip
         meta = {"GROUP": group_size, "HAS_ZERO": zeros is not None, "BLOCK_M": block_m,
                 "BLOCK_N": cfg["BLOCK_N"], "BLOCK_K": block_k, "MODE": mode,
-                "EVEN_K": k_in % block_k == 0, "LAUNCH_DEPENDENTS": launches_dependents(x2.device),
+                "EVEN_K": k_in % block_k == 0, "LAUNCH_DEPENDENTS": lets_dependents_start(x2),
                 "num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}  # fmt: skip
         if cfg.get("maxnreg"):  # a register cap: tests/gpu/maxnreg_probe.py sets one, no shipped tuning does
             # (H100: caps of 96 and 80 registers, 5 and 6 programs an SM, were 5-34% and 34-84% slower)
@@ -1215,7 +1216,7 @@ def _prefill(x2, qweight, scales, zeros, zero_arg, group_size, bits, out=None) -
     grid = (cdiv(n_out, cfg["BLOCK_N"]) * cdiv(m, cfg["BLOCK_M"]), 1, split)
     mode = 0 if split == 1 else (2 if eager(x2, qweight, scales, zeros) else 1)
     y = _output(m, n_out, x2, mode, out)
-    ws, counts = _workspace(x2.device, m * n_out, grid[0]) if mode == 2 else (y, y)
+    ws, counts = _workspace(x2.device, m * n_out, grid[0]) if mode == 2 else no_workspace(y)
     magic, bias, mantissa = _MAGIC[x2.dtype]
     if bits >= mantissa:  # int8 values do not fit bf16's 7-bit mantissa: converted instead (BIAS 0)
         magic, bias = 0, 0.0

@@ -487,8 +487,8 @@ def _after_mma(h):
     wait orders every write after it; the products of one tile still run back to back. Hopper only (wgmma
     is sm_90's instruction)."""
     return tl.inline_asm_elementwise(
-        "wgmma.wait_group.sync.aligned 0;\n\t"
-        "mov.b32 $0, $4;\n\tmov.b32 $1, $5;\n\tmov.b32 $2, $6;\n\tmov.b32 $3, $7;",
+        # (one line: Inductor copies a traced kernel's source, and its escapes broke the string there)
+        "wgmma.wait_group.sync.aligned 0; mov.b32 $0, $4; mov.b32 $1, $5; mov.b32 $2, $6; mov.b32 $3, $7;",
         "=r,=r,=r,=r,r,r,r,r",
         [h],
         dtype=tl.int32,

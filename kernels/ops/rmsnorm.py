@@ -21,7 +21,7 @@ from squeezeserve.kernels import reference
 from squeezeserve.kernels.ops.launch import (
     block_rows,
     cdiv,
-    launches_dependents,
+    lets_dependents_start,
     num_warps_for,
     persistent_programs,
     row_block,
@@ -158,7 +158,7 @@ def _forward(
             x2, res2, h2, weight, y2,
             x2.stride(0), res2.stride(0), h2.stride(0), y2.stride(0),
             n, eps, rows, BLOCK_R=rows_per_program, BLOCK=block, HAS_RESIDUAL=residual is not None,
-            FUSED_ROUNDING=fused_rounding, LAUNCH_DEPENDENTS=launches_dependents(x.device), WAIT=dependent,
+            FUSED_ROUNDING=fused_rounding, LAUNCH_DEPENDENTS=lets_dependents_start(x), WAIT=dependent,
             num_warps=num_warps_for(block), **({"launch_pdl": True} if dependent else {}),
         )  # fmt: skip
     return y, h

@@ -17,7 +17,7 @@ from squeezeserve.kernels import reference
 from squeezeserve.kernels.ops.launch import (
     block_rows,
     cdiv,
-    launches_dependents,
+    lets_dependents_start,
     next_power_of_2,
     rows_2d,
     traceable,
@@ -161,7 +161,7 @@ def _launch_fwd(
     rows_per_tile, block, grid, warps = _tiles(rows, d)
     traceable(_swiglu_fwd)[grid](
         gate2, up2, out2, gate2.stride(0), up2.stride(0), out2.stride(0), d, alpha, limit, rows,
-        BLOCK_R=rows_per_tile, BLOCK=block, OAI=oai, LAUNCH_DEPENDENTS=launches_dependents(out2.device),
+        BLOCK_R=rows_per_tile, BLOCK=block, OAI=oai, LAUNCH_DEPENDENTS=lets_dependents_start(out2),
         WAIT=dependent, num_warps=warps, **({"launch_pdl": True} if dependent else {}),
     )  # fmt: skip
 

@@ -112,6 +112,21 @@ def test_codebook_matmul_refuses_mismatched_tensors_with_the_reason(device):
         cm.launch(x, indices, codebook, 0, 4, lut)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="torch.compile traces the compiled kernels")
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize(("m", "k"), [(1, 64), (3, 64), (16, 4096)])
+def test_codebook_matmul_under_torch_compile_computes_what_its_eager_calls_do(check, backend, m, k):
+    # As quant_matmul's (test_quant_matmul.py): the kernels' lookups are inline PTX, so torch.compile copies
+    # each argument; the output must not be passed again as the unused workspace.
+    indices, codebook = _weight(64, k, 32, 4, "cuda")
+    torch._dynamo.reset()
+    compiled = torch.compile(
+        lambda x: torch.ops.squeezeserve.codebook_matmul(x, indices, codebook, 32, 4), backend=backend
+    )
+    x = torch.randn(m, k, device="cuda", dtype=torch.float16)
+    check.close(compiled(x), K.codebook_matmul(x, indices, codebook, 32, 4), torch.float16)
+
+
 def test_codebook_matmul_op_schema_fake_and_autograd(check, device):
     indices, codebook = _weight(8, 64, 32, 4, device)
     x = torch.randn(3, 64, device=device, requires_grad=True)

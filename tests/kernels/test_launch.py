@@ -207,3 +207,31 @@ def test_workspace_grows_geometrically_and_keeps_what_it_replaced():
     assert floats.numel() < 2 * 1000
     assert kept < 4 * 1000  # (growing to each size asked kept 500500)
     assert len(ws.retired) <= 7  # 16 -> 32 -> ... -> 1024
+
+
+def test_traced_launches_let_no_dependent_start_and_pass_their_output_once(monkeypatch):
+    # torch.compile decomposes a triton_op into its launches (through wrap_triton) and gives a kernel whose
+    # writes its analysis cannot follow (inline PTX) a copy of each argument, taking an argument passed
+    # twice back from its last copy. So a traced launch leaves launch_dependents' PTX out (nothing launches
+    # as its dependent) and passes no output again as an unused workspace (H200: quant_matmul under
+    # torch.compile returned that unwritten copy; tests/benchmarks/NOTES.md, forty-second session).
+    from torch._library.triton import set_wrap_triton_enabled
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Tracing(TorchDispatchMode):  # (runs each op as it comes: to registry.eager, a trace)
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    monkeypatch.setattr(launch.recording, "target", (132, True))  # (a Hopper GPU's launches, as capture has)
+    x = torch.zeros(4, 8, dtype=torch.float16)
+    with set_wrap_triton_enabled(False):  # an eager call (registry.direct_launches)
+        assert launch.lets_dependents_start(x) and not launch.traced(x)
+        ws, counts = launch.no_workspace(x)
+        assert ws is x and counts is x
+    # launches through wrap_triton outside a trace (the opaque ops' bodies while vLLM captures its graphs)
+    with set_wrap_triton_enabled(True):
+        assert launch.lets_dependents_start(x) and not launch.traced(x)
+        with Tracing():
+            assert launch.traced(x) and not launch.lets_dependents_start(x)
+            ws, counts = launch.no_workspace(x)
+        assert ws is not x and counts is not x and ws.numel() == counts.numel() == 0

@@ -211,6 +211,37 @@ def test_quant_matmul_opcheck(device, check):
     check.opcheck(torch.ops.squeezeserve.quant_matmul.default, args)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="torch.compile traces the compiled kernels")
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize(
+    ("m", "n", "k", "group", "zeros", "prefill"),
+    [
+        (3, 16, 64, 32, True, "auto"),  # the decode kernels, a tile's K in one part (launch_dependents' PTX)
+        (3, 16, 64, 32, False, "auto"),
+        (16, 256, 8192, 128, True, "auto"),  # the decode's K in parts that meet in fp32 sums
+        (200, 256, 512, 128, False, "triton"),  # the prefill GEMM (its wgmma waits' PTX)
+    ],
+)
+def test_quant_matmul_under_torch_compile_computes_what_its_eager_calls_do(
+    monkeypatch, check, backend, m, n, k, group, zeros, prefill
+):
+    # torch.compile decomposes the op into its launches and gives a kernel whose writes its analysis cannot
+    # follow (inline PTX) a copy of each argument, taking an argument passed twice back from its last copy:
+    # the output passed again as the unused workspace came back unwritten (every output wrong on the H200
+    # until launch.no_workspace; launch.traced leaves launch_dependents' PTX out of traced launches).
+    monkeypatch.setattr(qm, "PREFILL", prefill)
+    packed = ql.pack_weight(torch.randn(n, k).half(), 4, group, symmetric=not zeros)
+    args = [packed["weight_packed"].cuda(), packed["weight_scale"].cuda()]
+    args.append(packed["weight_zero_point"].cuda() if zeros else None)
+    torch._dynamo.reset()
+    compiled = torch.compile(
+        lambda x: torch.ops.squeezeserve.quant_matmul(x, *args, group, 4), backend=backend, fullgraph=True
+    )
+    for rows in (m, m + 1):
+        x = torch.randn(rows, k, device="cuda", dtype=torch.float16)
+        check.close(compiled(x), K.quant_matmul(x, *args, group, 4), torch.float16)
+
+
 def test_quant_matmul_opaque_is_one_node_under_compile(device, check):
     """vLLM compiles one graph for every batch size: the opaque op must stay a single call in the graph
     (its row-count dispatch then runs per call) and compute what quant_matmul computes."""
