@@ -62,7 +62,7 @@ def no_workspace(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The workspace and count arguments of a launch whose split parts never meet there (one part a tile,
     or fp32 atomics into y): ``y`` again on eager calls; where torch may be tracing the launch, empty
     tensors of their own. torch.compile gives a kernel whose writes its analysis of the kernel cannot follow
-    (inline PTX: the prefill GEMM's wgmma waits, the codebook kernels' lookups) a clone of each argument,
+    (inline PTX not marked pure: the prefill GEMM's wgmma waits, launch_dependents) a clone of each argument,
     and takes an argument passed more than once back from its last clone: a ``y`` passed as the workspace
     too came back unwritten (every output wrong under torch.compile on the H200: NOTES.md, forty-second
     session)."""

@@ -116,8 +116,8 @@ def test_codebook_matmul_refuses_mismatched_tensors_with_the_reason(device):
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 @pytest.mark.parametrize(("m", "k"), [(1, 64), (3, 64), (16, 4096)])
 def test_codebook_matmul_under_torch_compile_computes_what_its_eager_calls_do(check, backend, m, k):
-    # As quant_matmul's (test_quant_matmul.py): the kernels' lookups are inline PTX, so torch.compile copies
-    # each argument; the output must not be passed again as the unused workspace.
+    # As quant_matmul's (test_quant_matmul.py): no output passed again as the unused workspace; and Inductor
+    # copies the lookups' PTX into a source file of its own (a string with line breaks broke there).
     indices, codebook = _weight(64, k, 32, 4, "cuda")
     torch._dynamo.reset()
     compiled = torch.compile(
