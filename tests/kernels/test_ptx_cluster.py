@@ -182,3 +182,48 @@ def test_the_rules_cluster_tilings_compile_for_sm90_as_pairs(run_compiled):
         # persistent: each tile's sum stored by TMA from shared memory beside the ring (in the H100's 227 KB)
         assert r["tma_store"] == (1 if r["persistent"] else 0) and r["smem"] <= 232448, (case, r)
         assert r["loop"] <= r["alone_loop"] + 12, (case, r)  # (a release's remote arrival: 319 against 311)
+
+
+_PAIRED_COMPILE = """
+import json
+import torch
+from squeezeserve.kernels.ops import cross_compile
+from squeezeserve.kernels.ops import quant_matmul_gluon as qg
+
+m, n, k, g = 512, 14336, 14336, 128  # (224 tiles of 256 x 128: 1.7 waves)
+x = torch.zeros(m, k, dtype=torch.bfloat16)
+qw, sc = torch.zeros(n, k // 8, dtype=torch.int32), torch.zeros(n, k // g, dtype=torch.bfloat16)
+y, ws, counts = torch.empty(m, n, dtype=x.dtype), torch.zeros(m * n), torch.zeros(4096, dtype=torch.int32)
+for case, extra in {"stream-K": {}, "a wave whole, then stream-K": {"dp_waves": 1}}.items():
+    cfg = {"block_m": 256, "stages": 4, "programs": 132, "mode": 2, "owned": True} | extra
+    launches = {c: qg.launch_args(x, qw, sc, None, g, y, ws, counts, cluster=c, **cfg) for c in (1, 2)}
+    c, alone = (cross_compile.compile_for(qg._wgmma_kernel, *launches[c][1:]) for c in (2, 1))
+    s, s1 = (cross_compile.summary(cross_compile.sass(kernel)) for kernel in (c, alone))
+    ptx = c.asm["ptx"]
+    print(json.dumps({
+        "case": case, "grid": launches[2][0], "paired": launches[2][2]["PAIRED"],
+        "num_ctas": c.metadata.num_ctas, "multicast": ptx.count(".multicast::cluster"),
+        "remote": ptx.count("mbarrier.arrive.shared::cluster.b64"),
+        "local": ptx.count("mbarrier.arrive.shared::cta.b64"),
+        "cluster_dims": ".reqnctapercluster 2, 1, 1" in ptx, "spills": s["local"],
+        "alone_spills": s1["local"], "loop_spills": s["loop_local"], "loop": s["loop_instructions"],
+        "alone_loop": s1["loop_instructions"], "smem": c.metadata.shared,
+    }))
+"""
+
+
+@pytest.mark.skipif(not cross_compile.has_cuobjdump(), reason="this Triton wheel has no cuobjdump")
+def test_stream_k_in_clusters_compiles_for_sm90_as_pairs(run_compiled):
+    # A trial for probes (no rule takes it): 256-row tiles shared stream-K among clusters of two, the two
+    # programs of a cluster taking the same units of a pair of tiles (quant_matmul_gluon._share's PAIRED),
+    # alone or after a wave of whole tiles, as Machete's stream-K keeps its clusters (NOTES.md, forty-second
+    # session). Compiled down to SASS: launched in pairs, the x loads multicast, a remote release for each
+    # release, nothing spilled that the programs alone do not spill (their parts' epilogue), none in the K
+    # loop.
+    results = run_compiled(["-c", _PAIRED_COMPILE])
+    assert len(results) == 2
+    for case, r in results.items():
+        assert r["paired"] and r["grid"] == [66, 1] and r["num_ctas"] == 2, (case, r)
+        assert r["multicast"] == 2 and r["remote"] == r["local"] >= 2 and r["cluster_dims"], (case, r)
+        assert r["spills"] <= r["alone_spills"] and r["loop_spills"] == 0 and r["smem"] <= 232448, (case, r)
+        assert r["loop"] <= r["alone_loop"] + 12, (case, r)
