@@ -596,10 +596,11 @@ def _stretch(s, start, end, k_units, dp_tiles, DP: gl.constexpr, PAIRED: gl.cons
     lo = start
     hi = end
     if DP:
-        if s * gl.num_programs(0) + gl.program_id(0) < dp_tiles:
-            lo = (s * gl.num_programs(0) + gl.program_id(0)) * k_units
-            if PAIRED:
-                lo = (s * gl.num_programs(0) + gl.program_id(0)) // 2 * k_units
+        tile = s * gl.num_programs(0) + gl.program_id(0)
+        if tile < dp_tiles:
+            if PAIRED:  # (its pair)
+                tile = tile // 2
+            lo = tile * k_units
             hi = lo + k_units
     return lo, hi
 
@@ -614,12 +615,9 @@ def _segment(unit, end, k_units, tiles_m, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
     counts a pair's units (:func:`_share`), the program's rank in its cluster saying which of the two."""
     tile = unit // k_units
     u0 = unit - tile * k_units
-    if PAIRED:
-        pair = tile
-        tile = 2 * pair + gl.program_id(0) % 2
-        off_m = (pair % tiles_m) * BLOCK_M
-        off_n = ((pair // tiles_m) * 2 + tile % 2) * BLOCK_N
-    elif CLUSTER == 2:
+    if PAIRED:  # (``tile`` is a pair's index: this program's tile of the pair)
+        tile = 2 * tile + gl.program_id(0) % 2
+    if CLUSTER == 2:
         pair = tile // 2
         off_m = (pair % tiles_m) * BLOCK_M
         off_n = ((pair // tiles_m) * 2 + tile % 2) * BLOCK_N
