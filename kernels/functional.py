@@ -13,6 +13,7 @@ from squeezeserve.kernels import registry
 from squeezeserve.kernels.ops import cross_entropy as _cross_entropy
 from squeezeserve.kernels.ops import fused_linear_ce as _fused_linear_ce
 from squeezeserve.kernels.ops import fused_linear_kd as _fused_linear_kd
+from squeezeserve.kernels.ops import quant_matmul as _quant_matmul
 from squeezeserve.kernels.ops import rmsnorm as _rmsnorm
 from squeezeserve.kernels.ops import softmax as _softmax
 from squeezeserve.kernels.ops import swiglu as _swiglu
@@ -164,6 +165,8 @@ def quant_matmul(
     bits: int,
 ) -> torch.Tensor:
     """x @ W.T for W in compressed-tensors' pack-quantized layout (see ``kernels/quant_layout.py``)."""
+    if registry.eager(x, qweight, scales, zeros):  # (without torch's dispatcher, with launch plans)
+        return _quant_matmul.quant_matmul_eager(x, qweight, scales, zeros, group_size, bits)
     return _ops.quant_matmul(x, qweight, scales, zeros, group_size, bits)
 
 

@@ -48,7 +48,8 @@ def traced(*tensors: torch.Tensor | None) -> bool:
     goes through ``wrap_triton`` (:func:`traceable`) and the call is not an eager one (registry.eager). Such
     a kernel is launched by torch.compile's code, never as anything's programmatic dependent: it leaves out
     launch_dependents (:func:`launches_dependents`), whose inline PTX keeps torch from telling which
-    arguments the kernel writes (torch then copies every argument, the weights too, each call)."""
+    arguments the kernel writes (torch then takes every argument as written: aot_eager copies each, the
+    weights too, each call)."""
     return is_wrap_triton_enabled() and not eager(*tensors)
 
 

@@ -34,6 +34,7 @@ from squeezeserve.kernels.ops.launch import (
     no_workspace,
     sm_count,
     traceable,
+    traced,
     wgmma,
 )
 from squeezeserve.kernels.ops.quant_matmul_kernels import (
@@ -1230,7 +1231,7 @@ def _prefill(x2, qweight, scales, zeros, zero_arg, group_size, bits, out=None) -
         BLOCK_N=cfg["BLOCK_N"], BLOCK_K=block_k, MODE=mode, EVEN_K=k_in % block_k == 0,
         GPT=_groups_per_tile(group_size, block_k, 32 // bits), SWIZZLE=cfg["SWIZZLE"],
         DOT_FP32=bf16_interpreted, ASYNC_MMA=not interpreting() and wgmma(x2.device),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        TRACED=traced(x2, qweight, scales, zeros), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
     return y.to(x2.dtype)
 

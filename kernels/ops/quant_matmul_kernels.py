@@ -477,7 +477,7 @@ def _mma(a, b, acc, DOT_FP32: tl.constexpr):
 
 
 @triton.jit
-def _after_mma(h):
+def _after_mma(h, TRACED: tl.constexpr):
     """h, once every tensor-core product this warpgroup has in flight is complete (``wgmma.wait_group 0``).
 
     The prefill GEMM's A operand is computed in registers every K tile. Triton (3.6) lets those products run
@@ -485,14 +485,21 @@ def _after_mma(h):
     still be read by them (PTX: undefined): on the H100 the tilings where ptxas kept them in flight gave
     products off by 0.45-16% (relative error against cuBLAS). Routing the next tile's words through this
     wait orders every write after it; the products of one tile still run back to back. Hopper only (wgmma
-    is sm_90's instruction)."""
+    is sm_90's instruction).
+
+    ``TRACED``: a launch torch.compile traces. torch reads which arguments a kernel writes off its TTIR and
+    gives up at inline PTX not marked pure: it takes every argument as written. Inductor then writes them in
+    place, but aot_eager copies each, the weight too, every call (1.7x the time at 512 rows; NOTES.md,
+    forty-third session). There the wait is marked pure: each of its instances (one for ``pack`` words) then
+    may sink to the values it feeds, but every value made from this tile's words still comes after a wait
+    (more waits in the SASS, each after the first for nothing). Eager launches keep one place for all."""
     return tl.inline_asm_elementwise(
-        # (one line: Inductor copies a traced kernel's source, and its escapes broke the string there)
+        # (no escapes: Inductor copies a traced kernel's source, and its escapes broke the string there)
         "wgmma.wait_group.sync.aligned 0; mov.b32 $0, $4; mov.b32 $1, $5; mov.b32 $2, $6; mov.b32 $3, $7;",
         "=r,=r,=r,=r,r,r,r,r",
         [h],
         dtype=tl.int32,
-        is_pure=False,
+        is_pure=TRACED,
         pack=4,
     )
 
@@ -578,6 +585,7 @@ def _prefill_kernel(
     SWIZZLE: tl.constexpr,  # N tiles per band of the launch order (tiles sharing x run together)
     DOT_FP32: tl.constexpr,  # upcast the dot operands (Triton's interpreter gets bf16 tl.dot wrong)
     ASYNC_MMA: tl.constexpr,  # compiled for Hopper, whose dots (wgmma) are asynchronous: see _after_mma
+    TRACED: tl.constexpr,  # launched by torch.compile's code: see _after_mma
 ):
     """Prefill: a tensor-core GEMM that dequantizes the weight tile in registers (no dense weight in memory).
 
@@ -620,7 +628,7 @@ def _prefill_kernel(
         words = k0 // PACK + offs_w
         h, xt = _load_tile(qw_rows, x_rows, words, k0 + offs_k, mask_n, mask_m, n_words, K, EVEN_K)
         if ASYNC_MMA:
-            h = _after_mma(h)
+            h = _after_mma(h, TRACED)
         if GPT > 0:
             s_t, z_t = _tile_params(scale_ptr, zero_ptr, offs_n, mask_n, tile, K, scale_row_stride,
                                     zero_row_stride, BITS, GROUP, HAS_ZERO, BLOCK_K, GPT)  # fmt: skip

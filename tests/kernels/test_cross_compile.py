@@ -304,3 +304,50 @@ def test_gpu_paths_fit_smaller_gpus(gpu):
                 fewer.append(result["case"])
     # where the H100's tilings do not fit, fewer stages do
     assert "codebook_matmul 128x4096x4096 3-bit per channel" in fewer
+
+
+_TRACED_WRITES = """
+import json
+import torch
+import triton
+from torch._higher_order_ops import triton_kernel_wrap
+from triton.backends.compiler import GPUTarget
+from squeezeserve.kernels import quant_layout
+from squeezeserve.kernels.ops import launch, quant_matmul
+
+
+class Hopper:  # (torch makes the kernel's TTIR for the current target; there is no GPU here)
+    def get_current_target(self):
+        return GPUTarget("cuda", 90, 32)
+
+
+triton.runtime.driver.set_active(Hopper())
+quant_matmul.PREFILL = "triton"
+for m, n, k, group, zeros in [(200, 256, 512, 128, True), (80, 40, 576, 48, False)]:
+    t = quant_layout.pack_weight(torch.zeros(n, k), 4, group, symmetric=not zeros)
+    x = torch.zeros(m, k, dtype=torch.float16)
+    zp = t["weight_zero_point"] if zeros else None
+    with launch.capture(sms=132, wgmma=True) as launches:
+        quant_matmul._quant_matmul(x, t["weight_packed"], t["weight_scale"].half(), zp, group, 4)
+    ((kernel, grid, args, kwargs),) = launches
+    for traced in (False, True):
+        named = dict(zip(kernel.arg_names, args)) | {k: v for k, v in kwargs.items() if k in kernel.arg_names}
+        named["TRACED"] = traced
+        access = triton_kernel_wrap.identify_accessed_tensors(kernel, named, {})
+        print(json.dumps({"case": f"{m}x{n}x{k} g{group} traced={traced}", "kernel": kernel.__name__,
+                          "writes": sorted(dep.name for dep in access.read_writes.writes)}))
+"""
+
+
+def test_traced_prefill_writes_only_its_outputs_to_torch(run_compiled):
+    # torch.compile reads which arguments a kernel writes off its TTIR, and takes every argument as written
+    # where inline PTX not marked pure stops it (aot_eager then copies each, the weights too, every call).
+    # The prefill GEMM's wgmma wait is such PTX; launched by torch.compile's code (TRACED) it is marked pure,
+    # and torch sees the output, the workspace and the counts written, nothing else (NOTES.md, forty-third
+    # session).
+    results = run_compiled(["-c", _TRACED_WRITES])
+    assert len(results) == 4
+    for case, r in results.items():
+        assert r["kernel"] == "_prefill_kernel", r
+        everything = ["count_ptr", "qw_ptr", "scale_ptr", "ws_ptr", "x_ptr", "y_ptr", "zero_ptr"]
+        assert r["writes"] == (["count_ptr", "ws_ptr", "y_ptr"] if case.endswith("True") else everything), r

@@ -1,11 +1,14 @@
 """The functional API's eager fast path (registry.EagerOp) against the registered ops it stands in for."""
 
+import dataclasses
+
 import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from squeezeserve.kernels import functional as K
-from squeezeserve.kernels import registry
+from squeezeserve.kernels import quant_layout, registry
+from squeezeserve.kernels.ops import quant_matmul
 
 _ops = torch.ops.squeezeserve
 EPS = 1e-6
@@ -52,12 +55,35 @@ def test_eager_path_equals_registered_op(name, device):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("zeros", [False, True])
+def test_quant_matmul_eager_path_equals_registered_op(zeros, device, monkeypatch):
+    # K.quant_matmul (QuantLinear's forward) runs the op's body without the dispatcher, whose custom-op
+    # layers cost the H200's host more than the kernel at decode sizes (NOTES.md, forty-third session); the
+    # output and dx are the registered op's, bit for bit.
+    bodies = []
+    op = quant_matmul.quant_matmul_eager
+    counted = dataclasses.replace(op, forward=lambda *a: bodies.append(1) or op.forward(*a))
+    monkeypatch.setattr(quant_matmul, "quant_matmul_eager", counted)
+    t = quant_layout.pack_weight(torch.randn(24, 64), 4, 32, symmetric=not zeros)
+    weight = [t["weight_packed"].to(device), t["weight_scale"].half().to(device)]
+    weight.append(t["weight_zero_point"].to(device) if zeros else None)
+    x = torch.randn(5, 64, device=device).half()
+    grad_out = torch.randn(5, 24, device=device).half()
+    fast_outs, fast_grads = _run(lambda a: K.quant_matmul(a, *weight, 32, 4), [x], [grad_out])
+    assert bodies, "K.quant_matmul went through the dispatcher"
+    op_outs, op_grads = _run(lambda a: _ops.quant_matmul(a, *weight, 32, 4), [x], [grad_out])
+    for a, b in zip((*fast_outs, *fast_grads), (*op_outs, *op_grads), strict=True):
+        assert torch.equal(a, b)
+
+
 def test_traced_calls_keep_the_registered_op():
     x, w = torch.randn(2, 8), torch.rand(8) + 0.5
+    t = quant_layout.pack_weight(torch.randn(8, 8), 4, 8, symmetric=True)
+    weight = (t["weight_packed"], t["weight_scale"], None, 8, 4)
     with registry.triton_on_cpu(False):  # the reference bodies: this tests dispatch, not kernels
-        graph = make_fx(lambda a, b: K.swiglu(K.rmsnorm(a, b, EPS), a))(x, w)
+        graph = make_fx(lambda a, b: K.quant_matmul(K.swiglu(K.rmsnorm(a, b, EPS), a), *weight))(x, w)
     targets = {node.target for node in graph.graph.nodes if node.op == "call_function"}
-    assert _ops.rmsnorm.default in targets and _ops.swiglu.default in targets
+    assert {_ops.rmsnorm.default, _ops.swiglu.default, _ops.quant_matmul.default} <= targets
 
 
 def test_eager_is_false_while_tracing_or_for_subclasses():
