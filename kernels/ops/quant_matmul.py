@@ -1369,6 +1369,28 @@ def _quant_matmul_owned(
     return y.reshape(*x.shape[:-1], n_out)
 
 
+# Traced by torch.compile on a Hopper GPU, quant_matmul is its opaque op (COMPILED "opaque", the default):
+# its eager dispatch then runs per call, the Gluon kernels included, which torch cannot trace; the traced
+# body has the Triton kernels alone. H200, Inductor, GPU time a call in a CUDA graph, traced body / opaque op
+# (tests/gpu/compile_probe.py, results/compile_probe_h200_2026-11-29.log), g128: 16 x 14336^2 50.4 / 49.2
+# us, 64 x 14336 x 4096 38.1 / 25.1, 200 x 4096^2 28.5 / 22.1, 512 x 14336 x 4096 119.4 / 87.0, 2048 rows
+# 348.5 / 307.8; g32 with zero points 1.02-1.20x at 16-512 rows, 0.98x at 2048. Where no Gluon kernel runs
+# (other GPUs, int8) torch.compile traces the body. SQUEEZESERVE_COMPILED_QUANT_MATMUL=kernels traces it on
+# Hopper too, for a graph of Triton kernels alone (torch.export and AOTInductor package those, not a Python
+# op).
+COMPILED = os.environ.get("SQUEEZESERVE_COMPILED_QUANT_MATMUL", "opaque")
+if COMPILED not in ("opaque", "kernels"):
+    raise ValueError(f"SQUEEZESERVE_COMPILED_QUANT_MATMUL must be opaque or kernels, got {COMPILED!r}")
+
+
+def _traced_opaque(x, qweight, scales, zeros, bits) -> bool:
+    """Whether a call of the traceable op is its opaque op (COMPILED): traced, int4, on a Hopper GPU whose
+    Triton runs the Gluon kernels."""
+    if COMPILED != "opaque" or bits != 4 or interpreting() or not (x.is_cuda or launch.capturing()):
+        return False
+    return traced(x, qweight, scales, zeros) and wgmma(x.device) and gluon_module() is not None
+
+
 def _quant_matmul_traced(
     x: torch.Tensor,
     qweight: torch.Tensor,
@@ -1377,7 +1399,10 @@ def _quant_matmul_traced(
     group_size: int,
     bits: int,
 ) -> torch.Tensor:
-    """The traceable op's body (no ``pdl``: torch.compile's launches of a traced kernel take no PDL)."""
+    """The traceable op's body (no ``pdl``: torch.compile's launches of a traced kernel take no PDL); traced
+    on Hopper, the opaque op (COMPILED)."""
+    if _traced_opaque(x, qweight, scales, zeros, bits):
+        return torch.ops.squeezeserve.quant_matmul_opaque(x, qweight, scales, zeros, group_size, bits)
     return _quant_matmul(x, qweight, scales, zeros, group_size, bits)
 
 

@@ -3,6 +3,7 @@ import logging
 
 import pytest
 import torch
+import torch._inductor.config as inductor_config
 
 from squeezeserve.kernels import QuantLinear, registry
 from squeezeserve.kernels import functional as K
@@ -213,6 +214,7 @@ def test_quant_matmul_opcheck(device, check):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="torch.compile traces the compiled kernels")
+@pytest.mark.parametrize("compiled_as", ["opaque", "kernels"])  # (quant_matmul.COMPILED: Hopper's choice)
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 @pytest.mark.parametrize(
     ("m", "n", "k", "group", "zeros", "prefill"),
@@ -224,7 +226,7 @@ def test_quant_matmul_opcheck(device, check):
     ],
 )
 def test_quant_matmul_under_torch_compile_computes_what_its_eager_calls_do(
-    monkeypatch, check, backend, m, n, k, group, zeros, prefill
+    monkeypatch, check, backend, compiled_as, m, n, k, group, zeros, prefill
 ):
     # torch.compile decomposes the op into its launches and gives a kernel whose writes its analysis cannot
     # follow (inline PTX not marked pure) a copy of each argument, taking an argument passed twice back from
@@ -232,6 +234,9 @@ def test_quant_matmul_under_torch_compile_computes_what_its_eager_calls_do(
     # on the H200 until launch.no_workspace). launch.traced leaves launch_dependents' PTX out of traced
     # launches and marks the prefill GEMM's wgmma waits pure there, so torch follows every kernel's writes.
     monkeypatch.setattr(qm, "PREFILL", prefill)
+    monkeypatch.setattr(qm, "COMPILED", compiled_as)
+    # (a graph from torch's caches would be another parametrization's path)
+    monkeypatch.setattr(inductor_config, "force_disable_caches", True)
     packed = ql.pack_weight(torch.randn(n, k).half(), 4, group, symmetric=not zeros)
     args = [packed["weight_packed"].cuda(), packed["weight_scale"].cuda()]
     args.append(packed["weight_zero_point"].cuda() if zeros else None)
@@ -251,6 +256,70 @@ def test_quant_matmul_under_torch_compile_computes_what_its_eager_calls_do(
         logging.getLogger("torch._dynamo").removeHandler(note)
     unanalysed = [w for w in warned if "assuming every input is mutated" in w]
     assert not unanalysed, unanalysed
+
+
+_COMPILED_GRAPHS = """
+import json
+import torch
+from torch._dynamo.backends.common import aot_autograd
+from squeezeserve.kernels import quant_layout
+from squeezeserve.kernels.ops import launch, quant_matmul
+
+t = quant_layout.pack_weight(torch.randn(256, 512), 4, 128, symmetric=True)
+weight = (t["weight_packed"], t["weight_scale"].bfloat16(), None, 128, 4)
+for case, target, setting in [("hopper", (132, True), "opaque"), ("ampere", (108, False), "opaque"),
+                              ("hopper, kernels", (132, True), "kernels")]:
+    quant_matmul.COMPILED = setting
+    launch.recording.target = target  # (CPU tensors stand for that GPU's; nothing is captured)
+    for rows in (16, 300):
+        graphs = []
+        keep = lambda gm, example_inputs: graphs.append(gm) or gm.forward
+        torch._dynamo.reset()
+        x = torch.randn(rows, 512, dtype=torch.bfloat16)
+        compiled = torch.compile(lambda a: torch.ops.squeezeserve.quant_matmul(a, *weight), fullgraph=True,
+                                 backend=aot_autograd(fw_compiler=keep))
+        y = compiled(x)
+        launch.recording.target = None
+        want = quant_matmul.quant_matmul_eager(x, *weight)
+        launch.recording.target = target
+        targets = sorted({str(n.target) for gm in graphs for n in gm.graph.nodes if n.op == "call_function"})
+        print(json.dumps({"case": f"{case} {rows}", "targets": targets, "same": torch.equal(y, want)}))
+"""
+
+
+def test_compiled_quant_matmul_on_hopper_is_the_opaque_op(run_compiled):
+    # Traced on a Hopper GPU, quant_matmul is its opaque op (quant_matmul.COMPILED): its eager dispatch runs
+    # per call, the Gluon kernels included, which torch cannot trace (1.06-1.53x the traced body's GPU time on
+    # the H200; NOTES.md, forty-third session). Elsewhere, and with COMPILED "kernels", torch.compile
+    # decomposes the op (CPU tensors: the reference's aten ops).
+    results = run_compiled(["-c", _COMPILED_GRAPHS])
+    assert len(results) == 6
+    for case, r in results.items():
+        opaque = "squeezeserve.quant_matmul_opaque.default" in r["targets"]
+        assert opaque == case.startswith("hopper "), r
+        assert opaque or any(t.startswith("aten.") for t in r["targets"]), r
+        assert r["same"], r
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="torch.compile traces the compiled kernels")
+@pytest.mark.parametrize("compiled_as", ["opaque", "kernels"])
+def test_compiled_quant_matmul_takes_the_ops_gradient(monkeypatch, compiled_as):
+    # (the opaque op has no autograd of its own: the traceable op's formula holds around it)
+    monkeypatch.setattr(qm, "COMPILED", compiled_as)
+    monkeypatch.setattr(inductor_config, "force_disable_caches", True)
+    packed = ql.pack_weight(torch.randn(256, 512), 4, 128, symmetric=False)
+    args = [packed["weight_packed"].cuda(), packed["weight_scale"].cuda().bfloat16()]
+    args.append(packed["weight_zero_point"].cuda())
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x: torch.ops.squeezeserve.quant_matmul(x, *args, 128, 4), fullgraph=True)
+    x = torch.randn(200, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    y = compiled(x)
+    y.float().square().sum().backward()
+    x_eager = x.detach().clone().requires_grad_()
+    y_eager = K.quant_matmul(x_eager, *args, 128, 4)
+    y_eager.float().square().sum().backward()
+    for got, want in ((y, y_eager), (x.grad, x_eager.grad)):  # (other kernels: other summation orders)
+        assert ((got.float() - want.float()).norm() / want.float().norm()).item() < 1e-2
 
 
 def test_quant_matmul_opaque_is_one_node_under_compile(device, check):
