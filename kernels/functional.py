@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from squeezeserve.kernels import registry
+from squeezeserve.kernels.ops import codebook_matmul as _codebook_matmul
 from squeezeserve.kernels.ops import cross_entropy as _cross_entropy
 from squeezeserve.kernels.ops import fused_linear_ce as _fused_linear_ce
 from squeezeserve.kernels.ops import fused_linear_kd as _fused_linear_kd
@@ -175,4 +176,6 @@ def codebook_matmul(
 ) -> torch.Tensor:
     """x @ W.T for W in the codebook layout (``kernels/codebook_layout.py``; ``group_size`` 0: one codebook
     per output channel)."""
+    if registry.eager(x, indices, codebook):  # (without torch's dispatcher)
+        return _codebook_matmul.codebook_matmul_eager(x, indices, codebook, group_size, bits)
     return _ops.codebook_matmul(x, indices, codebook, group_size, bits)

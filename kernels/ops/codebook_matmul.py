@@ -27,7 +27,7 @@ from squeezeserve.kernels import codebook_layout, reference
 from squeezeserve.kernels.ops.launch import cdiv, no_workspace, sm_count, traceable
 from squeezeserve.kernels.ops.quant_matmul import _workspace
 from squeezeserve.kernels.ops.quant_matmul_kernels import _load_tile, _unpack, _write_tile
-from squeezeserve.kernels.registry import direct_launches, eager, interpreting, use_reference
+from squeezeserve.kernels.registry import EagerOp, direct_launches, eager, interpreting, use_reference
 
 
 def _lookup_ptx(fp32: bool, fp16: bool) -> str:
@@ -552,3 +552,7 @@ def _grad(ctx, grad):
 
 
 codebook_matmul.register_autograd(_grad, setup_context=_setup)
+
+# The op without torch's dispatcher (whose layers cost the H200 machine's host 100-180 us a quant_matmul
+# call), for the functional API's eager calls: as quant_matmul_eager, without launch plans.
+codebook_matmul_eager = EagerOp(_codebook_matmul, _setup, _grad)

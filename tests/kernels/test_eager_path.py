@@ -6,9 +6,9 @@ import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from squeezeserve.kernels import codebook_layout, quant_layout, registry
 from squeezeserve.kernels import functional as K
-from squeezeserve.kernels import quant_layout, registry
-from squeezeserve.kernels.ops import quant_matmul
+from squeezeserve.kernels.ops import codebook_matmul, quant_matmul
 
 _ops = torch.ops.squeezeserve
 EPS = 1e-6
@@ -72,6 +72,23 @@ def test_quant_matmul_eager_path_equals_registered_op(zeros, device, monkeypatch
     fast_outs, fast_grads = _run(lambda a: K.quant_matmul(a, *weight, 32, 4), [x], [grad_out])
     assert bodies, "K.quant_matmul went through the dispatcher"
     op_outs, op_grads = _run(lambda a: _ops.quant_matmul(a, *weight, 32, 4), [x], [grad_out])
+    for a, b in zip((*fast_outs, *fast_grads), (*op_outs, *op_grads), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_codebook_matmul_eager_path_equals_registered_op(device, monkeypatch):
+    # (as quant_matmul's: K.codebook_matmul runs the op's body without the dispatcher)
+    bodies = []
+    op = codebook_matmul.codebook_matmul_eager
+    counted = dataclasses.replace(op, forward=lambda *a: bodies.append(1) or op.forward(*a))
+    monkeypatch.setattr(codebook_matmul, "codebook_matmul_eager", counted)
+    indices = codebook_layout.pack_indices(torch.randint(0, 16, (24, 64), dtype=torch.int32), 4).to(device)
+    book = torch.randn(24, 2 * 16, device=device).half()  # (groups of 32: two codebooks a row)
+    x = torch.randn(5, 64, device=device).half()
+    grad_out = torch.randn(5, 24, device=device).half()
+    fast_outs, fast_grads = _run(lambda a: K.codebook_matmul(a, indices, book, 32, 4), [x], [grad_out])
+    assert bodies, "K.codebook_matmul went through the dispatcher"
+    op_outs, op_grads = _run(lambda a: _ops.codebook_matmul(a, indices, book, 32, 4), [x], [grad_out])
     for a, b in zip((*fast_outs, *fast_grads), (*op_outs, *op_grads), strict=True):
         assert torch.equal(a, b)
 
