@@ -289,9 +289,9 @@ for case, target, setting in [("hopper", (132, True), "opaque"), ("ampere", (108
 
 def test_compiled_quant_matmul_on_hopper_is_the_opaque_op(run_compiled):
     # Traced on a Hopper GPU, quant_matmul is its opaque op (quant_matmul.COMPILED): its eager dispatch runs
-    # per call, the Gluon kernels included, which torch cannot trace (1.06-1.53x the traced body's GPU time on
-    # the H200; NOTES.md, forty-third session). Elsewhere, and with COMPILED "kernels", torch.compile
-    # decomposes the op (CPU tensors: the reference's aten ops).
+    # per call, the Gluon kernels included, which torch cannot trace (1.13-1.52x the traced body's GPU time
+    # at 64-2048 rows on the H200; NOTES.md, forty-third session). Elsewhere, and with COMPILED "kernels",
+    # torch.compile decomposes the op (CPU tensors: the reference's aten ops).
     results = run_compiled(["-c", _COMPILED_GRAPHS])
     assert len(results) == 6
     for case, r in results.items():
