@@ -55,42 +55,42 @@ def test_eager_path_equals_registered_op(name, device):
         assert torch.equal(a, b)
 
 
+def _body_runs_and_equals_the_op(monkeypatch, module, eager_name, fast, registered, x, grad_out):
+    """``fast`` (a functional call) runs ``module.eager_name``'s body, not the dispatcher, and gives the
+    output and dx that ``registered`` (the op) gives, bit for bit."""
+    bodies = []
+    op = getattr(module, eager_name)
+    counted = dataclasses.replace(op, forward=lambda *a: bodies.append(1) or op.forward(*a))
+    monkeypatch.setattr(module, eager_name, counted)
+    fast_outs, fast_grads = _run(fast, [x], [grad_out])
+    assert bodies, f"{eager_name}'s functional call went through the dispatcher"
+    op_outs, op_grads = _run(registered, [x], [grad_out])
+    for a, b in zip((*fast_outs, *fast_grads), (*op_outs, *op_grads), strict=True):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("zeros", [False, True])
 def test_quant_matmul_eager_path_equals_registered_op(zeros, device, monkeypatch):
     # K.quant_matmul (QuantLinear's forward) runs the op's body without the dispatcher, whose custom-op
-    # layers cost the H200's host more than the kernel at decode sizes (NOTES.md, forty-third session); the
-    # output and dx are the registered op's, bit for bit.
-    bodies = []
-    op = quant_matmul.quant_matmul_eager
-    counted = dataclasses.replace(op, forward=lambda *a: bodies.append(1) or op.forward(*a))
-    monkeypatch.setattr(quant_matmul, "quant_matmul_eager", counted)
+    # layers cost the H200's host more than the kernel at decode sizes (NOTES.md, forty-third session).
     t = quant_layout.pack_weight(torch.randn(24, 64), 4, 32, symmetric=not zeros)
     weight = [t["weight_packed"].to(device), t["weight_scale"].half().to(device)]
     weight.append(t["weight_zero_point"].to(device) if zeros else None)
-    x = torch.randn(5, 64, device=device).half()
-    grad_out = torch.randn(5, 24, device=device).half()
-    fast_outs, fast_grads = _run(lambda a: K.quant_matmul(a, *weight, 32, 4), [x], [grad_out])
-    assert bodies, "K.quant_matmul went through the dispatcher"
-    op_outs, op_grads = _run(lambda a: _ops.quant_matmul(a, *weight, 32, 4), [x], [grad_out])
-    for a, b in zip((*fast_outs, *fast_grads), (*op_outs, *op_grads), strict=True):
-        assert torch.equal(a, b)
+    x, grad_out = torch.randn(5, 64, device=device).half(), torch.randn(5, 24, device=device).half()
+    _body_runs_and_equals_the_op(monkeypatch, quant_matmul, "quant_matmul_eager",
+                                 lambda a: K.quant_matmul(a, *weight, 32, 4),
+                                 lambda a: _ops.quant_matmul(a, *weight, 32, 4), x, grad_out)  # fmt: skip
 
 
 def test_codebook_matmul_eager_path_equals_registered_op(device, monkeypatch):
     # (as quant_matmul's: K.codebook_matmul runs the op's body without the dispatcher)
-    bodies = []
-    op = codebook_matmul.codebook_matmul_eager
-    counted = dataclasses.replace(op, forward=lambda *a: bodies.append(1) or op.forward(*a))
-    monkeypatch.setattr(codebook_matmul, "codebook_matmul_eager", counted)
     indices = codebook_layout.pack_indices(torch.randint(0, 16, (24, 64), dtype=torch.int32), 4).to(device)
     book = torch.randn(24, 2 * 16, device=device).half()  # (groups of 32: two codebooks a row)
-    x = torch.randn(5, 64, device=device).half()
-    grad_out = torch.randn(5, 24, device=device).half()
-    fast_outs, fast_grads = _run(lambda a: K.codebook_matmul(a, indices, book, 32, 4), [x], [grad_out])
-    assert bodies, "K.codebook_matmul went through the dispatcher"
-    op_outs, op_grads = _run(lambda a: _ops.codebook_matmul(a, indices, book, 32, 4), [x], [grad_out])
-    for a, b in zip((*fast_outs, *fast_grads), (*op_outs, *op_grads), strict=True):
-        assert torch.equal(a, b)
+    x, grad_out = torch.randn(5, 64, device=device).half(), torch.randn(5, 24, device=device).half()
+    fast = lambda a: K.codebook_matmul(a, indices, book, 32, 4)  # noqa: E731
+    registered = lambda a: _ops.codebook_matmul(a, indices, book, 32, 4)  # noqa: E731
+    _body_runs_and_equals_the_op(monkeypatch, codebook_matmul, "codebook_matmul_eager", fast, registered, x,
+                                 grad_out)  # fmt: skip
 
 
 def test_traced_calls_keep_the_registered_op():
