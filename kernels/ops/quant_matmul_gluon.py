@@ -548,15 +548,12 @@ def _share(
     BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr,
     BLOCK_K: gl.constexpr,
-    PAIRED: gl.constexpr = False,
 ):
     """This program's run [start, end) of the (output tile, K unit) pairs, a unit two K tiles (a unit past
     K's last tile is zeros), tiles ordered so that programs sharing a weight tile run together: stream-K,
     program p of P takes [p U / P, (p + 1) U / P) of the U pairs of the tiles past the first ``dp_tiles``
     (those go whole, a wave at a time, first), parts of one or more tiles; else program (t, s) takes split s
-    of tile t. Also how many stretches of pairs the program runs (:func:`_stretch`). ``PAIRED`` (stream-K in
-    clusters of two): the clusters share the units of the tile pairs stream-K, each program of cluster c
-    taking the same run, c's of C, of its own tiles of the pairs (units counted a pair at a time)."""
+    of tile t. Also how many stretches of pairs the program runs (:func:`_stretch`)."""
     k_units = gl.cdiv(gl.cdiv(K, BLOCK_K), 2)
     if STREAM_K:
         tiles = gl.cdiv(M, BLOCK_M) * gl.cdiv(N, BLOCK_N)
@@ -564,18 +561,11 @@ def _share(
             tiles -= dp_tiles
         total = tiles.to(gl.int64) * k_units
         pid = gl.program_id(0).to(gl.int64)
-        programs = gl.num_programs(0)
-        first = dp_tiles
-        if PAIRED:  # (a pair's unit: the same unit of both its tiles)
-            total = total // 2
-            pid = pid // 2
-            programs = programs // 2
-            first = dp_tiles // 2
-        start = (pid * total // programs).to(gl.int32)
-        end = ((pid + 1) * total // programs).to(gl.int32)
+        start = (pid * total // gl.num_programs(0)).to(gl.int32)
+        end = ((pid + 1) * total // gl.num_programs(0)).to(gl.int32)
         if DP:
-            start += first * k_units
-            end += first * k_units
+            start += dp_tiles * k_units
+            end += dp_tiles * k_units
     else:
         start = gl.program_id(0) * k_units + gl.program_id(1) * units_per_split
         end = gl.minimum(start + units_per_split, (gl.program_id(0) + 1) * k_units)
@@ -587,36 +577,30 @@ def _share(
 
 
 @gluon.jit
-def _stretch(s, start, end, k_units, dp_tiles, DP: gl.constexpr, PAIRED: gl.constexpr = False):
+def _stretch(s, start, end, k_units, dp_tiles, DP: gl.constexpr):
     """Stretch ``s`` of a program's pairs: with ``DP``, wave s's whole tile (tile s P + p of program p) while
     that is one of the first dp_tiles, then the program's stream-K run [start, end) (none where every tile is
     whole: a persistent launch, whose last wave may be partial). (With clusters of two, P even and dp_tiles
     even, programs 2 c and 2 c + 1 take tiles 2 q and 2 q + 1 of a wave: a pair, as :func:`_segment` has
-    it; ``PAIRED``: the tile's units counted a pair at a time, as :func:`_share`'s run.)"""
+    it.)"""
     lo = start
     hi = end
     if DP:
-        tile = s * gl.num_programs(0) + gl.program_id(0)
-        if tile < dp_tiles:
-            if PAIRED:  # (its pair)
-                tile = tile // 2
-            lo = tile * k_units
+        if s * gl.num_programs(0) + gl.program_id(0) < dp_tiles:
+            lo = (s * gl.num_programs(0) + gl.program_id(0)) * k_units
             hi = lo + k_units
     return lo, hi
 
 
 @gluon.jit
 def _segment(unit, end, k_units, tiles_m, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-             CLUSTER: gl.constexpr = 1, PAIRED: gl.constexpr = False):  # fmt: skip
+             CLUSTER: gl.constexpr = 1):  # fmt: skip
     """The output tile that K unit ``unit`` of a run ending at ``end`` belongs to: (tile, its first unit
     here, how many of its units the run holds from there, the tile's row and weight-row offsets). Tiles go
     rows first (programs sharing a weight tile run together); with ``CLUSTER`` 2, tiles 2 c and 2 c + 1 (a
-    cluster's two programs) share their rows of x and take neighbouring weight tiles; ``PAIRED``: ``unit``
-    counts a pair's units (:func:`_share`), the program's rank in its cluster saying which of the two."""
+    cluster's two programs) share their rows of x and take neighbouring weight tiles."""
     tile = unit // k_units
     u0 = unit - tile * k_units
-    if PAIRED:  # (``tile`` is a pair's index: this program's tile of the pair)
-        tile = 2 * tile + gl.program_id(0) % 2
     if CLUSTER == 2:
         pair = tile // 2
         off_m = (pair % tiles_m) * BLOCK_M
@@ -680,7 +664,6 @@ def _load_partition(
     STAGES: gl.constexpr,
     PDL: gl.constexpr,
     CLUSTER: gl.constexpr,
-    PAIRED: gl.constexpr,
 ):
     """The loading warp: every K tile of the program's run, in order, into the ring's next stage once the
     products of the tile it held are done (``empty``); TMA signals ``ready`` when the bytes are in. With
@@ -689,7 +672,7 @@ def _load_partition(
     stages, which no kernel before this one writes, go out before the wait for that kernel
     (:func:`_grid_dependency_wait`); x's tiles after it."""
     start, end, k_units, stretches = _share(M, N, K, units_per_split, dp_tiles, STREAM_K, DP, BLOCK_M,
-                                            BLOCK_N, BLOCK_K, PAIRED)  # fmt: skip
+                                            BLOCK_N, BLOCK_K)  # fmt: skip
     tiles_m = gl.cdiv(M, BLOCK_M)
     if CLUSTER > 1:
         _cluster_wait()
@@ -706,11 +689,10 @@ def _load_partition(
         _grid_dependency_wait()
     g = 0  # K tiles loaded so far: the ring's position and phase
     for s in range(stretches):
-        lo, hi = _stretch(s, start, end, k_units, dp_tiles, DP, PAIRED)
+        lo, hi = _stretch(s, start, end, k_units, dp_tiles, DP)
         unit = lo
         while unit < hi:
-            tile, u0, units, off_m, off_n = _segment(unit, hi, k_units, tiles_m, BLOCK_M, BLOCK_N, CLUSTER,
-                                                     PAIRED)  # fmt: skip
+            tile, u0, units, off_m, off_n = _segment(unit, hi, k_units, tiles_m, BLOCK_M, BLOCK_N, CLUSTER)
             for t in range(2 * u0, 2 * (u0 + units)):
                 stage = g % STAGES
                 if PDL:
@@ -766,7 +748,6 @@ def _compute_partition(
     PDL: gl.constexpr,
     RELEASES: gl.constexpr,
     CLUSTER: gl.constexpr,
-    PAIRED: gl.constexpr,
     num_warps: gl.constexpr,
 ):
     """The products, tile by tile: tile t's run on the tensor cores while tile t + 1's operand is made from
@@ -784,7 +765,7 @@ def _compute_partition(
     else:
         select = gl.expand_dims(gl.expand_dims(p + 0x4440, 0), 1)  # [1, 1, 4]: byte p, as prmt takes it
     start, end, k_units, stretches = _share(M, N, K, units_per_split, dp_tiles, STREAM_K, DP, BLOCK_M,
-                                            BLOCK_N, BLOCK_K, PAIRED)  # fmt: skip
+                                            BLOCK_N, BLOCK_K)  # fmt: skip
     tiles_m = gl.cdiv(M, BLOCK_M)
     if RELEASES > 1:  # each warpgroup frees its stages itself (ptx_release's pass; the ring counts RELEASES)
         _mark_release()
@@ -792,11 +773,10 @@ def _compute_partition(
         _grid_dependency_wait()
     g = 0  # K tiles consumed so far, as the loader counts them
     for s in range(stretches):
-        lo, hi = _stretch(s, start, end, k_units, dp_tiles, DP, PAIRED)
+        lo, hi = _stretch(s, start, end, k_units, dp_tiles, DP)
         unit = lo
         while unit < hi:
-            tile, u0, units, off_m, off_n = _segment(unit, hi, k_units, tiles_m, BLOCK_M, BLOCK_N, CLUSTER,
-                                                     PAIRED)  # fmt: skip
+            tile, u0, units, off_m, off_n = _segment(unit, hi, k_units, tiles_m, BLOCK_M, BLOCK_N, CLUSTER)
             offs_n = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, gl.SliceLayout(2, w_layout)))
             mask_n = offs_n < N
             first = 2 * u0
@@ -931,7 +911,6 @@ def _wgmma_kernel(
     PDL: gl.constexpr,  # launched as a programmatic dependent (launch_args' ``pdl``)
     RELEASES: gl.constexpr,  # arrivals that free a stage: 1, or a warpgroup's each (launch_args' wg_release)
     CLUSTER: gl.constexpr,  # 2: clusters of two programs sharing x's tiles (launch_args' cluster)
-    PAIRED: gl.constexpr,  # CLUSTER 2, stream-K: the clusters share the tile pairs' units (launch_args)
     num_warps: gl.constexpr,
 ):
     x_smem, w_smem, s_smem, y_smem, ready, empty = _ring(x_desc, w_desc, s_desc, y_desc, BLOCK_M, BLOCK_N,
@@ -945,10 +924,10 @@ def _wgmma_kernel(
                                   y_ptr, ws_ptr, count_ptr, M, N, K, scale_row_stride, zero_row_stride,
                                   y_row_stride, units_per_split, dp_tiles, MODE, TMA_STORE, STREAM_K, DP,
                                   LATE_FIRST, OWNED, GROUP, HAS_ZERO, ZERO_ROWS, SCALES_TMA, MAGIC_F, BLOCK_M,
-                                  BLOCK_N, BLOCK_K, STAGES, PDL, RELEASES, CLUSTER, PAIRED, num_warps)),
+                                  BLOCK_N, BLOCK_K, STAGES, PDL, RELEASES, CLUSTER, num_warps)),
             (_load_partition, (x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, ready, empty, M, N, K,
                                units_per_split, dp_tiles, STREAM_K, DP, SCALES_TMA, BLOCK_M, BLOCK_N, BLOCK_K,
-                               STAGES, PDL, CLUSTER, PAIRED)),
+                               STAGES, PDL, CLUSTER)),
         ],
         [1],
         [24],
@@ -1075,10 +1054,8 @@ def launch_args(
     launch_dependents (quant_matmul.PDL_MAX_M). ``wg_release``: each warpgroup of the compute partition frees
     its ring stages itself, not the partition's thread 0 after a barrier of all its warps
     (:mod:`ptx_release`'s pass over the PTX; two warpgroups or more). ``cluster`` 2: clusters of two programs
-    sharing x's tiles (:mod:`ptx_cluster`'s pass; an even count of weight tiles; the grid counts clusters):
-    whole tiles, or with ``programs`` (not persistent) stream-K over the pairs of tiles, the two programs of a
-    cluster taking the same units of their pair's two tiles (a trial for probes: no rule takes it).
-    ``persistent`` (with ``programs``): every tile whole, the programs taking a wave of tiles at a
+    sharing x's tiles (:mod:`ptx_cluster`'s pass; whole tiles, an even count of weight tiles; the grid counts
+    clusters). ``persistent`` (with ``programs``): every tile whole, the programs taking a wave of tiles at a
     time (the last may be partial), each program's loading warp filling the next tile's stages while its
     compute warps write the last one's sum. ``tma_store`` (tiles never split, y in x's dtype): each tile's sum
     goes out through shared memory by a TMA store, which the compute warps do not wait for. (Apart from
@@ -1109,13 +1086,18 @@ def launch_args(
         raise ValueError("quant_matmul_gluon.launch: split tiles need mode 1 or 2")
     if cluster not in (1, 2):
         raise ValueError(f"quant_matmul_gluon.launch: clusters of 1 or 2 programs, not {cluster}")
-    paired = cluster == 2 and bool(programs) and not persistent  # (stream-K in clusters: _share's PAIRED)
     if cluster == 2:
-        if grid[0] % 2 or (parts and not paired) or pdl or wg_release or cdiv(n_out, block_n) % 2:
+        if (
+            (programs and not persistent)
+            or grid[0] % 2
+            or parts
+            or pdl
+            or wg_release
+            or cdiv(n_out, block_n) % 2
+        ):
             raise ValueError(
-                "quant_matmul_gluon.launch: clusters take whole tiles (a tile a program, or persistent) or, "
-                "stream-K, the same units of a pair of tiles, on an even count of programs, an even count of "
-                "weight tiles, no PDL or warpgroup releases"
+                "quant_matmul_gluon.launch: clusters take whole tiles (a tile a program, or persistent on an "
+                "even count of programs), an even count of weight tiles, no PDL or warpgroup releases"
             )
         grid = (grid[0] // 2, 1)  # (clusters: Triton's launcher multiplies by the cluster's programs)
     x_box = block_m // cluster
@@ -1164,7 +1146,6 @@ def launch_args(
         "PDL": bool(pdl),
         "RELEASES": num_warps // 4 if wg_release else 1,
         "CLUSTER": cluster,
-        "PAIRED": paired,
         "num_warps": num_warps,
         "maxnreg": maxnreg,
     }

@@ -12,9 +12,9 @@ staged) on the same weights, re-quantized to its symmetric format, beside each r
 
 A tiling is BLOCK_M:STAGES:SPLIT[:BLOCK_N[:BLOCK_K[:WARPS]]][:c][:r][:t]; SPLIT ``pN`` shares the work among N
 programs (stream-K, N // 132 an SM) instead of splitting each tile's K; ``c``: clusters of two programs
-sharing x's tiles (``launch_args``' ``cluster``; with ``pN``, stream-K over pairs of tiles); a last ``r``:
-each warpgroup frees its own ring stages (``launch_args``' ``wg_release``); a last ``t``: each tile's sum goes
-out by a TMA store (``tma_store``); ``pNwW`` first runs W waves of whole tiles a program (``launch_args``'
+sharing x's tiles (``launch_args``' ``cluster``); a last ``r``: each warpgroup frees its own ring stages
+(``launch_args``' ``wg_release``); a last ``t``: each tile's sum goes out by a TMA store (``tma_store``);
+``pNwW`` first runs W waves of whole tiles a program (``launch_args``'
 ``dp_waves``: a negative W, all the full waves but -W), then shares the rest; ``PN``: N programs each taking
 a wave's tile whole at a time (``launch_args``' ``persistent``); a number SPLIT ``SoO``: K split S ways with
 registers capped for O programs an SM (``launch_args``' ``occupancy``; e.g. ``1o2``, a tile a program, two

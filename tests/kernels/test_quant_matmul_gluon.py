@@ -367,19 +367,7 @@ def test_clusters_take_whole_tiles_of_even_weight_tiles():
     # program's x descriptor holds half a tile: each loads one half into both programs' stages
     assert grid == (32, 1) and kwargs["CLUSTER"] == 2 and args[0].block_shape == [128, 64]
     assert qg.launch_args(x, qw, sc, None, 128, y, y, y, block_m=256)[1][0].block_shape == [256, 64]
-    # stream-K in clusters (a trial for probes): the two programs of a cluster take the same units of a pair
-    # of tiles (_share's PAIRED), on an even count of programs
-    grid, args, kwargs = qg.launch_args(x, qw, sc, None, 128, y, y, y, block_m=256, cluster=2, mode=2,
-                                        programs=132)  # fmt: skip
-    assert grid == (66, 1) and kwargs["PAIRED"] and kwargs["STREAM_K"] and kwargs["MODE"] == 2
-    assert not qg.launch_args(x, qw, sc, None, 128, y, y, y, block_m=256, cluster=2)[2]["PAIRED"]
-    for bad in (
-        {"programs": 63},  # (an odd count of programs)
-        {"programs": 132, "wg_release": True},
-        {"split": 2},
-        {"pdl": True},
-        {"block_n": 4096 // 3 + 1},  # (3 weight tiles)
-    ):
+    for bad in ({"programs": 132}, {"split": 2}, {"pdl": True}, {"block_n": 4096 // 3 + 1}):  # (3 tiles)
         with pytest.raises(ValueError, match="clusters take whole tiles"):
             qg.launch_args(x, qw, sc, None, 128, y, y, y, block_m=256, cluster=2, mode=2, **bad)
     with pytest.raises(ValueError, match="clusters of 1 or 2 programs, not 4"):
@@ -1234,7 +1222,12 @@ def test_owned_words_give_the_packed_words_results(m, n, k, group, zeros, dtype,
 def test_clusters_give_the_programs_alone_results(m, n, k, group, zeros, owned, dtype):
     # Two programs of a cluster sharing x's tiles (ptx_cluster) make the same products in the same order as
     # each alone: equal bit for bit, a tile a program or persistent.
-    x, (words, sc, word_zp), ws, counts, ref = _cluster_case(m, n, k, group, zeros, owned, dtype)
+    qw, sc, zp = _packed(n, k, group, zeros, dtype, "cuda")
+    words, word_zp = qw, zp
+    if owned:
+        words, word_zp = ql.to_owned_order(qw), ql.to_owned_zeros(zp, n) if zeros else None
+    x = torch.randn(m, k, device="cuda", dtype=dtype)
+    ws, counts = qm._workspace(x.device, m * n, 4096)
     alone, paired = (torch.empty((m, n), device="cuda", dtype=dtype) for _ in range(2))
     tiling = {"block_m": 256, "stages": 4, "mode": 2, "owned": owned}
     qg.launch(x, words, sc, word_zp, group, alone, ws, counts, **tiling)
@@ -1252,43 +1245,8 @@ def test_clusters_give_the_programs_alone_results(m, n, k, group, zeros, owned, 
         paired.fill_(float("nan"))
         qg.launch(x, words, sc, word_zp, group, paired, ws, counts, **(tiling | extra))
         assert torch.equal(paired, alone), extra
-    assert ((paired.float() - ref).norm() / ref.norm()).item() < 2e-3
-
-
-def _cluster_case(m, n, k, group, zeros, owned, dtype):
-    """x, the weight's (words, scales, zero points) as the kernel reads them (owned or packed), a clean
-    workspace and the product in fp32 through the dequantized weight."""
-    qw, sc, zp = _packed(n, k, group, zeros, dtype, "cuda")
-    words, word_zp = qw, zp
-    if owned:
-        words, word_zp = ql.to_owned_order(qw), ql.to_owned_zeros(zp, n) if zeros else None
-    x = torch.randn(m, k, device="cuda", dtype=dtype)
-    ws, counts = qm._workspace(x.device, m * n, 4096)
     ref = (x @ ql.dequantize(qw, sc, zp, (n, k), group, 4).to(dtype).t()).float()
-    return x, (words, sc, word_zp), ws, counts, ref
-
-
-@needs_hopper
-@pytest.mark.parametrize(
-    ("m", "n", "k", "group", "zeros", "owned", "dtype"),
-    [
-        (512, 14336, 4096, 128, False, True, torch.bfloat16),  # 1.7 waves of 256-row tiles
-        (300, 4096, 14336, 32, True, True, torch.bfloat16),  # 44 rows past the last whole tile
-        (1000, 2304, 4160, 64, True, False, torch.float16),  # a K tail
-    ],
-)
-def test_stream_k_in_clusters_computes_the_product(m, n, k, group, zeros, owned, dtype):
-    # A trial for probes (launch_args' cluster with programs): clusters of two share the units of pairs of
-    # tiles stream-K, alone or after a wave of whole tiles; the parts meet in the workspace as stream-K's do,
-    # which they leave clean.
-    x, (words, sc, word_zp), ws, counts, ref = _cluster_case(m, n, k, group, zeros, owned, dtype)
-    y = torch.empty((m, n), device="cuda", dtype=dtype)
-    tiling = {"block_m": 256, "stages": 4, "mode": 2, "owned": owned, "programs": 132, "cluster": 2}
-    for extra in ({}, {"dp_waves": 1}, {"programs": 6}):
-        y.fill_(float("nan"))
-        qg.launch(x, words, sc, word_zp, group, y, ws, counts, **(tiling | extra))
-        assert ((y.float() - ref).norm() / ref.norm()).item() < 2e-3, extra
-        assert not ws.any() and not counts.any(), extra
+    assert ((paired.float() - ref).norm() / ref.norm()).item() < 2e-3
 
 
 @pytest.mark.parametrize(
