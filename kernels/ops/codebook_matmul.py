@@ -24,10 +24,12 @@ import triton.language as tl
 from torch.library import triton_op
 
 from squeezeserve.kernels import codebook_layout, reference
+from squeezeserve.kernels.ops import launch as _launch
 from squeezeserve.kernels.ops.launch import cdiv, no_workspace, sm_count, traceable
-from squeezeserve.kernels.ops.quant_matmul import _workspace
+from squeezeserve.kernels.ops.quant_matmul import _workspace, workspace_buffers
 from squeezeserve.kernels.ops.quant_matmul_kernels import _load_tile, _unpack, _write_tile
-from squeezeserve.kernels.registry import EagerOp, direct_launches, eager, interpreting, use_reference
+from squeezeserve.kernels.ops.replay import LaunchPlans
+from squeezeserve.kernels.registry import EagerOp, eager, interpreting, use_reference
 
 
 def _lookup_ptx(fp32: bool, fp16: bool) -> str:
@@ -511,7 +513,17 @@ def launch(
     return y.to(x2.dtype)
 
 
-codebook_matmul = triton_op("squeezeserve::codebook_matmul", _codebook_matmul, mutates_args=())
+def _codebook_matmul_op(
+    x: torch.Tensor, indices: torch.Tensor, codebook: torch.Tensor, group_size: int, bits: int
+) -> torch.Tensor:
+    """The registered op's body: dispatched eagerly (torch's ``triton_op`` runs it with ``wrap_triton``
+    off), :func:`_codebook_matmul` through :data:`codebook_matmul_eager`'s launch plans."""
+    if not _launch.is_wrap_triton_enabled():
+        return codebook_matmul_eager.plans(_codebook_matmul, (x, indices, codebook, group_size, bits))
+    return _codebook_matmul(x, indices, codebook, group_size, bits)
+
+
+codebook_matmul = triton_op("squeezeserve::codebook_matmul", _codebook_matmul_op, mutates_args=())
 
 
 @codebook_matmul.register_fake
@@ -527,8 +539,8 @@ def codebook_matmul_opaque(
     """``codebook_matmul`` as an opaque op for engines that compile one graph for many token counts (vLLM):
     the tile and split-K choice by row count runs on every call instead of being fixed at the traced size.
     No autograd: serving."""
-    with direct_launches:  # never traced: launch the kernels directly, not through the HOP
-        return _codebook_matmul(x, indices, codebook, group_size, bits)
+    # (never traced: its launches go straight to the kernels, replayed from launch plans)
+    return codebook_matmul_eager.plans(_codebook_matmul, (x, indices, codebook, group_size, bits))
 
 
 @codebook_matmul_opaque.register_fake
@@ -553,6 +565,10 @@ def _grad(ctx, grad):
 
 codebook_matmul.register_autograd(_grad, setup_context=_setup)
 
-# The op without torch's dispatcher (whose layers cost the H200 machine's host 100-180 us a quant_matmul
-# call), for the functional API's eager calls: as quant_matmul_eager, without launch plans.
-codebook_matmul_eager = EagerOp(_codebook_matmul, _setup, _grad)
+# The op without torch's dispatcher, for the functional API's eager calls, with launch plans, which the
+# registered op's eager calls and the opaque op share: as quant_matmul_eager. Preparing the launches took the
+# H200 machine's host 54-104 us a call at 1-256 rows, more than the kernel at decode sizes (14-41 us;
+# tests/gpu/launch_probe.py --codebook-shapes). The split-K workspace is quant_matmul's: plans hold it.
+codebook_matmul_eager = EagerOp(
+    _codebook_matmul, _setup, _grad, plans=LaunchPlans(persistent=workspace_buffers, max_plans=2048)
+)

@@ -1400,7 +1400,12 @@ def _quant_matmul_traced(
     bits: int,
 ) -> torch.Tensor:
     """The traceable op's body (no ``pdl``: torch.compile's launches of a traced kernel take no PDL); traced
-    on Hopper, the opaque op (COMPILED)."""
+    on Hopper, the opaque op (COMPILED). Dispatched eagerly (torch's ``triton_op`` runs the body with
+    ``wrap_triton`` off), the body through :data:`quant_matmul_eager`'s launch plans: a direct eager call of
+    ``torch.ops.squeezeserve.quant_matmul`` took the H200 machine's host 100-266 us without them, more than
+    the kernel, and 23-38 us with them (1-512 rows; tests/gpu/launch_probe.py --quant-shapes)."""
+    if not launch.is_wrap_triton_enabled():
+        return quant_matmul_eager.plans(_quant_matmul, (x, qweight, scales, zeros, group_size, bits))
     if _traced_opaque(x, qweight, scales, zeros, bits):
         return torch.ops.squeezeserve.quant_matmul_opaque(x, qweight, scales, zeros, group_size, bits)
     return _quant_matmul(x, qweight, scales, zeros, group_size, bits)

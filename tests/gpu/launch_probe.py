@@ -17,7 +17,11 @@ graphs) at prompt sizes, which vLLM runs eagerly (its CUDA graphs hold decode st
 enqueue time of 200 calls without a sync (the GPU work, 20-130 us a call, would otherwise be timed), against
 the call's GPU time (CUDA graph replay) and torch's bf16 matmul (cuBLAS, all C++).
 
-    python3 tests/gpu/launch_probe.py [--quant | --quant-shapes N:K,... GROUP M,... [float16]]
+``--codebook-shapes``: the same for ``codebook_matmul`` (the functional API, the dispatched op, the opaque
+op), a codebook of 2**BITS fp16 entries for each GROUP inputs of a row (GROUP 0: one a row).
+
+    python3 tests/gpu/launch_probe.py [--quant | --quant-shapes N:K,... GROUP M,... [float16]
+                                       | --codebook-shapes N:K,... GROUP BITS M,...]
 """
 
 from __future__ import annotations
@@ -285,6 +289,15 @@ def quant_host(shapes=((14336, 4096), (4096, 14336), (6144, 4096)), group=128, m
                     eager, lambda x=x, q=qw, s=sc: eager(x, q, s, None, group, 4)
                 ),
                 "K.quant_matmul": lambda x=x, q=qw, s=sc: K.quant_matmul(x, q, s, None, group, 4),
+                "torch.ops.squeezeserve.quant_matmul": lambda x=x, q=qw, s=sc: (
+                    torch.ops.squeezeserve.quant_matmul(x, q, s, None, group, 4)
+                ),
+                "torch.ops.squeezeserve.quant_matmul, plans off (its body each call)": python_plans(
+                    eager,
+                    without_plans(
+                        lambda x=x, q=qw, s=sc: torch.ops.squeezeserve.quant_matmul(x, q, s, None, group, 4)
+                    ),
+                ),
                 "K.quant_matmul, Triton's dispatch": lambda x=x, q=qw, s=sc: _dispatched(
                     K.quant_matmul, x, q, s, None, group, 4
                 ),
@@ -315,6 +328,41 @@ def quant_host(shapes=((14336, 4096), (4096, 14336), (6144, 4096)), group=128, m
             gpu = {name: do_bench_cudagraph(fn, rep=20) * 1e3 for name, fn in rows.items()}
             print(f"{m}x{n}x{k}: " + "; ".join(f"{name} host {best[name]:.1f} us, GPU {gpu[name]:.1f} us"
                                                for name in rows), flush=True)  # fmt: skip
+
+
+def codebook_host(shapes, group: int, bits: int, ms, dtype=torch.bfloat16) -> None:
+    """The host time of one ``codebook_matmul`` call, each way a caller reaches it: the functional API
+    (``codebook_matmul_eager``, no dispatcher), the registered op through torch's dispatcher, and the opaque
+    op vLLM's method calls; enqueue time of 200 calls, against each call's GPU time (CUDA graph replay)."""
+    from triton.testing import do_bench_cudagraph
+
+    from squeezeserve.kernels import codebook_layout
+    from squeezeserve.kernels.ops import codebook_matmul
+
+    assert codebook_matmul.codebook_matmul_opaque  # registers the ops
+    ops = torch.ops.squeezeserve
+    for n, k in shapes:
+        index = torch.randint(0, 1 << bits, (n, k))
+        words = codebook_layout.pack_indices(index, bits).cuda()
+        book = torch.randn(n, (k // group if group else 1) << bits, device="cuda", dtype=torch.float16)
+        dense = torch.randn(n, k, device="cuda", dtype=dtype)
+        for m in ms:
+            x = torch.randn(m, k, device="cuda", dtype=dtype)
+            w = (words, book, group, bits)
+            rows = {
+                "K.codebook_matmul": lambda x=x, w=w: K.codebook_matmul(x, *w),
+                "torch.ops.squeezeserve.codebook_matmul": lambda x=x, w=w: ops.codebook_matmul(x, *w),
+                "codebook_matmul_opaque": lambda x=x, w=w: ops.codebook_matmul_opaque(x, *w),
+                "torch x @ w.t()": lambda x=x, d=dense: x @ d.t(),
+            }
+            for fn in rows.values():
+                for _ in range(20):
+                    fn()
+            best = {name: min(enqueue_us(fn) for _ in range(ROUNDS)) for name, fn in rows.items()}
+            gpu = {name: do_bench_cudagraph(fn, rep=20) * 1e3 for name, fn in rows.items()}
+            print(f"codebook {m}x{n}x{k} g{group} {bits}-bit: " + "; ".join(
+                f"{name} host {best[name]:.1f} us, GPU {gpu[name]:.1f} us" for name in rows),
+                flush=True)  # fmt: skip
 
 
 def quant_parts(m: int = 256, n: int = 4096, k: int = 4096) -> None:
@@ -449,6 +497,10 @@ def main() -> None:
         shapes = [tuple(int(v) for v in s.split(":")) for s in sys.argv[2].split(",")]
         dtype = getattr(torch, sys.argv[5]) if len(sys.argv) > 5 else torch.bfloat16
         quant_host(shapes, int(sys.argv[3]), [int(v) for v in sys.argv[4].split(",")], dtype)
+        return
+    if sys.argv[1:2] == ["--codebook-shapes"]:  # --codebook-shapes N:K,... GROUP BITS M,...
+        shapes = [tuple(int(v) for v in s.split(":")) for s in sys.argv[2].split(",")]
+        codebook_host(shapes, int(sys.argv[3]), int(sys.argv[4]), [int(v) for v in sys.argv[5].split(",")])
         return
     for shape in ((16, 32768), (1, 4096)):
         print(f"softmax {shape}:")

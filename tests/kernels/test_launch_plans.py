@@ -2,6 +2,8 @@
 per input signature, later calls replay them. Under the interpreter the recorded launches are the
 interpreter's kernels, so these tests replay the real kernels on CPU tensors."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -315,6 +317,74 @@ def test_calls_through_the_opaque_op_record_plans(device, monkeypatch):
         for _ in range(2):
             assert torch.equal(torch.ops.squeezeserve.quant_matmul_opaque(*args), expected)
     assert type(memo.plans.get(key)) is replay._Plan
+
+
+def _body_and_no_plans(body, args: tuple, op):
+    """``body(*args)`` (its workspace made first: a fill, which no plan repeats), the key of their plan, and
+    ``op``'s plans, emptied (the C++ replayer's too: it would replay an earlier test's)."""
+    with torch.no_grad(), registry.direct_launches:
+        expected = body(*args)
+    key = replay.signature(args)
+    if args[0].is_cuda:
+        key = (key, torch.cuda.current_device())
+    op.plans.clear()
+    return expected, key, op.plans
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["no-grad", "grad"])
+def test_eager_calls_of_the_registered_op_record_plans(grad, device, monkeypatch):
+    # torch.ops.squeezeserve.quant_matmul called eagerly (torch's triton_op runs the body with wrap_triton
+    # off) shares quant_matmul_eager's plans: the body once, then its launches replayed, the product and,
+    # through the op's autograd formula, dx as the body's own.
+    from squeezeserve.kernels import quant_layout as ql
+    from squeezeserve.kernels.ops import quant_matmul as qm
+
+    monkeypatch.setattr(qm, "PREFILL", "triton")  # 70 rows, split along K: the workspace path
+    qweight, scales = _packed_weight(40, 256, 32, device)
+    x = torch.randn(70, 256, device=device).half()
+    args = (x, qweight, scales, None, 32, 4)
+    expected, key, memo = _body_and_no_plans(qm._quant_matmul, args, qm.quant_matmul_eager)
+    body = Counting(qm._quant_matmul)
+    monkeypatch.setattr(qm, "_quant_matmul", body)
+    for _ in range(3):
+        xi = x.detach().requires_grad_(grad)
+        with torch.set_grad_enabled(grad):
+            y = torch.ops.squeezeserve.quant_matmul(xi, qweight, scales, None, 32, 4)
+        assert torch.equal(y.detach(), expected)
+        if grad:
+            (dx,) = torch.autograd.grad(y, xi, torch.ones_like(y))
+            weight = ql.dequantize(qweight, scales, None, (40, 256), 32, 4).to(x.dtype)
+            assert torch.equal(dx, torch.ones_like(y) @ weight)
+    assert body.runs == 1, "the body ran again where the plan should have replayed"
+    assert type(memo.plans.get(key)) is replay._Plan
+
+
+@pytest.mark.parametrize(("m", "bits"), [(1, 4), (1, 3), (5, 4)], ids=["fma", "lut", "mma"])
+def test_codebook_matmul_calls_share_one_plan(m, bits, device, monkeypatch):
+    # codebook_matmul's eager calls, each way a caller makes them (the functional API, the registered op
+    # through torch's dispatcher, vLLM's opaque op), record one plan per signature between them and replay
+    # it: the body once, the product its own, split-K partials met in the workspace and cleaned up.
+    from squeezeserve.kernels import codebook_layout as cl
+    from squeezeserve.kernels.ops import codebook_matmul as cm
+    from squeezeserve.kernels.ops import quant_matmul as qm
+
+    indices = cl.pack_indices(torch.randint(0, 1 << bits, (24, 200)), bits).to(device)
+    codebook = torch.randn(24, 1 << bits).half().to(device)
+    x = torch.randn(m, 200, device=device).half()
+    args = (x, indices, codebook, 0, bits)
+    expected, key, memo = _body_and_no_plans(cm._codebook_matmul, args, cm.codebook_matmul_eager)
+    body = Counting(cm._codebook_matmul)
+    monkeypatch.setattr(cm, "_codebook_matmul", body)
+    # (the functional API's EagerOp counted too: the same op with the counting body, sharing its plans)
+    counted = dataclasses.replace(cm.codebook_matmul_eager, forward=body)
+    monkeypatch.setattr(cm, "codebook_matmul_eager", counted)
+    ops = torch.ops.squeezeserve
+    with torch.no_grad():
+        for call in (K.codebook_matmul, ops.codebook_matmul, ops.codebook_matmul_opaque) * 2:
+            assert torch.equal(call(*args), expected), call
+    assert body.runs == 1, "the body ran again where the plan should have replayed"
+    assert type(memo.plans.get(key)) is replay._Plan
+    assert all(not t.any() for t in qm.workspace_buffers()), "a replay left partial sums in the workspace"
 
 
 def test_the_recorder_notes_writes_but_not_ops_that_return_their_input():

@@ -1479,9 +1479,10 @@ def test_a_programmatic_dependent_kernel_compiles_for_sm90_as_pipelined(run_comp
         assert (off["waits"], off["triggers"], off["launch_pdl"]) == (0, 1, False), (m, off)
         assert on["waits"] >= 2 and on["triggers"] == 1 and on["launch_pdl"], (m, on)  # (loader's, compute's)
         assert on["wait_one"] == on["groups"] >= 1 and on["loop_local"] == 0, (m, on)
-        # (Triton 3.6, the H200's, gives the persistent 2048-row tiling's loop one instruction more under PDL:
-        # 233 against 232, results/tests_h200_2026-11-28_decode_whole.log; Triton 3.9's are equal)
-        assert 0 <= on["loop"] - off["loop"] <= 1, (m, r)
+        # (Triton 3.6, the H200's, schedules the persistent 2048-row tiling's loop one instruction apart,
+        # either way: 233 under PDL against 232, results/tests_h200_2026-11-28_decode_whole.log, then 232
+        # against 233, results/tests_h200_2026-11-29_gpu_suites.log; Triton 3.9's are equal)
+        assert abs(on["loop"] - off["loop"]) <= 1, (m, r)
 
 
 @needs_hopper
