@@ -288,3 +288,31 @@ def test_codebook_matmul_at_llama_decode_size_on_the_gpu(bits, device):
             expected = (x @ dense.t()).float()
             rel = ((y - expected).norm() / expected.norm()).item()
             assert rel < 1e-2, (m, rel)
+
+
+@pytest.mark.parametrize("bits", [4, 3])
+def test_the_opaque_op_in_a_cuda_graph_gives_each_inputs_product(bits, device):
+    # As vLLM's decode graphs call it: codebook_matmul_opaque run eagerly first (its launch plan recorded),
+    # then captured in a CUDA graph (the plan's launches captured, split-K partials meeting in the
+    # workspace) and replayed on new inputs in the captured one's place: each replay their product, the
+    # workspace left clean.
+    if device != "cuda":
+        pytest.skip("CUDA graphs")
+    indices, codebook = _weight(4096, 4096, 0, bits, device)
+    dense = cl.dequantize(indices, codebook, 4096, None, bits).to(torch.bfloat16)
+    op = torch.ops.squeezeserve.codebook_matmul_opaque
+    for m in (1, 4, 16):
+        xs = [torch.randn(m, 4096, device=device, dtype=torch.bfloat16) for _ in range(3)]
+        x_in = xs[0].clone()
+        op(x_in, indices, codebook, 0, bits)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y = op(x_in, indices, codebook, 0, bits)
+        for x in xs:
+            x_in.copy_(x)
+            graph.replay()
+            expected = (x @ dense.t()).float()
+            rel = ((y.float() - expected).norm() / expected.norm()).item()
+            assert rel < 1e-2, (m, rel)
+    for ws, counts in qm._workspace.current.values():
+        assert not ws.any() and not counts.any()
