@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from squeezeserve.kernels.checkpoint_format import CodebookFormat, LowRankFormat
+from squeezeserve.kernels.ops import codebook_matmul as _codebook_ops  # noqa: F401 (registers codebook_linear's op)
 
 # vLLM's shard ids of a merged layer, in output order.
 SHARD_IDS = {"q": 0, "k": 1, "v": 2}
@@ -247,10 +248,8 @@ def codebook_linear(
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """y = x @ W.T (+ bias), W looked up by ``squeezeserve::codebook_matmul`` (opaque to torch.compile, so
-    the tile choice by row count runs on every call; see ``quant_matmul_opaque``)."""
-    from squeezeserve.kernels import registry
-
-    registry.load()
+    the tile choice by row count runs on every call; see ``quant_matmul_opaque``). Traced by vLLM's
+    torch.compile: nothing here may import (the op is registered with this module's import)."""
     y = torch.ops.squeezeserve.codebook_matmul_opaque(
         x, weight_indices, weight_codebook, fmt.group_size or 0, fmt.bits
     )

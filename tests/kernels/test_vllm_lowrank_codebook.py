@@ -113,6 +113,18 @@ def checkpoint_codebook(fmt: CodebookFormat, widths: list[int]) -> tuple[list[di
     return shards, torch.cat(dense)
 
 
+def loaded_codebook(fmt: CodebookFormat, layout: vlc.Layout, shards: list) -> dict[str, torch.Tensor]:
+    """The layer's parameters for ``layout``, each shard's checkpoint tensors loaded as vLLM's loader does."""
+    params = {
+        name: torch.zeros(shape, dtype=torch.float16 if name == "weight_codebook" else torch.int32)
+        for name, shape in vlc.codebook_shapes(fmt, layout).items()
+    }
+    for shard, tensors in enumerate(shards):
+        for name, tensor in tensors.items():
+            vlc.load_codebook(params[name], name, tensor, shard, fmt, layout)
+    return params
+
+
 @pytest.mark.parametrize("path", ["reference", "triton"])
 @pytest.mark.parametrize(
     ("fmt", "tp_size", "row_parallel"),
@@ -132,13 +144,7 @@ def test_codebook_layer_on_stacked_shards_computes_the_checkpoint_weight(fmt, tp
         sizes = widths if row_parallel else [w // tp_size for w in widths]
         k_part = K_IN // tp_size if row_parallel else K_IN
         layout = vlc.Layout(tuple(sizes), (None,) * 3, k_part, K_IN, tp_rank, tp_size)
-        params = {
-            name: torch.zeros(shape, dtype=torch.float16 if name == "weight_codebook" else torch.int32)
-            for name, shape in vlc.codebook_shapes(fmt, layout).items()
-        }
-        for shard, tensors in enumerate(shards):
-            for name, tensor in tensors.items():
-                vlc.load_codebook(params[name], name, tensor, shard, fmt, layout)
+        params = loaded_codebook(fmt, layout, shards)
         with registry.triton_on_cpu(False) if path == "reference" else contextlib.nullcontext():
             outputs.append(
                 vlc.codebook_linear(
@@ -155,6 +161,24 @@ def test_codebook_layer_on_stacked_shards_computes_the_checkpoint_weight(fmt, tp
         y = torch.cat([torch.cat([p[s] for p in per_rank], dim=-1) for s in range(3)], dim=-1)
     # Same fp16 weights; fp32 sums in another order and fp16 outputs (|y| ~ 8: half an ulp ~4e-3).
     torch.testing.assert_close(y, x.float() @ dense.float().T, rtol=2e-3, atol=1e-2)
+
+
+def test_codebook_linear_traces_in_one_graph():
+    # vLLM compiles the model (dynamo, fullgraph): the codebook method's forward must trace whole, the op
+    # opaque inside it. It called registry.load() there, whose importlib call dynamo refuses: every codebook
+    # checkpoint failed to start in vLLM's default (compiled) mode on the H200 (NOTES.md, forty-fourth
+    # session; vLLM's CPU test runs eagerly).
+    fmt = CodebookFormat(bits=4, group_size=None)
+    shards, _ = checkpoint_codebook(fmt, [48, 16, 16])
+    layout = vlc.Layout((48, 16, 16), (None,) * 3, K_IN, K_IN, 0, 1)
+    params = loaded_codebook(fmt, layout, shards)
+    x = torch.randn(3, K_IN, generator=GEN).to(torch.float16)
+    bias = torch.randn(80, generator=GEN).to(torch.float16)
+    args = (x, params["weight_indices"], params["weight_codebook"], fmt, bias)
+    torch._dynamo.reset()
+    compiled = torch.compile(vlc.codebook_linear, backend="eager", fullgraph=True)
+    with registry.triton_on_cpu(False):
+        torch.testing.assert_close(compiled(*args), vlc.codebook_linear(*args), rtol=0, atol=0)
 
 
 def test_codebook_row_split_must_keep_whole_words():
