@@ -29,6 +29,25 @@ def _weight(n: int, k: int, group: int, bits: int, device: str) -> tuple[torch.T
     return cl.pack_indices(index, bits).to(device), codebook.to(device)
 
 
+def _assert_workspace_clean() -> None:
+    """No split-K partial sums or counts left in quant_matmul's workspace (which codebook_matmul shares)."""
+    for ws, counts in qm._workspace.current.values():
+        assert not ws.any() and not counts.any()
+
+
+def _decode_weight(bits: int, device: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A Llama-sized 4096 x 4096 weight, a codebook a channel: indices, codebook and the bf16 dense weight."""
+    indices, codebook = _weight(4096, 4096, 0, bits, device)
+    return indices, codebook, cl.dequantize(indices, codebook, 4096, None, bits).to(torch.bfloat16)
+
+
+def _assert_product(y: torch.Tensor, x: torch.Tensor, dense: torch.Tensor, m: int) -> None:
+    """``y`` is x @ dense.T within bf16's rounding (a wrong index or split-K part is off by O(1))."""
+    expected = (x @ dense.t()).float()
+    rel = ((y.float() - expected).norm() / expected.norm()).item()
+    assert rel < 1e-2, (m, rel)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("bits", [3, 4])
 @pytest.mark.parametrize(("m", "n", "k", "group"), SHAPES)
@@ -64,8 +83,7 @@ def test_word_wise_lut_kernel_matches_lookup_then_matmul(m, n, k, group, bits, c
     rel = ((y.float().cpu() - expected).norm() / expected.norm()).item()
     assert y.dtype == torch.bfloat16 and y.shape == (m, n)
     assert rel < 1e-2, rel
-    for ws, counts in qm._workspace.current.values():
-        assert not ws.any() and not counts.any()
+    _assert_workspace_clean()
 
 
 @pytest.mark.parametrize("traced", [False, True])
@@ -80,8 +98,7 @@ def test_split_k_partials_meet_and_leave_the_workspace_clean(traced, device, mon
         y = K.codebook_matmul(x, indices, codebook, 0, 4)
         expected = x.cpu().float() @ dense.T
         assert ((y.cpu().float() - expected).norm() / expected.norm()).item() < 2e-3
-    for ws, counts in qm._workspace.current.values():
-        assert not ws.any() and not counts.any()
+    _assert_workspace_clean()
 
 
 def test_codebook_matmul_reference_is_the_layout_dequantized():
@@ -161,8 +178,7 @@ def test_fma_kernel_matches_lookup_then_matmul(n, k, group, block_k, split, dtyp
     rel = ((y.float().cpu() - expected).norm() / expected.norm()).item()
     assert y.dtype == dtype and y.shape == (1, n)
     assert rel < (1e-2 if dtype == torch.bfloat16 else 2e-3), rel
-    for ws, counts in qm._workspace.current.values():
-        assert not ws.any() and not counts.any()
+    _assert_workspace_clean()
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -267,8 +283,7 @@ def test_codebook_matmul_in_the_gpus_configuration(k, bits, cfg, dtype, device):
         expected = x.cpu().float() @ dense.T
         rel = ((y.float().cpu() - expected).norm() / expected.norm()).item()
         assert rel < (1e-2 if dtype == torch.bfloat16 else 2e-3), (m, rel)
-    for ws, counts in qm._workspace.current.values():
-        assert not ws.any() and not counts.any()
+    _assert_workspace_clean()
 
 
 @pytest.mark.parametrize("bits", [4, 3])
@@ -277,17 +292,13 @@ def test_codebook_matmul_at_llama_decode_size_on_the_gpu(bits, device):
     # order (each M after the one before, on one workspace). Too big for the interpreter.
     if device != "cuda":
         pytest.skip("4096 x 4096 runs in seconds compiled, minutes interpreted")
-    indices, codebook = _weight(4096, 4096, 0, bits, device)
-    dense = cl.dequantize(indices, codebook, 4096, None, bits).to(torch.bfloat16)
+    indices, codebook, dense = _decode_weight(bits, device)
     for m in range(1, 17):
         x = torch.randn(m, 4096, device=device, dtype=torch.bfloat16)
         # The same call again: a workspace left dirty shows on the next one, and a split-K read that misses
         # other programs' partial sums (1-35% of launches at 3-12 rows before 2026-11-23's fix) within 20.
         for _ in range(20):
-            y = K.codebook_matmul(x, indices, codebook, 0, bits).float()
-            expected = (x @ dense.t()).float()
-            rel = ((y - expected).norm() / expected.norm()).item()
-            assert rel < 1e-2, (m, rel)
+            _assert_product(K.codebook_matmul(x, indices, codebook, 0, bits), x, dense, m)
 
 
 @pytest.mark.parametrize("bits", [4, 3])
@@ -298,8 +309,7 @@ def test_the_opaque_op_in_a_cuda_graph_gives_each_inputs_product(bits, device):
     # workspace left clean.
     if device != "cuda":
         pytest.skip("CUDA graphs")
-    indices, codebook = _weight(4096, 4096, 0, bits, device)
-    dense = cl.dequantize(indices, codebook, 4096, None, bits).to(torch.bfloat16)
+    indices, codebook, dense = _decode_weight(bits, device)
     op = torch.ops.squeezeserve.codebook_matmul_opaque
     for m in (1, 4, 16):
         xs = [torch.randn(m, 4096, device=device, dtype=torch.bfloat16) for _ in range(3)]
@@ -311,8 +321,5 @@ def test_the_opaque_op_in_a_cuda_graph_gives_each_inputs_product(bits, device):
         for x in xs:
             x_in.copy_(x)
             graph.replay()
-            expected = (x @ dense.t()).float()
-            rel = ((y.float() - expected).norm() / expected.norm()).item()
-            assert rel < 1e-2, (m, rel)
-    for ws, counts in qm._workspace.current.values():
-        assert not ws.any() and not counts.any()
+            _assert_product(y, x, dense, m)
+    _assert_workspace_clean()
